@@ -1,0 +1,33 @@
+# The two commands a newcomer types: `make demo` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# A CPU build that pip takes from local disk; an unpinned torch would pull a multi-GB CUDA build.
+TORCH_CPU_PIN := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_CPU_PIN)
+	$(PIP) install -q -e '.[dev,ray]'
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/thoughtkv demo
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: setup lint
+	$(PY) -m pytest tests
+
+bench: setup
+	for f in tests/bench/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

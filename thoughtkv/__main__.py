@@ -1,0 +1,5 @@
+import sys
+
+from thoughtkv.cli import main
+
+sys.exit(main())

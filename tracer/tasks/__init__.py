@@ -1,0 +1,5 @@
+"""Task registry: importing this package registers every task module listed below."""
+
+from tracer.tasks.base import TASKS, Sample, Task, get_task, register_task
+
+__all__ = ["TASKS", "Sample", "Task", "get_task", "register_task"]
