@@ -1,0 +1,74 @@
+"""`thoughtkv traces info RUN` and `thoughtkv traces validate RUN` (`traces synth` lives in the simulator)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser):
+    sub = parser.add_subparsers(dest="traces_command", metavar="ACTION")
+    info = sub.add_parser("info", help="summary of a run: manifest, samples, accuracy, steps and bytes moved")
+    info.add_argument("run_dir", metavar="RUN", type=Path, help="a trace run directory")
+    validate = sub.add_parser("validate", help="read every file of a run and check it against trace format v1")
+    validate.add_argument("run_dir", metavar="RUN", type=Path, help="a trace run directory")
+    parser.set_defaults(_traces_parser=parser)
+    return sub
+
+
+def run(args: argparse.Namespace) -> int:
+    from traces.reader import open_run
+
+    if args.traces_command is None:
+        args._traces_parser.print_help()
+        return 2
+    trace = open_run(args.run_dir)
+    if args.traces_command == "validate":
+        trace.validate(progress=True)
+        print(f"OK {args.run_dir}: {len(trace.sample_ids())} committed samples, trace format {trace.manifest['schema']}")
+        return 0
+    for line in info_lines(trace):
+        print(line)
+    return 0
+
+
+def info_lines(trace) -> list[str]:
+    from traces.encoding import max_relative_error
+
+    m = trace.manifest
+    model, task, policy, access = m["model"], m["task"], m["policy"], m["access"]
+    samples = trace.samples()
+    lines = [
+        f"run         {trace.path}  ({_disk_bytes(trace.path) / 1e6:.2f} MB on disk)",
+        f"format      {m['schema']}  kind={m['kind']}  created={m['created']}  "
+        f"thoughtkv={m['thoughtkv']['version']} ({m['thoughtkv']['git_commit'] or 'no git commit'})",
+        f"model       {model['id']}  {model['architecture']}  layers={model['n_layers']}  "
+        f"kv_heads={model['n_kv_heads']}x{model['head_dim']}  {model['dtype']}  "
+        f"kv_bytes_per_token={model['kv_bytes_per_token']:,}  random_weights={model['random_weights']}",
+        f"task        {task['name']} ({task['split']})  samples planned={len(task['sample_ids'])}",
+        f"policy      {policy['name']}  hbm_budget={policy['hbm_budget']}  evict_ratio={policy['evict_ratio']}  "
+        f"block_size={policy['block_size']}  scorer={policy['scorer']}  recall={policy['recall_rule']}",
+        f"hardware    {m['hardware']['device']}  torch={m['hardware']['torch']}  cuda={m['hardware']['cuda']}",
+        "access      " + (
+            f"recorded, {access['encoding']} (max relative error "
+            f"{max_relative_error(access.get('levels_per_octave', 8)):.1%}, floor 2^{access.get('floor_log2')})"
+            if access["enabled"] else "not recorded"
+        ),
+        f"samples     {len(samples)} committed",
+    ]
+    scored = samples["correct"].dropna()
+    if len(scored):
+        lines.append(f"accuracy    {int(scored.sum())}/{len(scored)} = {scored.mean():.1%}")
+    if len(samples):
+        steps = trace.steps(columns=["step", "bytes_h2d", "bytes_d2h"])
+        lines += [
+            f"tokens      prompt={int(samples['prompt_tokens'].sum()):,}  generated={int(samples['generated_tokens'].sum()):,}"
+            f"  wall={samples['wall_s'].sum():.1f} s",
+            f"steps       {len(steps):,} (step, layer) rows  H2D={int(steps['bytes_h2d'].sum()):,} bytes  "
+            f"D2H={int(steps['bytes_d2h'].sum()):,} bytes",
+        ]
+    return lines
+
+
+def _disk_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
