@@ -1,0 +1,153 @@
+"""`thoughtkv simulate RUN_DIR --profile NAME ...`: replay a trace against hardware profiles.
+
+Prints one row per profile and writes the full results to --out (default RUN_DIR/sim/):
+results.parquet/.csv (one row per sample and profile), summary.parquet/.csv (one row per profile) and
+steps.parquet (per-step latencies). Rows of an earlier call with the same run, what-if, profile and options
+are replaced; all other rows already there are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from thoughtkv.errors import UserError
+
+
+class SimulateOptionError(UserError):
+    pass
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a trace run directory")
+    parser.add_argument("--profile", action="append", default=[], metavar="NAME",
+                        help="hardware profile name or YAML path (repeatable)")
+    parser.add_argument("--all-profiles", action="store_true", help="every shipped and measured profile")
+    parser.add_argument("--overlap", default="none", choices=("none", "layer-prefetch"),
+                        help="none: recall then compute; layer-prefetch: recall for layer l+1 during layer l")
+    parser.add_argument("--async-offload", choices=("on", "off"), default="on",
+                        help="on: offloads overlap with compute (default); off: the sequence waits for each offload")
+    parser.add_argument("--batch", type=int, default=1, help="decode N copies of each sequence in lockstep")
+    parser.add_argument("--what-if", metavar="SPEC", default=None,
+                        help="replay recorded masses under another placement, e.g. budget=0.3,block=32,recall_k=8,"
+                             "scorer=h2o,policy=hierarchy,evict=0.1,recall_rule=score (results are 'projected')")
+    parser.add_argument("--offload-tier", default="ddr", metavar="TIER",
+                        help="where offloaded KV lives: ddr (host memory) or a profile's extra tier (e.g. cxl-expander)")
+    parser.add_argument("--engine", default="auto", choices=("auto", "des", "fast"),
+                        help="auto: the closed-form fast path when it is exact, else the SimPy DES")
+    parser.add_argument("--timeline", type=Path, metavar="FILE",
+                        help="Chrome-trace JSON of the first sample on each profile (open in ui.perfetto.dev)")
+    parser.add_argument("--out", type=Path, default=None, help="results directory (default RUN_DIR/sim)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from hwprofiles import list_profiles, load_profile
+    from simulator.engine import Timeline
+    from simulator.simulate import check_options, simulate_run
+    from traces.reader import open_run
+
+    if args.all_profiles and args.profile:
+        raise SimulateOptionError("give either --profile NAME (repeatable) or --all-profiles, not both")
+    if not args.all_profiles and not args.profile:
+        raise SimulateOptionError("no hardware given; add --profile NAME (see `thoughtkv profiles list`) or --all-profiles")
+    check_options(args.overlap, args.batch, args.engine)
+    if args.engine == "fast" and args.timeline is not None:
+        raise SimulateOptionError("--timeline records the DES; drop --engine fast")
+    run_ = open_run(args.run_dir)  # checks run.json and its schema version before anything else
+    profiles = list_profiles() if args.all_profiles else [load_profile(name) for name in args.profile]
+    out = args.out if args.out is not None else args.run_dir / "sim"
+    _check_writable_dir(out, "--out")
+    if args.timeline is not None:
+        _check_writable_file(args.timeline, "--timeline")
+
+    timeline = Timeline() if args.timeline is not None else None
+    results, written = [], []
+    n_samples = len(run_.sample_ids())
+    with tqdm(total=len(profiles) * n_samples, desc="simulate", unit="sample", disable=len(profiles) * n_samples < 4) as bar:
+        for profile in profiles:
+            bar.set_postfix_str(profile.name)
+            results.append(simulate_run(run_, profile, overlap=args.overlap, async_offload=args.async_offload == "on",
+                                        batch=args.batch, what_if=args.what_if, engine=args.engine,
+                                        timeline=timeline, offload_tier=args.offload_tier, progress=bar.update))
+            written = write_results(results[-1:], out)  # after each profile: an interrupt keeps finished ones
+    if timeline is not None:
+        timeline.write(args.timeline)
+    for line in table_lines([r.summary for r in results]):
+        print(line)
+    print(f"results: {', '.join(str(p) for p in written)}" + (f"; timeline: {args.timeline}" if timeline else ""))
+    return 0
+
+
+def _check_writable_dir(path: Path, what: str) -> None:
+    if path.exists() and not path.is_dir():
+        raise SimulateOptionError(f"{what} {path}: exists and is not a directory; choose another path")
+    parent = next((p for p in [path, *path.parents] if p.exists()), None)
+    if parent is None or not os.access(parent, os.W_OK):
+        raise SimulateOptionError(f"{what} {path}: cannot be created (no writable parent); choose another path")
+
+
+def _check_writable_file(path: Path, what: str) -> None:
+    if path.is_dir():
+        raise SimulateOptionError(f"{what} {path}: is a directory; give a file name such as timeline.json")
+    if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
+        raise SimulateOptionError(f"{what} {path}: its directory does not exist or is not writable")
+
+
+def write_results(results, out: Path) -> list[Path]:
+    """Merge into out/: rows with the same key as a new row are replaced, every other row is kept."""
+    import pandas as pd
+
+    from simulator.simulate import KEY_COLUMNS
+
+    out.mkdir(parents=True, exist_ok=True)
+    tables = {
+        "results": pd.concat([r.samples for r in results], ignore_index=True),
+        "summary": pd.DataFrame([r.summary for r in results]),
+        "steps": pd.concat([r.steps for r in results], ignore_index=True),
+    }
+    written = []
+    for name, new in tables.items():
+        path = out / f"{name}.parquet"
+        keys = KEY_COLUMNS + (["step"] if name == "steps" else [])
+        if path.exists():
+            old = pd.read_parquet(path)
+            if set(keys) <= set(old.columns):
+                stale = old.set_index(keys).index.isin(new.set_index(keys).index)
+                new = pd.concat([old[~stale], new], ignore_index=True)
+        _atomic(path, lambda p, frame=new: frame.to_parquet(p, index=False))
+        written.append(path)
+        if name != "steps":
+            csv = out / f"{name}.csv"
+            _atomic(csv, lambda p, frame=new: frame.to_csv(p, index=False))
+            written.append(csv)
+    return written
+
+
+def _atomic(path: Path, write) -> None:
+    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write(temp)
+    os.replace(temp, path)
+
+
+def table_lines(summaries: list[dict]) -> list[str]:
+    header = (f"{'profile':<16} {'kind':<9} {'engine':<6} {'ms/token':>9} {'tokens/s':>9} {'stall %':>7} "
+              f"{'peak HBM GB':>11} {'max conc. policy/full':>21}  flags")
+    lines = [header, "-" * len(header)]
+    for s in summaries:
+        flags = []
+        if s["hbm_overflow"]:
+            flags.append("HBM OVERFLOW")
+        if s["ddr_overflow"]:
+            flags.append("DDR OVERFLOW")
+        if s["d2h_backlog_s"] > 0:
+            flags.append(f"offload backlog {s['d2h_backlog_s'] * 1e3:.1f} ms")
+        concurrency = f"{s['max_concurrency_policy']}/{s['max_concurrency_full']}"
+        lines.append(
+            f"{s['profile']:<16} {s['result_kind']:<9} {s['engine']:<6} {s['ms_per_token']:>9.3f} "
+            f"{s['tokens_per_s']:>9.1f} {100 * s['link_stall_frac']:>7.1f} {s['peak_hbm_bytes'] / 1e9:>11.2f} "
+            f"{concurrency:>21}  {' '.join(flags)}"
+        )
+    return lines

@@ -1,0 +1,183 @@
+"""The cost model, in one place: how long one layer-step, one step's LM head and one transfer take.
+
+Every formula here is also written out in `simulator/README.md`. All functions take numpy arrays (or scalars)
+and are vectorised, so that the DES and the fast path compute their timeouts from the same numbers.
+
+Roofline per GPU operation (one layer of one step, for a batch of `batch` identical sequences):
+
+    flops  = batch * (2 * layer_params * q + 4 * n_heads * head_dim * pairs(q, a))
+    bytes  = layer_weight_bytes + batch * (a + q) * kv_bytes_per_token_layer
+    time_s = max(flops / achievable_flops_per_s, bytes / achievable_hbm_bytes_per_s) + layer_overhead_s
+
+with q = query_tokens (1 when decoding, P at the prefill) and a = attended tokens = hbm_tokens +
+recalled_tokens of the trace row (the new tokens included). `pairs(q, a)` counts causal (query, key) pairs.
+Weights are read once per layer-step whatever the batch (that is what batching buys); KV is per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hwprofiles import HardwareProfile
+from traces.architectures import dtype_bytes
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shapes the cost model needs, read from a run's run.json `model` section."""
+
+    name: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    dtype: str
+    kv_bytes_per_token: int  # all layers, K and V, as stored in HBM
+    weight_bytes: int
+    n_params: int
+
+    @classmethod
+    def from_manifest(cls, model: dict) -> ModelShape:
+        return cls(
+            name=str(model.get("id", model.get("architecture", "?"))),
+            n_layers=int(model["n_layers"]),
+            n_heads=int(model["n_heads"]),
+            n_kv_heads=int(model["n_kv_heads"]),
+            head_dim=int(model["head_dim"]),
+            hidden_size=int(model["hidden_size"]),
+            vocab_size=int(model["vocab_size"]),
+            dtype=str(model["dtype"]),
+            kv_bytes_per_token=int(model["kv_bytes_per_token"]),
+            weight_bytes=int(model["weight_bytes"]),
+            n_params=int(model["n_params"]),
+        )
+
+    @property
+    def kv_bytes_per_token_layer(self) -> float:
+        return self.kv_bytes_per_token / self.n_layers
+
+    @property
+    def head_params(self) -> int:
+        """LM head (hidden -> vocab): computed once per step for the last position only."""
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def head_weight_bytes(self) -> int:
+        return self.head_params * dtype_bytes(self.dtype)
+
+    @property
+    def layer_params(self) -> float:
+        # Everything but the LM head is spread evenly over the layers (the input embedding too: it is a
+        # gather, but counting it keeps "weights read per step = weight_bytes", the usual decode floor).
+        return (self.n_params - self.head_params) / self.n_layers
+
+    @property
+    def layer_weight_bytes(self) -> float:
+        return (self.weight_bytes - self.head_weight_bytes) / self.n_layers
+
+    def block_bytes_layer(self, block_size: int) -> int:
+        """Bytes of one KV block of one layer (what one recall/offload of one block moves)."""
+        return round(block_size * self.kv_bytes_per_token_layer)
+
+
+def causal_pairs(query_tokens, attended_tokens):
+    """(query, key) pairs under a causal mask: the i-th of q new queries sees a - q + i + 1 keys.
+
+    Sum over i = q * (a - q) + q * (q + 1) / 2; for a decode step (q = 1) that is a.
+    """
+    q = np.asarray(query_tokens, dtype=np.float64)
+    a = np.asarray(attended_tokens, dtype=np.float64)
+    return q * (a - q) + q * (q + 1.0) / 2.0
+
+
+def layer_flops_bytes(shape: ModelShape, query_tokens, attended_tokens, batch: int = 1):
+    """FLOPs and HBM bytes of one layer-step (see the module docstring)."""
+    q = np.asarray(query_tokens, dtype=np.float64)
+    a = np.asarray(attended_tokens, dtype=np.float64)
+    flops = batch * (2.0 * shape.layer_params * q + 4.0 * shape.n_heads * shape.head_dim * causal_pairs(q, a))
+    hbm_bytes = shape.layer_weight_bytes + batch * (a + q) * shape.kv_bytes_per_token_layer
+    return flops, hbm_bytes
+
+
+def head_flops_bytes(shape: ModelShape, batch: int = 1):
+    """The LM head of one step: logits for the last position of each sequence."""
+    return batch * 2.0 * shape.head_params, float(shape.head_weight_bytes)
+
+
+@dataclass(frozen=True)
+class OpTimes:
+    """Roofline time of GPU operations, split into the part that is compute, HBM or fixed overhead."""
+
+    total_s: np.ndarray
+    compute_s: np.ndarray  # time of compute-bound operations (FLOPs / achievable FLOP/s)
+    hbm_s: np.ndarray  # time of bandwidth-bound operations (bytes / achievable HBM bandwidth)
+    overhead_s: np.ndarray  # profile's fixed per-layer / per-step overheads
+
+
+def roofline(flops, hbm_bytes, profile: HardwareProfile, overhead_s: float) -> OpTimes:
+    """max(FLOPs / achievable compute, bytes / achievable HBM bandwidth) + a fixed overhead."""
+    compute_time = np.asarray(flops, dtype=np.float64) / profile.gpu.matmul_flops_per_s
+    memory_time = np.asarray(hbm_bytes, dtype=np.float64) / profile.gpu.hbm_bytes_per_s
+    compute_time, memory_time = np.broadcast_arrays(compute_time, memory_time)
+    compute_bound = compute_time >= memory_time
+    overhead = np.full(compute_time.shape, float(overhead_s))
+    return OpTimes(
+        total_s=np.maximum(compute_time, memory_time) + overhead,
+        compute_s=np.where(compute_bound, compute_time, 0.0),
+        hbm_s=np.where(compute_bound, 0.0, memory_time),
+        overhead_s=overhead,
+    )
+
+
+def layer_times(shape: ModelShape, profile: HardwareProfile, query_tokens, attended_tokens, batch: int = 1) -> OpTimes:
+    flops, hbm_bytes = layer_flops_bytes(shape, query_tokens, attended_tokens, batch)
+    return roofline(flops, hbm_bytes, profile, profile.overheads.layer_overhead_s)
+
+
+def head_times(shape: ModelShape, profile: HardwareProfile, batch: int = 1) -> OpTimes:
+    flops, hbm_bytes = head_flops_bytes(shape, batch)
+    return roofline(flops, hbm_bytes, profile, profile.overheads.step_overhead_s)
+
+
+@dataclass(frozen=True)
+class OffloadTier:
+    """Where offloaded KV lives and what a copy to/from it costs (host DDR, or an extra tier such as CXL)."""
+
+    name: str
+    capacity_bytes: float
+    h2d_bytes_per_s: float  # the slower of the tier and the GPU's host link
+    d2h_bytes_per_s: float
+    transfer_overhead_s: float  # link overhead + the tier's added latency
+
+
+def offload_tier(profile: HardwareProfile, name: str = "ddr") -> OffloadTier:
+    """Recall reads the tier and crosses the link: the slower of the two sets the rate."""
+    link = profile.link
+    if name == "ddr":
+        bw, latency, capacity = profile.host.ddr_bytes_per_s, 0.0, profile.host.ddr_capacity_bytes
+    else:
+        tiers = {t.name: t for t in profile.extra_tiers}
+        if name not in tiers:
+            from thoughtkv.errors import UserError
+
+            known = ", ".join(["ddr", *tiers])
+            raise UserError(f"profile {profile.name} has no memory tier {name!r}; use one of {known}")
+        tier = tiers[name]
+        bw, latency, capacity = tier.bytes_per_s, tier.latency_s, tier.capacity_bytes
+    return OffloadTier(name, float(capacity), min(link.h2d_bytes_per_s, bw), min(link.d2h_bytes_per_s, bw),
+                       link.transfer_overhead_s + latency)
+
+
+def transfer_s(n_bytes, bytes_per_s: float, overhead_s: float):
+    """One copy of B bytes: fixed overhead (launch + DMA setup) + B / bandwidth; 0 when nothing moves."""
+    b = np.asarray(n_bytes, dtype=np.float64)
+    return np.where(b > 0, overhead_s + b / bytes_per_s, 0.0)
+
+
+def data_s(n_bytes, bytes_per_s: float):
+    """The wire part of a transfer (B / bandwidth), used by the link model when copy engines overlap setups."""
+    return np.asarray(n_bytes, dtype=np.float64) / bytes_per_s

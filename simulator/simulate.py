@@ -1,0 +1,306 @@
+"""simulate_run: one trace run x one hardware profile -> per-sample results and per-step latencies.
+
+    from simulator import simulate_run
+    result = simulate_run("runs/r1", "h200-sxm", overlap="none", what_if="budget=0.3,block=32")
+    result.summary      # one row (dict) for the whole run; result.samples: one row per sample
+    result.steps        # DataFrame: sample_id, step, latency_s, compute_s, link_stall_s, ...
+
+Every output formula is in simulator/README.md ("Outputs").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from hwprofiles import HardwareProfile, load_profile
+from simulator import costs, fastpath
+from simulator.costs import ModelShape
+from simulator.engine import OVERLAP_MODES, Timeline, engines_per_channel, run_des
+from simulator.placement import PlacementConfig
+from simulator.whatif import parse_what_if, replay, traced_config, what_if_config
+from simulator.workload import Timing, Workload, build_workload
+from thoughtkv.errors import UserError
+from traces.reader import TraceRun, open_run
+
+ENGINES = ("auto", "des", "fast")
+STEP_COLUMNS = [
+    "step", "layer", "query_tokens", "logical_len", "hbm_tokens", "ddr_tokens", "recalled_tokens", "bytes_h2d",
+    "bytes_d2h", "hbm_kv_bytes", "ddr_kv_bytes",
+]
+
+
+class SimulationError(UserError):
+    """Inconsistent simulation options (one line, exit 2)."""
+
+
+@dataclass
+class SimResult:
+    samples: pd.DataFrame  # one row per sample (the columns of RESULT_COLUMNS)
+    steps: pd.DataFrame  # one row per (sample, step)
+    summary: dict = field(default_factory=dict)  # the run as one row: sums / maxima over samples
+
+
+def simulate_run(
+    run_dir: str | Path | TraceRun,
+    profile: str | HardwareProfile,
+    overlap: str = "none",
+    async_offload: bool = True,
+    batch: int = 1,
+    what_if: str | dict | None = None,
+    engine: str = "auto",
+    timeline: Timeline | None = None,
+    offload_tier: str = "ddr",
+    progress: Callable[[int], object] | None = None,
+) -> SimResult:
+    """Simulate every committed sample of a run on one profile (see the module docstring and README).
+
+    `timeline` records the first sample (with the DES); `progress(1)` is called after each sample.
+    """
+    run = run_dir if isinstance(run_dir, TraceRun) else open_run(run_dir)
+    profile = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
+    check_options(overlap, batch, engine)
+    costs.offload_tier(profile, offload_tier)  # an unknown tier fails before any work
+    shape = ModelShape.from_manifest(run.manifest["model"])
+    policy = run.manifest["policy"]
+    overrides = parse_what_if(what_if)
+    projected = bool(overrides) or what_if == {}  # an empty dict still asks for a replay of the traced policy
+    if projected and not run.has_access:
+        raise SimulationError(f"--what-if needs per-block masses but {run.path} was recorded without access; "
+                              "re-collect with access enabled")
+    config = what_if_config(policy, overrides) if projected else traced_config(policy)
+    if overlap == "layer-prefetch":
+        _check_prefetch(run, config, projected)
+
+    sample_ids = run.sample_ids()
+    if not sample_ids:
+        raise SimulationError(f"{run.path}: no committed samples to simulate; let the trace run finish (or resume it)")
+    rows, step_frames = [], []
+    for index, sample_id in enumerate(sample_ids):
+        frame = run.steps(sample_id, columns=STEP_COLUMNS).sort_values(["step", "layer"], kind="stable")
+        arrays = _arrays(frame, shape.n_layers)
+        mass_evicted = mass_not_recalled = None
+        if projected:
+            played = replay(run.access(sample_id), arrays["logical_len"][:, 0], shape.n_layers,
+                            int(policy["block_size"]), config, shape.kv_bytes_per_token_layer)
+            kvpl = shape.kv_bytes_per_token_layer
+            arrays.update(
+                hbm_tokens=played.hbm_tokens, recalled_tokens=played.recalled_tokens,
+                bytes_h2d=played.bytes_h2d, bytes_d2h=played.bytes_d2h,
+                hbm_kv_bytes=(played.hbm_tokens + played.recalled_tokens) * kvpl,
+                ddr_kv_bytes=played.ddr_tokens * kvpl,
+            )
+            decode = slice(1, None) if len(played.mass_evicted) > 1 else slice(None)
+            mass_evicted = float(played.mass_evicted[decode].mean())
+            mass_not_recalled = float(played.mass_not_recalled[decode].mean())
+        work = build_workload(
+            sample_id, shape, profile, arrays["query_tokens"], arrays["hbm_tokens"] + arrays["recalled_tokens"],
+            arrays["bytes_h2d"], arrays["bytes_d2h"], arrays["hbm_kv_bytes"], arrays["ddr_kv_bytes"], batch,
+            offload_tier,
+        )
+        record = timeline if index == 0 else None  # a timeline shows the first sample (the DES records it)
+        use_fast = engine == "fast" or (engine == "auto" and record is None
+                                        and fastpath.applies(work, profile, overlap, async_offload))
+        if engine == "fast" and not fastpath.applies(work, profile, overlap, async_offload):
+            raise SimulationError("--engine fast covers one sequence without shared transfers (batch 1; async "
+                                  "offload only on a full-duplex link with one copy engine per direction); use des")
+        if use_fast:
+            timing = fastpath.run_fast(work, profile, overlap, async_offload)
+        else:
+            if record is not None:
+                record.begin_process(f"{profile.name} {sample_id}")
+            timing = run_des(work, profile, overlap, async_offload, record)
+        row = _sample_row(run, shape, profile, config, work, timing, arrays, overlap, async_offload,
+                          "fast" if use_fast else "des", projected, overrides, mass_evicted, mass_not_recalled,
+                          offload_tier)
+        rows.append(row)
+        if progress is not None:
+            progress(1)
+        step_frames.append(_step_frame(work, timing))
+    samples = pd.DataFrame(rows)
+    steps = pd.concat(step_frames, ignore_index=True) if step_frames else pd.DataFrame()
+    for key in KEY_COLUMNS:
+        if key != "sample_id" and key in samples:
+            steps[key] = samples[key].iloc[0] if len(samples) else None
+    return SimResult(samples=samples, steps=steps, summary=summarise(samples))
+
+
+def check_options(overlap: str, batch: int, engine: str) -> None:
+    if overlap not in OVERLAP_MODES:
+        raise SimulationError(f"unknown overlap mode {overlap!r}; use one of {', '.join(OVERLAP_MODES)}")
+    if not isinstance(batch, int) or batch < 1:
+        raise SimulationError(f"--batch {batch!r} must be a whole number >= 1")
+    if engine not in ENGINES:
+        raise SimulationError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
+
+
+def _check_prefetch(run: TraceRun, config: PlacementConfig, projected: bool) -> None:
+    """layer-prefetch issues a recall before the layer's query exists: only a recall set known in advance."""
+    if config.policy != "hierarchy" or config.recall_k == 0 or config.recall_rule == "score":
+        return
+    source = "--what-if" if projected else f"the trace's recall_rule {run.manifest['policy'].get('recall_rule')!r}"
+    raise SimulationError(
+        f"--overlap layer-prefetch needs recalls decided from earlier steps, but {source} picks them with the "
+        "current query; use --overlap none or --what-if recall_rule=score"
+    )
+
+
+def _arrays(frame: pd.DataFrame, n_layers: int) -> dict[str, np.ndarray]:
+    n_steps = len(frame) // n_layers
+    if n_steps * n_layers != len(frame) or n_steps == 0:
+        raise SimulationError(f"steps table has {len(frame)} rows, not a whole number of steps x {n_layers} layers; "
+                              "run `thoughtkv traces validate`")
+    return {c: frame[c].to_numpy(dtype=np.float64).reshape(n_steps, n_layers) for c in STEP_COLUMNS}
+
+
+KEY_COLUMNS = [
+    "run_dir", "run_label", "result_kind", "profile", "overlap", "async_offload", "batch", "offload_tier", "sample_id",
+]
+
+
+def _sample_row(run, shape, profile, config, work: Workload, timing: Timing, arrays, overlap, async_offload,
+                engine_used, projected, overrides, mass_evicted, mass_not_recalled, tier_name) -> dict:
+    batch = work.batch
+    total_s = timing.total_s
+    prefill_s = float(timing.step_end_s[0])
+    decode_steps = work.n_steps - 1
+    decode_s = total_s - prefill_s
+    compute_s = float(work.compute_only_s.sum())
+    hbm_s = float(work.hbm_only_s.sum())
+    overhead_s = float(work.overhead_s.sum())
+    link_stall_s = max(0.0, total_s - compute_s - hbm_s - overhead_s)
+    engines = engines_per_channel(profile)
+    # Per-sequence footprint for the capacity projection: the decode steps' peak (the prefill's all-prompt
+    # residency is transient: it is offloaded layer by layer, and servers chunk prefills).
+    decode_rows = slice(1, None) if work.n_steps > 1 else slice(None)
+    kv_hbm_per_seq = float(work.step_hbm_kv_bytes[decode_rows].max())
+    kv_ddr_per_seq = float(work.step_ddr_kv_bytes[decode_rows].max())
+    kv_full_per_seq = float(arrays["logical_len"][-1, 0] * shape.kv_bytes_per_token)
+    free_hbm = profile.gpu.hbm_capacity_bytes - shape.weight_bytes
+    ddr_capacity = costs.offload_tier(profile, tier_name).capacity_bytes
+    peak_hbm = shape.weight_bytes + batch * float(work.step_hbm_kv_bytes.max())
+    peak_ddr = batch * float(work.step_ddr_kv_bytes.max())
+    label = str(run.manifest.get("label") or run.path.name) + (f" [what-if {_describe(overrides)}]" if projected else "")
+    return {
+        "run_dir": str(run.path),
+        "run_label": label,
+        "result_kind": "projected" if projected else "traced",
+        "model": shape.name,
+        "policy": config.policy,
+        "hbm_budget": config.hbm_budget,
+        "evict_ratio": config.evict_ratio,
+        "block_size": config.block_size,
+        "recall_k": config.recall_k,
+        "scorer": config.scorer if projected else str(run.manifest["policy"].get("scorer")),
+        "recall_rule": config.recall_rule if projected else str(run.manifest["policy"].get("recall_rule")),
+        "profile": profile.name,
+        "overlap": overlap,
+        "async_offload": bool(async_offload),
+        "batch": batch,
+        "offload_tier": tier_name,
+        "engine": engine_used,
+        "sample_id": work.sample_id,
+        "steps": work.n_steps,
+        "prompt_tokens": int(arrays["query_tokens"][0, 0]),
+        "total_s": total_s,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "ms_per_token": 1e3 * (decode_s / decode_steps if decode_steps else prefill_s),
+        "tokens_per_s": batch * decode_steps / decode_s if decode_steps and decode_s > 0 else math.nan,
+        "compute_s": compute_s,
+        "hbm_s": hbm_s,
+        "overhead_s": overhead_s,
+        "link_stall_s": link_stall_s,
+        "link_stall_frac": link_stall_s / total_s if total_s else 0.0,
+        "bytes_h2d": int(round(timing.h2d_bytes)),
+        "bytes_d2h": int(round(timing.d2h_bytes)),
+        "link_util_h2d": timing.h2d_busy_s / (total_s * engines) if total_s else 0.0,
+        "link_util_d2h": timing.d2h_busy_s / (total_s * engines) if total_s else 0.0,
+        "d2h_backlog_s": max(0.0, timing.last_d2h_end_s - total_s),
+        "peak_hbm_bytes": int(round(peak_hbm)),
+        "peak_ddr_bytes": int(round(peak_ddr)),
+        "hbm_capacity_bytes": profile.gpu.hbm_capacity_bytes,
+        "hbm_overflow": bool(peak_hbm > profile.gpu.hbm_capacity_bytes),
+        "ddr_overflow": bool(peak_ddr > ddr_capacity),
+        "weight_bytes": shape.weight_bytes,
+        "kv_bytes_per_seq_full": int(round(kv_full_per_seq)),
+        "kv_hbm_bytes_per_seq": int(round(kv_hbm_per_seq)),
+        "kv_ddr_bytes_per_seq": int(round(kv_ddr_per_seq)),
+        "max_concurrency_full": _fit(free_hbm, kv_full_per_seq),
+        "max_concurrency_policy": _fit(free_hbm, kv_hbm_per_seq),
+        "max_concurrency_ddr": _fit(ddr_capacity, kv_ddr_per_seq) if kv_ddr_per_seq > 0 else None,
+        "mass_lost_evicted": mass_evicted,
+        "mass_lost_not_recalled": mass_not_recalled,
+    }
+
+
+def _fit(capacity_bytes: float, per_sequence_bytes: float) -> int:
+    """Whole sequences that fit (0 when not even one, e.g. the weights alone overflow)."""
+    if per_sequence_bytes <= 0:
+        return 0 if capacity_bytes < 0 else 2**31 - 1
+    return max(0, int(capacity_bytes // per_sequence_bytes))
+
+
+def _describe(overrides: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(overrides.items())) or "traced policy"
+
+
+def _step_frame(work: Workload, timing: Timing) -> pd.DataFrame:
+    per_step = work.ops_per_step
+    end = timing.step_end_s
+    latency = np.diff(np.concatenate([[0.0], end]))
+    gpu_s = work.compute_s.reshape(work.n_steps, per_step).sum(1)
+    return pd.DataFrame({
+        "sample_id": work.sample_id,
+        "step": np.arange(work.n_steps, dtype=np.int32),
+        "latency_s": latency,
+        "compute_s": work.compute_only_s.reshape(work.n_steps, per_step).sum(1),
+        "hbm_s": work.hbm_only_s.reshape(work.n_steps, per_step).sum(1),
+        "overhead_s": work.overhead_s.reshape(work.n_steps, per_step).sum(1),
+        "link_stall_s": np.maximum(latency - gpu_s, 0.0),
+        "hbm_kv_bytes": work.step_hbm_kv_bytes,
+        "ddr_kv_bytes": work.step_ddr_kv_bytes,
+    })
+
+
+SUM_COLUMNS = ("steps", "total_s", "prefill_s", "decode_s", "compute_s", "hbm_s", "overhead_s", "link_stall_s",
+               "bytes_h2d", "bytes_d2h")
+MAX_COLUMNS = ("peak_hbm_bytes", "peak_ddr_bytes", "kv_bytes_per_seq_full", "kv_hbm_bytes_per_seq",
+               "kv_ddr_bytes_per_seq", "d2h_backlog_s")
+MIN_COLUMNS = ("max_concurrency_full", "max_concurrency_policy", "max_concurrency_ddr")
+
+
+def summarise(samples: pd.DataFrame) -> dict:
+    """Samples run one after another: times and bytes add up, peaks are maxima, capacities the worst case."""
+    if samples.empty:
+        return {}
+    row = samples.iloc[0].to_dict()
+    row["sample_id"] = "ALL"
+    row["engine"] = ",".join(sorted(set(samples["engine"])))
+    for column in SUM_COLUMNS:
+        row[column] = samples[column].sum()
+    for column in MAX_COLUMNS:
+        row[column] = samples[column].max()
+    for column in MIN_COLUMNS:
+        values = samples[column].dropna()
+        row[column] = int(values.min()) if len(values) else None
+    for column in ("hbm_overflow", "ddr_overflow"):
+        row[column] = bool(samples[column].any())
+    decode_steps = row["steps"] - len(samples)
+    total = row["total_s"]
+    row["ms_per_token"] = 1e3 * row["decode_s"] / decode_steps if decode_steps else 1e3 * row["prefill_s"]
+    row["tokens_per_s"] = row["batch"] * decode_steps / row["decode_s"] if row["decode_s"] > 0 else math.nan
+    row["link_stall_frac"] = row["link_stall_s"] / total if total else 0.0
+    for direction in ("h2d", "d2h"):  # busy-time weighted by each sample's duration
+        busy = (samples[f"link_util_{direction}"] * samples["total_s"]).sum()
+        row[f"link_util_{direction}"] = busy / total if total else 0.0
+    for column in ("mass_lost_evicted", "mass_lost_not_recalled"):  # step-weighted mean over samples
+        values = samples[column].dropna()
+        weights = samples.loc[values.index, "steps"]
+        row[column] = float((values * weights).sum() / weights.sum()) if len(values) else None
+    return row

@@ -1,0 +1,194 @@
+"""`thoughtkv traces synth`: a valid trace v1 for a known architecture, without torch or a model.
+
+Shapes come from `traces.architectures`; per-block attention masses from the seeded long-tail access model
+(`traces.access_model.AccessModel`, documented there); the block movements from the same numpy placement the
+what-if replay uses (`simulator.placement`), so a synthetic trace is what the tracer would record if the
+model attended the way the access model says. Bytes moved = blocks x block_size x kv_bytes_per_token / n_layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from thoughtkv.errors import UserError
+
+SYNTH_TASK = "synthetic"
+
+
+class SynthError(UserError):
+    pass
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="architecture name from traces.architectures (e.g. qwen2-7b)")
+    parser.add_argument("--prompt-tokens", type=int, required=True, help="prompt length P (the prefill, step 0)")
+    parser.add_argument("--decode-steps", type=int, required=True, help="decode steps N after the prefill")
+    parser.add_argument("--policy", choices=("full", "evict", "hierarchy"), default="full")
+    parser.add_argument("--hbm-budget", type=float, default=1.0, help="fraction (<= 1) or token count (> 1)")
+    parser.add_argument("--evict-ratio", type=float, default=0.0, help="hierarchy: share of tokens to evict")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--recall-k", type=int, default=0, help="hierarchy: DDR blocks recalled per layer-step")
+    parser.add_argument("--recall-rule", choices=("query", "score"), default="query",
+                        help="recall by the current query's attention, or by earlier scores (allows prefetch)")
+    parser.add_argument("--scorer", default="h2o", help="h2o, tova, recency, random or oracle")
+    parser.add_argument("--sink-tokens", type=int, default=4)
+    parser.add_argument("--window-tokens", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=1, help="number of sequences (each its own seed)")
+    parser.add_argument("--dtype", default="bfloat16", help="KV and weight dtype (bfloat16, float16, float32, float8)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-access", action="store_true", help="do not write access.parquet (smaller; no what-if)")
+    parser.add_argument("--out", type=Path, required=True, help="run directory to write (resumes if it exists)")
+
+
+def run(args: argparse.Namespace) -> int:
+    path = synth_run(
+        args.out, model=args.model, prompt_tokens=args.prompt_tokens, decode_steps=args.decode_steps,
+        policy=args.policy, hbm_budget=args.hbm_budget, evict_ratio=args.evict_ratio, block_size=args.block_size,
+        recall_k=args.recall_k, recall_rule=args.recall_rule, scorer=args.scorer, sink_tokens=args.sink_tokens,
+        window_tokens=args.window_tokens, samples=args.samples, dtype=args.dtype, seed=args.seed,
+        access=not args.no_access, progress=True,
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+def synth_run(
+    out: str | Path, *, model: str, prompt_tokens: int, decode_steps: int, policy: str = "full",
+    hbm_budget: float = 1.0, evict_ratio: float = 0.0, block_size: int = 16, recall_k: int = 0,
+    recall_rule: str = "query", scorer: str = "h2o", sink_tokens: int = 4, window_tokens: int = 32,
+    samples: int = 1, dtype: str = "bfloat16", seed: int = 0, access: bool = True, progress: bool = False,
+    access_params: dict | None = None,
+) -> Path:
+    """Write (or resume) a synthetic run; returns its directory."""
+    from tqdm import tqdm
+
+    from simulator.placement import PlacementConfig
+    from traces.architectures import get_architecture
+    from traces.manifest import load_manifest, make_manifest, model_manifest
+    from traces.writer import TraceWriter
+
+    if prompt_tokens < 1 or decode_steps < 0 or samples < 1:
+        raise SynthError("--prompt-tokens must be >= 1, --decode-steps >= 0 and --samples >= 1")
+    arch = get_architecture(model)
+    config = PlacementConfig(
+        policy=policy, hbm_budget=hbm_budget, evict_ratio=evict_ratio if policy == "hierarchy" else 0.0,
+        block_size=block_size, recall_k=recall_k if policy == "hierarchy" else 0, scorer=scorer,
+        recall_rule=recall_rule, sink_tokens=sink_tokens, window_tokens=window_tokens,
+    )
+    sample_ids = [f"synth/{i:04d}" for i in range(samples)]
+    manifest = make_manifest(
+        kind="synthetic",
+        model=model_manifest(arch, dtype=dtype, random_weights=True),
+        task={"name": SYNTH_TASK, "source": "simulator.synth (traces.access_model)", "split": "none",
+              "sample_ids": sample_ids},
+        policy={
+            "name": policy, "hbm_budget": config.hbm_budget, "evict_ratio": config.evict_ratio,
+            "block_size": block_size, "scorer": scorer, "recall_k": config.recall_k,
+            "recall_rule": config.recall_rule if policy == "hierarchy" else None,
+            "sink_tokens": sink_tokens, "window_tokens": window_tokens,
+            "params": {"promote": policy == "hierarchy", "budget_is_fraction": hbm_budget <= 1},
+        },
+        hardware={"device": "none (synthetic)", "torch": None, "cuda": None, "transformers": None},
+        seed=seed,
+        access=access,
+        extra={"synthetic": {"prompt_tokens": prompt_tokens, "decode_steps": decode_steps,
+                             "access_model": dict(access_params or {})}},
+    )
+    if (Path(out) / "run.json").is_file():  # checked before the writer touches anything
+        existing = load_manifest(Path(out))
+        if existing.get("synthetic") != manifest["synthetic"] or existing["seed"] != seed:
+            raise SynthError(f"{out}: cannot resume: it was written with other lengths, access-model parameters "
+                             "or seed; use a new --out")
+    writer = TraceWriter(out, manifest, resume=True)
+    todo = [(i, s) for i, s in enumerate(sample_ids) if s not in writer.done_sample_ids()]
+    for index, sample_id in tqdm(todo, desc="synth", unit="sample", disable=not progress):
+        rows = synth_sample(sample_id, index, arch, config, prompt_tokens, decode_steps, dtype, seed,
+                            access_params or {})
+        writer.write_sample(rows["sample"], rows["steps"], rows["tokens"], rows["access"] if access else None)
+    return Path(out)
+
+
+def synth_sample(sample_id: str, index: int, arch, config, prompt_tokens: int, decode_steps: int, dtype: str,
+                 seed: int, access_params: dict) -> dict:
+    """One sample's rows: {"sample", "steps", "tokens", "access"} (access with float `block_mass`)."""
+    import numpy as np
+
+    from simulator.placement import OracleScorer, Placement, future_mass, get_scorer
+    from traces.access_model import AccessModel
+    from traces.schema import TIER_HBM
+
+    n_layers, bs = arch.n_layers, config.block_size
+    n_steps = decode_steps + 1
+    kv_per_token_layer = arch.kv_bytes_per_token(dtype) // n_layers
+    block_bytes = bs * kv_per_token_layer
+    access_model = AccessModel(n_layers=n_layers, block_size=bs, seed=seed * 100_003 + index, **access_params)
+    logical = prompt_tokens + np.arange(n_steps)
+    masses = [access_model.masses(s, int(logical[s])) for s in range(n_steps)]
+    scorer = get_scorer(config.scorer)
+    if isinstance(scorer, OracleScorer):
+        scorer.future = future_mass(masses)
+    placement = Placement(config, n_layers, scorer)
+
+    names = ("hbm_tokens", "ddr_tokens", "evicted_tokens", "recalled_tokens", "hbm_blocks", "ddr_blocks",
+             "evicted_blocks", "n_recalled", "n_offloaded", "mass_hbm", "mass_ddr", "mass_evicted")
+    cols = {name: np.zeros((n_steps, n_layers)) for name in names}
+    ids = {k: [] for k in ("recalled_block_ids", "promoted_block_ids", "offloaded_block_ids", "evicted_block_ids")}
+    n_blocks_final = -(-int(logical[-1] + 1) // bs)
+    importance = np.zeros((n_layers, n_blocks_final))
+    for s in range(n_steps):
+        placed = placement.step(s, int(logical[s]), masses[s], record_ids=True)
+        for name in names:
+            cols[name][s] = getattr(placed, name)
+        for key in ids:
+            ids[key].extend(placed.ids[key])
+        if s > 0:  # importance counts decode steps; a block's mass is spread evenly over its tokens
+            n = masses[s].shape[1]
+            tokens_in_block = np.full(n, float(bs))
+            tokens_in_block[-1] = logical[s] - (n - 1) * bs
+            importance[:, :n] += masses[s] / tokens_in_block
+
+    flat = {name: cols[name].ravel() for name in names}
+    step = np.repeat(np.arange(n_steps, dtype=np.int32), n_layers)
+    layer = np.tile(np.arange(n_layers, dtype=np.int16), n_steps)
+    logical_len = logical[step].astype(np.int32)
+    hbm_kv = (flat["hbm_tokens"] + flat["recalled_tokens"]) * kv_per_token_layer
+    steps = {
+        "step": step, "layer": layer,
+        "query_tokens": np.where(step == 0, prompt_tokens, 1).astype(np.int32),
+        "logical_len": logical_len,
+        **{name: flat[name].astype(np.int32) for name in names[:7]},
+        **ids,
+        "bytes_h2d": (flat["n_recalled"] * block_bytes).astype(np.int64),
+        "bytes_d2h": (flat["n_offloaded"] * block_bytes).astype(np.int64),
+        "hbm_kv_bytes": hbm_kv.astype(np.int64),
+        "ddr_kv_bytes": (flat["ddr_tokens"] * kv_per_token_layer).astype(np.int64),
+        "mass_hbm": flat["mass_hbm"].astype(np.float32),
+        "mass_ddr": flat["mass_ddr"].astype(np.float32),
+        "mass_evicted": flat["mass_evicted"].astype(np.float32),
+    }
+
+    generated = n_steps
+    n_positions = prompt_tokens + generated
+    position = np.arange(n_positions, dtype=np.int32)
+    by_layer = importance[:, position // bs].T.astype(np.float32)  # [positions, layers]
+    final_tier = np.full((n_layers, n_blocks_final), TIER_HBM, dtype=np.uint8)
+    final_tier[:, : placement.tier.shape[1]] = placement.tier
+    rng = np.random.default_rng([seed, index, 7])
+    tokens = {
+        "position": position,
+        "token_id": rng.integers(0, arch.vocab_size, n_positions, dtype=np.int64).astype(np.int32),
+        "is_prompt": position < prompt_tokens,
+        "importance": by_layer.mean(axis=1),
+        "importance_max": by_layer.max(axis=1),
+        "importance_by_layer": list(by_layer),
+        "final_tier_by_layer": list(final_tier[:, position // bs].T),
+    }
+    sample = {
+        "sample_id": sample_id, "sample_index": index, "prompt_tokens": prompt_tokens, "generated_tokens": generated,
+        "stop_reason": "max_new_tokens", "predicted": None, "gold": None, "correct": None, "wall_s": 0.0,
+        "nonfinite": False, "generated_text": None,
+    }
+    access = {"step": step, "layer": layer,
+              "block_mass": [m.astype(np.float32) for per_step in masses for m in per_step]}
+    return {"sample": sample, "steps": steps, "tokens": tokens, "access": access}

@@ -1,0 +1,108 @@
+"""One sample as the engines see it: a flat sequence of GPU operations with the transfers around them.
+
+A decode step is `n_layers` layer operations followed by one LM-head operation. Operation i has
+
+    compute_s[i]   its roofline time on the GPU (costs.py)
+    recall_s[i]    the H2D copy attention must wait for before it (0: nothing recalled)
+    offload_s[i]   the D2H copy after it (0: nothing offloaded)
+
+per sequence. Both engines (engine.py: the DES; fastpath.py: closed form) read the same arrays, so they can
+only differ in how they schedule, never in what things cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hwprofiles import HardwareProfile
+from simulator import costs
+
+
+@dataclass
+class Workload:
+    sample_id: str
+    n_steps: int
+    n_layers: int
+    batch: int
+    compute_s: np.ndarray  # [n_steps * (n_layers + 1)] GPU time of each operation (all `batch` sequences)
+    compute_only_s: np.ndarray  # the compute-bound part of compute_s
+    hbm_only_s: np.ndarray  # the bandwidth-bound part
+    overhead_s: np.ndarray
+    recall_bytes: np.ndarray  # per sequence, before the operation
+    offload_bytes: np.ndarray  # per sequence, after the operation
+    recall_s: np.ndarray  # one sequence's recall: overhead + bytes / bandwidth (0 if no bytes)
+    offload_s: np.ndarray
+    recall_overhead_s: float  # the fixed part of each transfer (for the copy-engine + wire link model)
+    offload_overhead_s: float
+    step_hbm_kv_bytes: np.ndarray  # [n_steps] one sequence's KV in HBM at attention, summed over layers
+    step_ddr_kv_bytes: np.ndarray  # [n_steps] one sequence's KV in DDR
+
+    @property
+    def ops_per_step(self) -> int:
+        return self.n_layers + 1
+
+
+def build_workload(
+    sample_id: str,
+    shape: costs.ModelShape,
+    profile: HardwareProfile,
+    query_tokens: np.ndarray,
+    attended_tokens: np.ndarray,
+    bytes_h2d: np.ndarray,
+    bytes_d2h: np.ndarray,
+    hbm_kv_bytes: np.ndarray,
+    ddr_kv_bytes: np.ndarray,
+    batch: int = 1,
+    tier: str = "ddr",
+) -> Workload:
+    """Arrays [n_steps, n_layers] of one sample (trace rows or a what-if replay) -> a Workload."""
+    n_steps, n_layers = query_tokens.shape
+    layer = costs.layer_times(shape, profile, query_tokens, attended_tokens, batch)
+    head = costs.head_times(shape, profile, batch)
+
+    def with_head(per_layer: np.ndarray, head_value: float) -> np.ndarray:
+        out = np.empty((n_steps, n_layers + 1), dtype=np.float64)
+        out[:, :n_layers] = per_layer
+        out[:, n_layers] = head_value
+        return out.ravel()
+
+    home = costs.offload_tier(profile, tier)
+    h2d_rate, d2h_rate, overhead = home.h2d_bytes_per_s, home.d2h_bytes_per_s, home.transfer_overhead_s
+    recall_bytes = with_head(bytes_h2d, 0.0)
+    offload_bytes = with_head(bytes_d2h, 0.0)
+    return Workload(
+        sample_id=sample_id,
+        n_steps=n_steps,
+        n_layers=n_layers,
+        batch=batch,
+        compute_s=with_head(layer.total_s, float(head.total_s)),
+        compute_only_s=with_head(layer.compute_s, float(head.compute_s)),
+        hbm_only_s=with_head(layer.hbm_s, float(head.hbm_s)),
+        overhead_s=with_head(layer.overhead_s, float(head.overhead_s)),
+        recall_bytes=recall_bytes,
+        offload_bytes=offload_bytes,
+        recall_s=costs.transfer_s(recall_bytes, h2d_rate, overhead),
+        offload_s=costs.transfer_s(offload_bytes, d2h_rate, overhead),
+        recall_overhead_s=overhead,
+        offload_overhead_s=overhead,
+        step_hbm_kv_bytes=np.asarray(hbm_kv_bytes, dtype=np.float64).sum(1),
+        step_ddr_kv_bytes=np.asarray(ddr_kv_bytes, dtype=np.float64).sum(1),
+    )
+
+
+@dataclass
+class Timing:
+    """What an engine measured for one Workload (both engines fill the same record)."""
+
+    step_end_s: np.ndarray  # [n_steps] time the step's token is out (end of its LM head)
+    h2d_busy_s: float  # sum of H2D transfer durations (all copies)
+    d2h_busy_s: float
+    last_d2h_end_s: float  # when the last offload finished (may be after the last token: the backlog)
+    h2d_bytes: float  # bytes moved (all copies of a batch)
+    d2h_bytes: float
+
+    @property
+    def total_s(self) -> float:
+        return float(self.step_end_s[-1]) if len(self.step_end_s) else 0.0
