@@ -1,0 +1,136 @@
+"""`thoughtkv calibrate`: the fit recovers known terms, the microbenchmarks measure real work, the profile it
+writes is one the hardware-profile loader accepts and means what was measured."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from thoughtkv.cli import main
+from tracer.calibrate_fit import fit_fixed_plus_linear
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The thread-CPU-time clock is only valid when torch runs on the calling thread alone."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_fit_recovers_overhead_and_bandwidth_exactly():
+    sizes = np.array([4e3 * 4**i for i in range(9)])
+    overhead_s, bytes_per_s = 7e-6, 53e9
+    fit = fit_fixed_plus_linear(sizes, overhead_s + sizes / bytes_per_s)
+    assert fit.fixed == pytest.approx(overhead_s, rel=1e-9)
+    assert fit.rate == pytest.approx(bytes_per_s, rel=1e-9)
+    assert fit.max_rel_residual < 1e-9
+
+
+def test_fit_recovers_terms_from_noisy_timings():
+    rng = np.random.default_rng(0)
+    sizes = np.repeat([4e3 * 4**i for i in range(9)], 5)
+    overhead_s, bytes_per_s = 7e-6, 25e9
+    noisy = (overhead_s + sizes / bytes_per_s) * rng.uniform(0.95, 1.05, sizes.shape)
+    fit = fit_fixed_plus_linear(sizes, noisy)
+    # Relative weighting: the 4 KB copies (dominated by the overhead) pin the intercept, the 256 MB ones the rate.
+    assert fit.fixed == pytest.approx(overhead_s, rel=0.05)
+    assert fit.rate == pytest.approx(bytes_per_s, rel=0.03)
+    assert fit.max_rel_residual < 0.1
+
+
+def test_fit_clamps_a_negative_intercept_to_zero():
+    layers = np.array([1.0, 2.0, 4.0, 8.0])
+    times = np.array([0.9e-3, 2.0e-3, 4.1e-3, 8.0e-3])  # slightly convex: unconstrained intercept < 0
+    fit = fit_fixed_plus_linear(layers, times)
+    assert fit.fixed == 0.0
+    assert fit.slope == pytest.approx(1e-3, rel=0.05)
+
+
+def test_fit_rejects_bad_input():
+    with pytest.raises(ValueError):
+        fit_fixed_plus_linear(np.array([1.0]), np.array([1.0]))
+    with pytest.raises(ValueError):
+        fit_fixed_plus_linear(np.array([1.0, 2.0]), np.array([1.0, 0.0]))
+
+
+def test_copies_of_more_bytes_take_longer():
+    from tracer.calibrate_bench import Timing, copy_sweep
+
+    timing = Timing(torch.device("cpu"), repeats=5, warmup=1, clock=time.thread_time)
+    series = copy_sweep("h2d", [64 * 2**10, 16 * 2**20], timing)
+    small, large = series.time_s
+    assert large > 4 * small  # 256x the bytes; far more than noise
+
+
+def test_overhead_grows_with_layers():
+    from tracer.calibrate_bench import Timing
+    from tracer.calibrate_overhead import overhead_sweep
+
+    timing = Timing(torch.device("cpu"), warmup=2, clock=time.thread_time)
+    series = overhead_sweep([1, 6], torch.float32, n_steps=9, timing=timing)
+    one, six = series.time_s
+    assert six > 1.5 * one
+
+
+def test_calibrate_quick_writes_a_profile_the_loader_accepts(tmp_path):
+    from hwprofiles import load_profile, load_profile_file
+
+    out = tmp_path / "quick-cpu.yaml"
+    assert main(["calibrate", "--device", "cpu", "--quick", "--out", str(out)]) == 0
+    profile = load_profile_file(out)
+    assert profile.name == "quick-cpu"
+    assert load_profile(str(out)).link == profile.link
+    prov = profile.provenance
+    assert prov["kind"] == "measured" and prov["device"] == "cpu" and prov["threads"] == 1
+    assert prov["clock"] == "thread_cpu" and prov["statistic"] == "median" and prov["torch"] == str(torch.__version__) and prov["date"]
+    fits, figures = prov["fits"], prov["figures"]
+    # The profile means what was measured (YAML rounds to 12 significant digits, provenance to 6).
+    assert profile.link.h2d_bytes_per_s == pytest.approx(fits["copy_h2d"]["rate"], rel=1e-5)
+    assert profile.link.transfer_overhead_s == pytest.approx(
+        (fits["copy_h2d"]["fixed"] + fits["copy_d2h"]["fixed"]) / 2, rel=1e-5)
+    assert profile.gpu.hbm_bytes_per_s == pytest.approx(figures["model_weights_read_bytes_per_s"], rel=1e-5)
+    assert profile.gpu.matmul_flops_per_s == pytest.approx(figures["model_gemm_flops_per_s"], rel=1e-5)
+    assert profile.gpu.matmul_peak_flops_per_s >= figures["gemm_flops_per_s"] * (1 - 1e-5)  # 6-digit provenance
+    assert prov["overhead_decoder"] == "tiered/full"
+    # Overheads = the weight-streaming sweep minus the weights' own read time at the measured bandwidth.
+    cold = fits["overhead_with_weights/tiered/full"]
+    bandwidth = figures["model_weights_read_bytes_per_s"]
+    expected_layer = max(0.0, cold["slope"] - figures["layer_weight_bytes"] / bandwidth)
+    expected_step = max(0.0, cold["fixed"] - figures["head_weight_bytes"] / bandwidth)
+    assert profile.overheads.layer_overhead_s == pytest.approx(expected_layer, rel=1e-4, abs=1e-9)
+    assert profile.overheads.step_overhead_s == pytest.approx(expected_step, rel=1e-4, abs=1e-9)
+    by_decoder = prov["overheads_by_decoder"]
+    assert set(by_decoder) == {"dynamic-cache", "tiered/full", "tiered/evict", "tiered/hierarchy"}
+    assert all(v["warm_layer_overhead_s"] > 0 for v in by_decoder.values())
+    assert not profile.link.full_duplex  # the CPU path copies synchronously on the compute thread
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--out", "{tmp}/profile.txt"], "must end in .yaml"),
+        (["--out", "{tmp}/Bad Name.yaml"], "profile name"),
+        (["--out", "{tmp}/existing.yaml"], "exists; pass --force"),
+        (["--threads", "0", "--out", "{tmp}/t.yaml"], "--threads 0"),
+        (["--architecture", "nope", "--out", "{tmp}/a.yaml"], "unknown architecture"),
+    ],
+)
+def test_calibrate_bad_arguments_are_one_line_errors(tmp_path, capsys, argv, message):
+    (tmp_path / "existing.yaml").write_text("keep me\n")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(["calibrate", "--device", "cpu", "--quick", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert (tmp_path / "existing.yaml").read_text() == "keep me\n"  # nothing overwritten
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing.yaml"]  # nothing written
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_calibrate_cuda_without_a_gpu_is_refused(tmp_path, capsys):
+    assert main(["calibrate", "--device", "cuda", "--out", str(tmp_path / "g.yaml")]) == 2
+    assert "no CUDA device" in capsys.readouterr().err

@@ -1,0 +1,445 @@
+"""`thoughtkv crosscheck`: a measured decode with the tiered cache vs the simulator on the calibrated profile.
+
+    thoughtkv calibrate --device cpu                      # -> hwprofiles/measured/measured-cpu.yaml
+    thoughtkv crosscheck --model tiny --device cpu --out runs/crosscheck
+
+For each configuration (policy x HBM budget; `full` once) the tracer decodes the same sample `--repeats` times
+with step timing (tracer.calibrate_measured); the simulator replays the first repeat's trace on the calibrated
+profile, with the framework overheads calibrated for that policy's decode path, and on the datasheet profile
+of the same GPU when one exists (as is, and with the calibrated overheads added). The measured time of a step
+is the median (or, for a profile calibrated with `--statistic min`, the minimum) over the repeats: the decodes
+are identical (same tokens, same block movements), so repeats differ only by noise.
+
+Per step: rel_error = |simulated - measured| / measured. Reported per configuration and overall: the median
+and the 95th percentile (numpy's linear interpolation) over all steps, the mean signed error (> 0: the
+simulator is slow), and a split of the error into the decoder layers and the rest of the step (LM head and
+per-step overhead) from per-layer timings, which names the term the simulator gets wrong.
+
+Writes to --out: runs/ (the traces), measured/ (per-step timings of every repeat), steps.parquet + .csv (one row
+per profile x configuration x step), summary.csv + summary.json, scatter.png; prints the table. Rerunning with
+the same --out resumes (finished measurements are kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from thoughtkv.errors import UserError
+
+POLICIES = ("full", "evict", "hierarchy")
+GOAL_MEDIAN, GOAL_P95 = 0.10, 0.25
+# Datasheet profile for a GPU name (first match wins); None on a CPU.
+DATASHEET_BY_GPU = (
+    ("gh200", "gh200-96gb"), ("h200", "h200-sxm"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"),
+    ("a100", "a100-80gb-pcie"), ("b200", "b200"), ("mi300x", "mi300x"), ("l40s", "l40s"), ("4090", "rtx-4090"),
+    ("5080", "rtx-5080"),
+)
+
+
+class CrosscheckError(UserError):
+    """Bad crosscheck arguments or state (one line, exit 2)."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One measured configuration."""
+
+    policy: str
+    hbm_budget: str  # as given (a fraction or a token count); "1.0" for full
+
+    @property
+    def label(self) -> str:
+        return self.policy if self.policy == "full" else f"{self.policy}-b{self.hbm_budget}"
+
+
+def run_specs(policies: list[str], budgets: list[str]) -> list[RunSpec]:
+    specs = []
+    for policy in policies:
+        for budget in (["1.0"] if policy == "full" else budgets):
+            spec = RunSpec(policy, budget)
+            if spec not in specs:
+                specs.append(spec)
+    return specs
+
+
+# ---------------------------------------------------------------- statistics (no torch) -----------------------
+
+
+def step_errors(measured, simulated):
+    """Join per-step measured and simulated times on (label, sample_id, step) -> with rel/signed errors.
+
+    measured: label, sample_id, step, measured_s (+ any columns); simulated: label, sample_id, step,
+    simulated_s (+ any columns, e.g. profile_kind: one row per profile).
+    """
+    table = simulated.merge(measured, on=["label", "sample_id", "step"], how="inner", validate="many_to_one")
+    if len(table) != len(simulated):
+        raise CrosscheckError(f"{len(simulated) - len(table)} simulated steps have no measured step")
+    table["signed_rel_error"] = (table["simulated_s"] - table["measured_s"]) / table["measured_s"]
+    table["rel_error"] = table["signed_rel_error"].abs()
+    return table
+
+
+def error_stats(errors) -> dict:
+    """median / p95 of |rel error|, mean signed error, count (errors: a DataFrame with rel_error, signed_rel_error)."""
+    import numpy as np
+
+    rel = errors["rel_error"].to_numpy(dtype=float)
+    if len(rel) == 0:
+        return {"n_steps": 0, "median_rel_error": float("nan"), "p95_rel_error": float("nan"),
+                "mean_signed_rel_error": float("nan")}
+    return {
+        "n_steps": len(rel),
+        "median_rel_error": float(np.median(rel)),
+        "p95_rel_error": float(np.percentile(rel, 95)),
+        "mean_signed_rel_error": float(errors["signed_rel_error"].mean()),
+    }
+
+
+def summarise(table):
+    """One row per (profile_kind, label) and one 'ALL' row per profile_kind; decode-only and split columns."""
+    import pandas as pd
+
+    rows = []
+    for kind, by_kind in table.groupby("profile_kind", sort=False):
+        groups = [(label, part) for label, part in by_kind.groupby("label", sort=False)] + [("ALL", by_kind)]
+        for label, part in groups:
+            decode = part[part["step"] > 0]
+            prefill = part[part["step"] == 0]
+            row = {"profile_kind": kind, "profile": part["profile"].iloc[0], "label": label,
+                   **error_stats(part),
+                   **{f"decode_{k}": v for k, v in error_stats(decode).items() if k != "n_steps"},
+                   "prefill_mean_rel_error": float(prefill["rel_error"].mean()) if len(prefill) else float("nan"),
+                   "measured_ms_median": 1e3 * float(decode["measured_s"].median()),
+                   "simulated_ms_median": 1e3 * float(decode["simulated_s"].median())}
+            if "layers_s" in part and part["layers_s"].notna().any():
+                # Which part of the step is wrong: the decoder layers, or the rest (LM head + step overhead)?
+                layers_err = (part["sim_layers_s"] - part["layers_s"]) / part["measured_s"]
+                rest_err = (part["sim_rest_s"] - (part["measured_s"] - part["layers_s"])) / part["measured_s"]
+                row["layers_signed_rel_error"] = float(layers_err.median())
+                row["rest_signed_rel_error"] = float(rest_err.median())
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def dominant_term(summary_row: dict) -> str:
+    """A sentence naming the part of the step the simulator gets most wrong (from the split columns)."""
+    layers, rest = summary_row.get("layers_signed_rel_error"), summary_row.get("rest_signed_rel_error")
+    if layers is None or rest is None or layers != layers:
+        return "no per-layer timing (CUDA): split unavailable"
+    part, value = ("decoder layers (weights, KV attention, per-layer overhead, recall/offload copies)", layers) \
+        if abs(layers) >= abs(rest) else ("LM head + per-step overhead", rest)
+    return f"{part}: simulator {'over' if value > 0 else 'under'}-estimates by {abs(value):.1%} of the step"
+
+
+def scatter_figure(table, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(6.4, 5.6))
+    markers = {"calibrated": "o", "datasheet": "x", "datasheet+overheads": "+"}
+    for (kind, label), part in table.groupby(["profile_kind", "label"], sort=False):
+        ax.scatter(part["measured_s"] * 1e3, part["simulated_s"] * 1e3, s=10, alpha=0.6,
+                   marker=markers.get(kind, "."), label=f"{kind}: {label}")
+    low = 0.8 * min(table["measured_s"].min(), table["simulated_s"].min()) * 1e3
+    high = 1.25 * max(table["measured_s"].max(), table["simulated_s"].max()) * 1e3
+    ax.plot([low, high], [low, high], "k-", lw=0.8, label="simulated = measured")
+    for factor in (0.9, 1.1):
+        ax.plot([low, high], [low * factor, high * factor], "k:", lw=0.6)
+    ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), xlabel="measured step time (ms)",
+           ylabel="simulated step time (ms)", title=title)
+    for axis in (ax.xaxis, ax.yaxis):  # plain numbers at 1-2-5 steps on the log axes, not 2x10^1
+        axis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.text(0.98, 0.02, "dotted: ±10 %", transform=ax.transAxes, ha="right", va="bottom", fontsize=7)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- simulation --------------------------------
+
+
+def profile_with_overheads(profile, policy: str):
+    """The calibrated profile with the framework overheads measured for this policy's decode path."""
+    from hwprofiles import OverheadSpec
+
+    by_decoder = profile.provenance.get("overheads_by_decoder") or {}
+    measured = by_decoder.get(f"tiered/{policy}")
+    if measured is None:
+        return profile, "profile overheads (no per-policy calibration in provenance)"
+    overheads = OverheadSpec(float(measured["step_overhead_s"]), float(measured["layer_overhead_s"]))
+    return dataclasses.replace(profile, overheads=overheads), f"tiered/{policy}"
+
+
+def simulate_steps(run_dir: Path, profile, overlap: str, async_offload: bool):
+    """simulate_run's per-step table + the split of each step into layers and the rest (LM head + overhead)."""
+    from simulator import simulate_run
+    from simulator.costs import ModelShape, head_times
+    from traces import open_run
+
+    run = open_run(run_dir)
+    result = simulate_run(run, profile, overlap=overlap, async_offload=async_offload)
+    steps = result.steps[["sample_id", "step", "latency_s", "compute_s", "hbm_s", "overhead_s", "link_stall_s"]]
+    steps = steps.rename(columns={"latency_s": "simulated_s", "compute_s": "sim_compute_s", "hbm_s": "sim_hbm_s",
+                                  "overhead_s": "sim_overhead_s", "link_stall_s": "sim_link_stall_s"})
+    head_s = float(head_times(ModelShape.from_manifest(run.manifest["model"]), profile).total_s)
+    steps = steps.assign(sim_rest_s=head_s)
+    steps["sim_layers_s"] = steps["simulated_s"] - head_s
+    return steps
+
+
+def offload_is_asynchronous(device_type: str) -> bool:
+    """Whether the measured run's offload copies overlap later compute: only on CUDA, and only when the DDR
+    store the tracer builds copies on a side stream (it says so with `asynchronous_offload`)."""
+    if device_type != "cuda":
+        return False  # the CPU path copies synchronously on the compute thread
+    import torch
+
+    from tracer.quant import make_block_store
+
+    store = make_block_store("same", 1, 1, 1, torch.float32, torch.device("cpu"))
+    return bool(getattr(store, "asynchronous_offload", False))
+
+
+def datasheet_for(device_name: str) -> str | None:
+    name = device_name.lower()
+    return next((profile for key, profile in DATASHEET_BY_GPU if key in name), None)
+
+
+# ---------------------------------------------------------------- CLI ----------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="random:NAME / NAME from traces.architectures (e.g. tiny, qwen2-7b), `micro`, HF id/path")
+    parser.add_argument("--policy", nargs="+", default=list(POLICIES), choices=POLICIES)
+    parser.add_argument("--hbm-budget", nargs="+", default=["0.5", "0.25"],
+                        help="budgets for evict/hierarchy (fractions or token counts); default 0.5 0.25")
+    parser.add_argument("--evict-ratio", type=float, default=0.0, help="hierarchy: evicted fraction")
+    parser.add_argument("--recall-k", type=int, default=4)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--scorer", default="h2o", help="any tracer scorer but oracle (its teacher pass is not timed)")
+    parser.add_argument("--steps", type=int, default=128, help="decode steps (max new tokens) per sample")
+    parser.add_argument("--samples", type=int, default=1)
+    parser.add_argument("--task", default="chains", help="tracer task (chains needs no data file)")
+    parser.add_argument("--data-file", default=None)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on cpu, as calibrate)")
+    parser.add_argument("--repeats", type=int, default=3, help="identical measured decodes per configuration")
+    parser.add_argument("--profile", default=None,
+                        help="calibrated profile name or YAML (default: measured-<device>, from `thoughtkv calibrate`)")
+    parser.add_argument("--datasheet-profile", default="auto",
+                        help="datasheet profile to compare too: auto (by GPU name; none on a CPU), none, or a name")
+    parser.add_argument("--overlap", default="none", help="simulator overlap mode (the tiered cache recalls, then "
+                                                          "attends: none)")
+    parser.add_argument("--async-offload", choices=("auto", "on", "off"), default="auto",
+                        help="simulate offloads as overlapping later compute: auto = on when the tracer's DDR "
+                             "store copies on a side stream (CUDA + tracer.transfer.PinnedBlockStore), else off")
+    parser.add_argument("--out", required=True, help="output directory (rerun to resume)")
+    parser.add_argument("--quiet", action="store_true")
+
+
+def normalise_model(spec: str) -> str:
+    from traces.architectures import ARCHITECTURES
+
+    return f"random:{spec}" if spec in ARCHITECTURES else spec
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Everything that needs no torch, before anything is written."""
+    from tracer.policies import Budget
+
+    if "oracle" == args.scorer:
+        raise CrosscheckError("--scorer oracle runs an untimed teacher pass first; pick another scorer")
+    for name in ("steps", "samples", "repeats", "block_size"):
+        if getattr(args, name) < 1:
+            raise CrosscheckError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+    if args.threads is not None and args.threads < 1:
+        raise CrosscheckError(f"--threads {args.threads}: must be >= 1")
+    for budget in args.hbm_budget:
+        Budget.parse(budget)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CrosscheckError(f"--out {out}: exists and is not a directory")
+    parent = next((p for p in [out, *out.parents] if p.exists()), None)
+    if parent is None or not os.access(parent, os.W_OK):
+        raise CrosscheckError(f"--out {out}: not writable")
+
+
+def load_profiles(args: argparse.Namespace, device_type: str, device_name: str):
+    from hwprofiles import ProfileError, load_profile
+
+    name = args.profile or f"measured-{device_type}"
+    try:
+        calibrated = load_profile(name)
+    except ProfileError as exc:
+        raise CrosscheckError(f"{exc} (run `thoughtkv calibrate --device {device_type}` first)") from None
+    if calibrated.provenance.get("kind") != "measured":
+        raise CrosscheckError(f"--profile {name}: a datasheet profile; give one written by `thoughtkv calibrate`")
+    datasheet = None
+    choice = args.datasheet_profile
+    if choice != "none":
+        datasheet_name = datasheet_for(device_name) if choice == "auto" and device_type == "cuda" else (
+            None if choice == "auto" else choice)
+        datasheet = load_profile(datasheet_name) if datasheet_name else None
+    return calibrated, datasheet
+
+
+def settings_record(args: argparse.Namespace, model: str, device_type: str, threads: int) -> dict:
+    keys = ("policy", "hbm_budget", "evict_ratio", "recall_k", "block_size", "scorer", "steps", "samples", "task",
+            "data_file", "repeats")
+    return {"model": model, "device": device_type, "threads": threads, **{k: getattr(args, k) for k in keys}}
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    import pandas as pd
+    import torch
+    from tqdm.auto import tqdm
+
+    from tracer.calibrate_measured import load_for_crosscheck, measured_run
+    from tracer.run import TraceConfig
+
+    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise CrosscheckError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
+    threads = args.threads or (1 if device_type == "cpu" else torch.get_num_threads())
+    device_name = torch.cuda.get_device_name(0) if device_type == "cuda" else "cpu"
+    calibrated, datasheet = load_profiles(args, device_type, device_name)
+    if calibrated.provenance.get("device") != device_type:
+        raise CrosscheckError(f"profile {calibrated.name} was calibrated on {calibrated.provenance.get('device')}, "
+                              f"not {device_type}; calibrate this device")
+    calibrated_on = calibrated.provenance.get("host")
+    if calibrated_on and calibrated_on != platform.node():
+        print(f"warning: profile {calibrated.name} was calibrated on host {calibrated_on!r} "
+              f"({calibrated.provenance.get('date')}), not on this one; rerun `thoughtkv calibrate`", file=sys.stderr)
+    clock = "trace" if device_type == "cuda" else ("thread_cpu" if threads == 1 else "wall")
+    if clock != calibrated.provenance.get("clock", clock) and device_type == "cpu":
+        raise CrosscheckError(f"profile {calibrated.name} was timed with the {calibrated.provenance.get('clock')} "
+                              f"clock but {threads} threads give {clock}; use --threads "
+                              f"{calibrated.provenance.get('threads')}")
+    model_spec = normalise_model(args.model)
+    out = Path(args.out)
+    settings = settings_record(args, model_spec, device_type, threads)
+    settings_path = out / "crosscheck.json"
+    if settings_path.exists():
+        previous = json.loads(settings_path.read_text())
+        if previous != settings:
+            raise CrosscheckError(f"--out {out} holds a crosscheck with other settings; choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    settings_path.write_text(json.dumps(settings, indent=1))
+
+    torch.set_num_threads(threads)
+    specs = run_specs(args.policy, args.hbm_budget)
+    loaded = None
+    measured_frames = []
+    jobs = [(spec, rep) for spec in specs for rep in range(args.repeats)]
+    for spec, rep in tqdm(jobs, desc="crosscheck: measured decodes", unit="run", disable=args.quiet):
+        timing_path = out / "measured" / f"{spec.label}-rep{rep}.parquet"
+        run_dir = out / "runs" / f"{spec.label}-rep{rep}"
+        if timing_path.exists() and run_dir.exists():
+            measured_frames.append(pd.read_parquet(timing_path))
+            continue
+        loaded = loaded or load_for_crosscheck(model_spec, device_type, seed=0)
+        config = TraceConfig(
+            model=model_spec, task=args.task, out=str(run_dir), n_samples=args.samples, data_file=args.data_file,
+            policy=spec.policy, hbm_budget=spec.hbm_budget, evict_ratio=args.evict_ratio,
+            block_size=args.block_size, scorer=args.scorer, recall_k=args.recall_k, max_new_tokens=args.steps,
+            device=device_type,
+        )
+        _, timings = measured_run(loaded, config, clock)
+        timings = timings.assign(label=spec.label, policy=spec.policy, hbm_budget=spec.hbm_budget, repeat=rep)
+        timing_path.parent.mkdir(parents=True, exist_ok=True)
+        timings.to_parquet(timing_path, index=False)
+        measured_frames.append(timings)
+    all_measured = pd.concat(measured_frames, ignore_index=True)
+    # Repeats are reduced like the calibration's repeats were (median, or min on a shared machine).
+    statistic = calibrated.provenance.get("statistic", "median")
+    measured = (all_measured.groupby(["label", "sample_id", "step"], sort=False)
+                .agg(measured_s=("measured_s", statistic), layers_s=("layers_s", statistic),
+                     wall_s=("wall_s", statistic),
+                     repeats=("repeat", "nunique"), policy=("policy", "first"), hbm_budget=("hbm_budget", "first"))
+                .reset_index())
+    consistent = repeats_consistent(out, specs, args.repeats)
+
+    async_offload = {"on": True, "off": False}.get(args.async_offload) if args.async_offload != "auto" \
+        else offload_is_asynchronous(device_type)
+    sim_frames = []
+    for spec in specs:
+        run_dir = out / "runs" / f"{spec.label}-rep0"
+        profile, overhead_source = profile_with_overheads(calibrated, spec.policy)
+        variants = [("calibrated", profile)]
+        if datasheet is not None:
+            variants += [("datasheet", datasheet),
+                         ("datasheet+overheads", dataclasses.replace(datasheet, overheads=profile.overheads))]
+        for kind, variant in variants:
+            frame = simulate_steps(run_dir, variant, args.overlap, async_offload)
+            sim_frames.append(frame.assign(label=spec.label, profile_kind=kind, profile=variant.name,
+                                           overheads=overhead_source if kind != "datasheet" else "none"))
+    table = step_errors(measured, pd.concat(sim_frames, ignore_index=True))
+    summary = summarise(table)
+    table.to_parquet(out / "steps.parquet", index=False)
+    table.to_csv(out / "steps.csv", index=False)
+    summary.to_csv(out / "summary.csv", index=False)
+    overall = summary[(summary["label"] == "ALL") & (summary["profile_kind"] == "calibrated")].iloc[0].to_dict()
+    report = {
+        "settings": settings, "clock": clock, "statistic": statistic, "async_offload": async_offload, "profile": calibrated.name, "datasheet_profile":
+        datasheet.name if datasheet else None, "repeats_identical": consistent,
+        "goal": {"median_rel_error": GOAL_MEDIAN, "p95_rel_error": GOAL_P95},
+        "calibrated": {k: overall[k] for k in ("n_steps", "median_rel_error", "p95_rel_error",
+                                               "mean_signed_rel_error")},
+        "goal_met": bool(overall["median_rel_error"] <= GOAL_MEDIAN and overall["p95_rel_error"] <= GOAL_P95),
+        "dominant_error": dominant_term(overall),
+        "load_average": os.getloadavg(),
+        "summary": summary.to_dict(orient="records"),
+    }
+    (out / "summary.json").write_text(json.dumps(report, indent=1, default=float))
+    scatter_figure(table, out / "scatter.png",
+                   f"{model_spec} on {device_name}: median {overall['median_rel_error']:.1%}, "
+                   f"p95 {overall['p95_rel_error']:.1%} (calibrated)")
+    print_table(summary, report, out)
+    return 0
+
+
+def repeats_consistent(out: Path, specs: list[RunSpec], repeats: int) -> bool:
+    """True when every repeat moved exactly the same blocks at the same steps as the first (it should)."""
+    from traces import open_run
+
+    columns = ["step", "layer", "hbm_tokens", "recalled_tokens", "bytes_h2d", "bytes_d2h"]
+    for spec in specs:
+        first = open_run(out / "runs" / f"{spec.label}-rep0").steps(columns=columns).reset_index(drop=True)
+        for rep in range(1, repeats):
+            other = open_run(out / "runs" / f"{spec.label}-rep{rep}").steps(columns=columns).reset_index(drop=True)
+            if not first.equals(other):
+                return False
+    return True
+
+
+def print_table(summary, report: dict, out: Path) -> None:
+    cols = ["profile_kind", "label", "n_steps", "measured_ms_median", "simulated_ms_median", "median_rel_error",
+            "p95_rel_error", "mean_signed_rel_error"]
+    shown = summary[cols].copy()
+    for column in ("median_rel_error", "p95_rel_error"):
+        shown[column] = shown[column].map("{:.1%}".format)
+    shown["mean_signed_rel_error"] = shown["mean_signed_rel_error"].map("{:+.1%}".format)
+    for column in ("measured_ms_median", "simulated_ms_median"):
+        shown[column] = shown[column].map("{:.2f}".format)
+    print(shown.to_string(index=False))
+    calibrated = report["calibrated"]
+    verdict = "met" if report["goal_met"] else "MISSED"
+    print(f"calibrated profile {report['profile']}: median {calibrated['median_rel_error']:.1%}, "
+          f"p95 {calibrated['p95_rel_error']:.1%} over {calibrated['n_steps']} steps "
+          f"(goal <= {GOAL_MEDIAN:.0%} / <= {GOAL_P95:.0%}: {verdict}); largest error: {report['dominant_error']}")
+    print(f"wrote {out}/summary.csv, summary.json, steps.parquet, scatter.png")

@@ -1,0 +1,70 @@
+"""The attention function the tiered cache runs under (registered as `attn_implementation="thoughtkv"`).
+
+The model calls `cache.update(k, v)` and then its attention function, which receives `module` (with
+`layer_idx`), the query and the K/V that `update` returned. `update` leaves its layer here as "pending"; this
+function takes it, asks it to recall DDR blocks for the *current* query (the recall rule therefore decides
+from this layer's query: prefetching a layer's blocks before its query exists is a prediction, not this
+rule), computes softmax attention over HBM + recalled entries (equal to sdpa: GQA, and the causal mask among
+the new tokens at prefill), hands the new queries' weights (mean and max over heads) back to the layer, which
+then scores and places blocks (offload/evict/promote) after attention. Without a pending tiered layer (e.g.
+a plain DynamicCache) it is exactly sdpa.
+
+The mask HF would build is None here (this name has no mask function): batch 1 without padding needs none,
+and the causal part inside the prefill is applied below.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTN_IMPLEMENTATION = "thoughtkv"
+_pending: list = [None]  # the tiered layer whose update() ran last and whose attention comes next
+
+
+def set_pending(layer) -> None:
+    _pending[0] = layer
+
+
+def attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, new_start: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax attention for batch 1 with GQA; the `lq` new tokens sit at key columns [new_start, new_start+lq).
+
+    Returns the output [1, lq, Hq, d] and the weights [lq, n] reduced over query heads (mean, max), float32.
+    """
+    _, n_heads, lq, head_dim = query.shape
+    n_kv_heads, n_keys = key.shape[1], key.shape[2]
+    group = n_heads // n_kv_heads  # query head h reads KV head h // group (HF's repeat_kv order)
+    grouped_query = query.reshape(1, n_kv_heads, group * lq, head_dim)
+    logits = torch.matmul(grouped_query, key.transpose(-1, -2)) * scaling
+    if lq > 1:
+        future = torch.ones(lq, lq, dtype=torch.bool, device=query.device).triu(1)
+        mask = torch.zeros(lq, n_keys, dtype=torch.bool, device=query.device)
+        mask[:, new_start : new_start + lq] = future
+        logits = logits.view(1, n_kv_heads, group, lq, n_keys).masked_fill(mask, float("-inf"))
+        logits = logits.view(1, n_kv_heads, group * lq, n_keys)
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    output = torch.matmul(weights.to(value.dtype), value)
+    output = output.view(1, n_heads, lq, head_dim).transpose(1, 2)
+    per_head = weights.view(n_heads, lq, n_keys)
+    return output, per_head.mean(0), per_head.amax(0)
+
+
+def tiered_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    layer, _pending[0] = _pending[0], None
+    if layer is None or layer.layer_idx != module.layer_idx:
+        output, _ = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+        return output, None
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    key, value = layer.recall(query)
+    output, weights_mean, weights_max = attend(query, key, value, scaling, layer.new_start)
+    layer.after_attention(weights_mean, weights_max)
+    return output, None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, tiered_attention_forward)

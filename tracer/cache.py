@@ -1,0 +1,322 @@
+"""The tiered KV cache: per layer, blocks of `block_size` logical positions live in HBM (tensors on the compute
+device), DDR (tensors on the host, `HostBlockStore`) or are evicted (only their ids are kept).
+
+Correct by construction:
+- `update` appends the new K/V to HBM and returns all HBM K/V; the attention function (tracer/attention.py)
+  adds the recalled DDR blocks, attends, and only then does the layer score and move blocks. Nothing is
+  pruned before the step that produced it has attended to it.
+- Positions are logical: `logical_len` counts every entry ever appended, `get_seq_length()` the ones stored in
+  HBM. Callers pass true `position_ids` (the decode loop does; `generate` derives them from its attention
+  mask), so RoPE never sees the shrunken stored length.
+
+Recall rule ("quest"): at each decode step, per layer, every DDR block gets the upper bound
+`max over query heads of sum_d max(q_d * kmin_d, q_d * kmax_d)` of its attention logit for the *current*
+query (kmin/kmax: elementwise key bounds of the block, kept on the device); the top `recall_k` blocks are
+copied to HBM staging slots and attended. With `promote` (off by default: it ranks blocks every step),
+recalled blocks then compete with the movable HBM
+blocks for the HBM budget by score (a swap with the weakest HBM block when they score higher).
+
+Placement after attention (block granularity; sink blocks and the recent window, incl. the partial block,
+are protected): 1) evict the lowest-scored blocks until `evict_tokens` (rounded down to blocks) are evicted;
+2) if the movable HBM blocks exceed the budget's room, keep the highest-scored ones and move the rest to DDR
+(hierarchy) or drop them (evict).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from thoughtkv.errors import UserError
+from tracer.attention import set_pending
+from tracer.policies import FullPolicy, Policy
+from tracer.quant import make_block_store
+from tracer.scorers import Observation, Scorer
+from traces.schema import TIER_DDR, TIER_EVICTED, TIER_HBM
+
+RECALL_RULE = "quest: top-recall_k DDR blocks by max_heads sum_d max(q*kmin, q*kmax), current query"
+
+
+class UnsupportedBatch(UserError):
+    pass
+
+
+@dataclass
+class TierSettings:
+    policy: Policy
+    scorer: Scorer | None = None  # None: no scoring (fine for the full policy)
+    block_size: int = 16
+    sink_tokens: int = 4
+    window_tokens: int = 32
+    recall_k: int = 0
+    promote: bool = False
+    track_importance: bool = False  # accumulate per-token attention over decode steps (tokens table, oracle)
+    ddr_dtype: str = "same"  # same | int8 | int4: how DDR stores offloaded blocks (tracer/quant.py)
+
+
+class TieredLayer(DynamicLayer):
+    def __init__(self, layer_idx: int, settings: TierSettings, recorder=None):
+        super().__init__()
+        self.layer_idx, self.settings, self.recorder = layer_idx, settings, recorder
+        self.block_size = settings.block_size
+        self.logical_len = 0
+        self.n_hbm = 0  # stored HBM entries: slots [0, n_hbm) of the buffers
+        self.n_recalled = 0  # staging slots [n_hbm, n_hbm + n_recalled) filled this step
+        self.new_start = 0
+        self.n_ddr_blocks = self.n_evicted_blocks = 0
+        self.ddr_ids = torch.zeros(0, dtype=torch.long)  # sorted ids of the blocks whose home is DDR
+        self.step = 0
+
+    # -- storage -----------------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, n_kv_heads, _, head_dim = key_states.shape
+        if batch != 1:
+            raise UnsupportedBatch(f"the tiered cache supports batch size 1 only (got {batch}); decode one sample at a time")
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
+        self.keys_buf = torch.empty((1, n_kv_heads, 0, head_dim), dtype=self.dtype, device=self.device)
+        self.values_buf = torch.empty_like(self.keys_buf)
+        self.slot_pos = torch.empty(0, dtype=torch.long, device=self.device)
+        self.block_tier = torch.zeros(0, dtype=torch.int8, device=self.device)
+        self.token_scores = torch.zeros(0, dtype=torch.float32, device=self.device)
+        self.importance = torch.zeros(0, dtype=torch.float32, device=self.device)
+        self.importance_max = torch.zeros(0, dtype=torch.float32, device=self.device)
+        self.ddr = make_block_store(self.settings.ddr_dtype, n_kv_heads, self.block_size, head_dim, self.dtype, self.device)
+        self.token_bytes = 2 * n_kv_heads * head_dim * self.keys_buf.element_size()  # K+V of one token
+        self.is_initialized = True
+
+    def _ensure_capacity(self, slots: int, positions: int) -> None:
+        if slots > self.keys_buf.shape[2]:
+            capacity = max(slots, 2 * self.keys_buf.shape[2], 256)
+            for name in ("keys_buf", "values_buf"):
+                old = getattr(self, name)
+                new = torch.empty((1, self.n_kv_heads, capacity, self.head_dim), dtype=self.dtype, device=self.device)
+                new[:, :, : self.n_hbm] = old[:, :, : self.n_hbm]
+                setattr(self, name, new)
+            slot_pos = torch.empty(capacity, dtype=torch.long, device=self.device)
+            slot_pos[: self.n_hbm] = self.slot_pos[: self.n_hbm]
+            self.slot_pos = slot_pos
+        blocks = math.ceil(positions / self.block_size)
+        if blocks > self.block_tier.shape[0]:
+            capacity = max(blocks, 2 * self.block_tier.shape[0], 64)
+            tier = torch.full((capacity,), TIER_HBM, dtype=torch.int8, device=self.device)
+            tier[: self.block_tier.shape[0]] = self.block_tier
+            self.block_tier = tier
+            for name in ("importance", "importance_max"):
+                grown = torch.zeros(capacity * self.block_size, dtype=torch.float32, device=self.device)
+                old = getattr(self, name)
+                grown[: old.shape[0]] = old
+                setattr(self, name, grown)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != 1:
+            raise UnsupportedBatch("the tiered cache supports batch size 1 only; decode one sample at a time")
+        n_new = key_states.shape[-2]
+        staging = self.settings.recall_k * self.block_size
+        self._ensure_capacity(self.n_hbm + n_new + staging, self.logical_len + n_new)
+        start, end = self.n_hbm, self.n_hbm + n_new
+        self.keys_buf[:, :, start:end] = key_states
+        self.values_buf[:, :, start:end] = value_states
+        if n_new == 1:
+            self.slot_pos[start] = self.logical_len
+        else:
+            self.slot_pos[start:end] = torch.arange(self.logical_len, self.logical_len + n_new, device=self.device)
+        self.new_start, self.n_hbm, self.n_recalled = start, end, 0
+        self.logical_len += n_new
+        self.keys, self.values = self.keys_buf[:, :, :end], self.values_buf[:, :, :end]
+        set_pending(self)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.n_hbm if self.is_initialized else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise UserError("the tiered cache cannot be cropped (no assisted/speculative decoding)")
+
+    # -- recall (before attention) ---------------------------------------------------------------------------
+    def recall(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the top-`recall_k` DDR blocks for this query into staging slots; return K/V to attend."""
+        self.recalled_ids = None
+        self.bytes_h2d = 0
+        k = self.settings.recall_k
+        if k > 0 and self.n_ddr_blocks > 0 and query.shape[-2] == 1:
+            ddr_ids = self.ddr_ids
+            if ddr_ids.numel() > k:
+                bounds = self._logit_upper_bounds(query, ddr_ids)
+                ddr_ids = ddr_ids[bounds.topk(k).indices].sort().values
+            keys, values, self.bytes_h2d = self.ddr.get(ddr_ids)
+            n = ddr_ids.numel() * self.block_size
+            start, end = self.n_hbm, self.n_hbm + n
+            self.keys_buf[0, :, start:end] = keys.transpose(0, 1).reshape(self.n_kv_heads, n, self.head_dim)
+            self.values_buf[0, :, start:end] = values.transpose(0, 1).reshape(self.n_kv_heads, n, self.head_dim)
+            offsets = torch.arange(self.block_size, device=self.device)
+            self.slot_pos[start:end] = (ddr_ids[:, None] * self.block_size + offsets).reshape(-1)
+            self.recalled_ids, self.n_recalled = ddr_ids, n
+        end = self.n_hbm + self.n_recalled
+        return self.keys_buf[:, :, :end], self.values_buf[:, :, :end]
+
+    def _logit_upper_bounds(self, query: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        group = query.shape[1] // self.n_kv_heads
+        q = query[0, :, 0, :].reshape(1, self.n_kv_heads, group, self.head_dim)
+        key_min = self.ddr.key_min[block_ids].unsqueeze(2)  # [m, Hkv, 1, d]
+        key_max = self.ddr.key_max[block_ids].unsqueeze(2)
+        bound = torch.maximum(q * key_min, q * key_max).sum(-1)  # [m, Hkv, group]
+        return bound.flatten(1).amax(1)
+
+    # -- after attention: score, record, place ---------------------------------------------------------------
+    def after_attention(self, weights_mean: torch.Tensor, weights_max: torch.Tensor) -> None:
+        n_attended = self.n_hbm + self.n_recalled
+        positions = self.slot_pos[:n_attended]
+        settings = self.settings
+        step = self.recorder.step if self.recorder is not None else self.step
+        # AlsoScore (tracer/scorers_extra.py) scores under the full policy too, for its recorded extras.
+        if settings.scorer is not None and (
+            not isinstance(settings.policy, FullPolicy) or getattr(settings.scorer, "score_under_full", False)
+        ):
+            observation = Observation(
+                self.layer_idx, step, self.logical_len, positions, weights_mean, weights_max,
+                self.keys_buf[0, :, :n_attended], values=self.values_buf[0, :, :n_attended],
+            )
+            self.token_scores = settings.scorer.score(observation, self.token_scores)
+        is_decode = weights_mean.shape[0] == 1 and step > 0
+        if settings.track_importance and is_decode:
+            self.importance.index_add_(0, positions, weights_mean[-1])
+            self.importance_max.index_add_(0, positions, weights_max[-1])
+        if self.recorder is not None:
+            before = self._occupancy(weights_mean[-1], positions)
+        promoted, offloaded, evicted, bytes_d2h = self._place()
+        if self.recorder is not None:
+            self.recorder.add_layer_row(
+                layer=self.layer_idx, query_tokens=weights_mean.shape[0], logical_len=self.logical_len,
+                recalled_block_ids=[] if self.recalled_ids is None else self.recalled_ids.tolist(),
+                promoted_block_ids=promoted, offloaded_block_ids=offloaded, evicted_block_ids=evicted,
+                bytes_h2d=self.bytes_h2d, bytes_d2h=bytes_d2h, **before,
+                **(self.ddr.pop_quant_error() if hasattr(self.ddr, "pop_quant_error") else {}),
+            )
+        self.step = step + 1
+
+    def _occupancy(self, last_weights: torch.Tensor, positions: torch.Tensor) -> dict:
+        """Tier sizes and attention masses at attention time (after recall, before placement)."""
+        n_blocks = math.ceil(self.logical_len / self.block_size)
+        # One small device->host copy per layer and step: block masses, then (if any recall) the DDR mass.
+        block_mass = torch.zeros(n_blocks + 1, dtype=torch.float32, device=self.device)
+        block_mass.index_add_(0, positions // self.block_size, last_weights)
+        if self.n_recalled:
+            block_mass[n_blocks] = last_weights[self.n_hbm :].sum()
+        host = block_mass.cpu().numpy()
+        mass_ddr = float(host[n_blocks])
+        mass_hbm = float(host[:n_blocks].sum()) - mass_ddr  # softmax mass sums to 1 over HBM + recalled
+        ddr_tokens = self.n_ddr_blocks * self.block_size
+        return dict(
+            hbm_tokens=self.n_hbm, ddr_tokens=ddr_tokens,
+            evicted_tokens=self.n_evicted_blocks * self.block_size, recalled_tokens=self.n_recalled,
+            hbm_blocks=n_blocks - self.n_ddr_blocks - self.n_evicted_blocks, ddr_blocks=self.n_ddr_blocks,
+            evicted_blocks=self.n_evicted_blocks,
+            hbm_kv_bytes=(self.n_hbm + self.n_recalled) * self.token_bytes,
+            ddr_kv_bytes=self.n_ddr_blocks * self.ddr.block_bytes(),
+            mass_hbm=mass_hbm, mass_ddr=mass_ddr, block_mass=host[:n_blocks],
+        )
+
+    def _place(self) -> tuple[list[int], list[int], list[int], int]:
+        """Apply the policy's targets; returns (promoted, offloaded, evicted) block ids and bytes copied D2H."""
+        targets = self.settings.policy.targets(self.logical_len)
+        if targets.hbm_tokens is None and targets.evict_tokens == 0:
+            return [], [], [], 0
+        bs = self.block_size
+        sink_blocks = math.ceil(self.settings.sink_tokens / bs)
+        movable_end = min(self.logical_len // bs, max(0, self.logical_len - self.settings.window_tokens) // bs)
+        if movable_end <= sink_blocks:
+            return [], [], [], 0
+        protected_tokens = self.logical_len - (movable_end - sink_blocks) * bs  # always resident in HBM
+        movable_hbm_blocks = (self.n_hbm - protected_tokens) // bs
+        need_evict = max(0, targets.evict_tokens // bs - self.n_evicted_blocks)
+        room = None if targets.hbm_tokens is None else max(0, targets.hbm_tokens - protected_tokens) // bs
+        has_recalled = self.n_recalled > 0 and self.settings.promote
+        if need_evict == 0 and (room is None or movable_hbm_blocks <= room) and not has_recalled:
+            return [], [], [], 0
+
+        block_scores = self.token_scores[: movable_end * bs].view(-1, bs).sum(1)[sink_blocks:]
+        tier = self.block_tier[sink_blocks:movable_end].clone()
+        was_hbm = tier == TIER_HBM
+        recalled = torch.zeros_like(was_hbm)
+        if self.recalled_ids is not None:
+            recalled[self.recalled_ids - sink_blocks] = True
+        evict_now = torch.zeros_like(was_hbm)
+        if need_evict > 0:
+            alive = tier != TIER_EVICTED
+            n_victims = min(need_evict, int(alive.sum()))
+            victims = block_scores.masked_fill(~alive, float("inf")).topk(n_victims, largest=False).indices
+            evict_now[victims] = True
+            tier[victims] = TIER_EVICTED
+        candidates = tier == TIER_HBM
+        if self.settings.promote:
+            candidates |= recalled & (tier == TIER_DDR)
+        keep = candidates.clone()
+        if room is not None and int(candidates.sum()) > room:
+            keep.zero_()
+            keep[block_scores.masked_fill(~candidates, float("-inf")).topk(room).indices] = True
+        demoted = candidates & ~keep & was_hbm
+        promoted = keep & (tier == TIER_DDR)
+        tier[promoted] = TIER_HBM
+        tier[demoted] = TIER_DDR if targets.uses_ddr else TIER_EVICTED
+        if not targets.uses_ddr:
+            evict_now |= demoted
+        offloaded = demoted if targets.uses_ddr else torch.zeros_like(demoted)
+
+        ids = torch.arange(sink_blocks, movable_end, device=self.device)
+        offloaded_ids, promoted_ids, evicted_ids = ids[offloaded], ids[promoted], ids[evict_now]
+        bytes_d2h = self._offload(offloaded_ids) if offloaded_ids.numel() else 0
+        self.n_ddr_blocks += offloaded_ids.numel() - promoted_ids.numel() - int((evict_now & ~was_hbm).sum())
+        self.n_evicted_blocks += evicted_ids.numel()
+        self.block_tier[sink_blocks:movable_end] = tier
+        self.ddr_ids = (self.block_tier[:movable_end] == TIER_DDR).nonzero().squeeze(1)
+        self._compact()
+        return promoted_ids.tolist(), offloaded_ids.tolist(), evicted_ids.tolist(), bytes_d2h
+
+    def _offload(self, block_ids: torch.Tensor) -> int:
+        bs = self.block_size
+        slot_blocks = self.slot_pos[: self.n_hbm] // bs
+        slots = torch.isin(slot_blocks, block_ids).nonzero().squeeze(1)
+        slots = slots[self.slot_pos[slots].argsort()]  # block by block, positions in order
+        shape = (self.n_kv_heads, block_ids.numel(), bs, self.head_dim)
+        keys = self.keys_buf[0, :, slots].view(shape).transpose(0, 1)
+        values = self.values_buf[0, :, slots].view(shape).transpose(0, 1)
+        return self.ddr.put(block_ids, keys.contiguous(), values.contiguous())
+
+    def _compact(self) -> None:
+        """Keep only the slots whose block is in HBM (drops offloaded/evicted ones and unpromoted recalls)."""
+        n_slots = self.n_hbm + self.n_recalled
+        keep = self.block_tier[self.slot_pos[:n_slots] // self.block_size] == TIER_HBM
+        kept = keep.nonzero().squeeze(1)
+        n_kept = kept.numel()
+        self.keys_buf[:, :, :n_kept] = self.keys_buf[:, :, kept]
+        self.values_buf[:, :, :n_kept] = self.values_buf[:, :, kept]
+        self.slot_pos[:n_kept] = self.slot_pos[kept]
+        self.n_hbm, self.n_recalled = n_kept, 0
+        self.keys, self.values = self.keys_buf[:, :, :n_kept], self.values_buf[:, :, :n_kept]
+
+    # -- end of sample -------------------------------------------------------------------------------------
+    def final_tiers(self) -> torch.Tensor:
+        """TIER_* code of every logical position."""
+        n_blocks = math.ceil(self.logical_len / self.block_size)
+        return self.block_tier[:n_blocks].repeat_interleave(self.block_size)[: self.logical_len]
+
+
+class TieredCache(Cache):
+    """A transformers Cache of `TieredLayer`s; works with a manual loop and with `model.generate(cache=...)`."""
+
+    def __init__(self, n_layers: int, settings: TierSettings, recorder=None):
+        super().__init__(layers=[TieredLayer(i, settings, recorder) for i in range(n_layers)])
+        self.settings = settings
+
+    @property
+    def logical_len(self) -> int:
+        return self.layers[0].logical_len

@@ -1,0 +1,521 @@
+"""`thoughtkv calibrate`: microbenchmarks of this machine -> a measured hardware profile YAML.
+
+    thoughtkv calibrate --device cpu            # -> hwprofiles/measured/measured-cpu.yaml (~2 min here)
+    thoughtkv simulate RUN --profile measured-cpu  # used like any datasheet profile
+
+Each profile field is measured so that it means exactly what the simulator's cost model
+(`simulator/costs.py`) does with it:
+
+- `link.h2d_bandwidth`, `link.d2h_bandwidth`, `link.transfer_overhead`: a fit of `overhead + bytes / bandwidth`
+  to single copies from 4 KB to 256 MB (pinned host memory on CUDA; host -> host on the CPU, the copy the CPU
+  tiered cache does). `full_duplex`: both directions at once reach >= 1.6x one direction (CUDA streams).
+- `gpu.hbm_*`: peak = the best of a large device-to-device copy (read + write bytes / time) and the matvecs;
+  efficiency = the bandwidth of one decode step's weight reads with the model's own linear shapes
+  (`--architecture`; GEMV speed depends on the shape) / that peak, so `hbm_bytes_per_s` is what a decode
+  step's weight reads see.
+- `gpu.matmul_*`: peak = a large GEMM in the compute dtype (bf16 on CUDA, fp32 on the CPU); efficiency = the
+  model's own linear layers on 256 tokens at once (a prefill's GEMMs) / peak.
+- `overheads`: the framework's fixed cost per step and per layer from decode steps of near-zero-work models
+  with 1..8 layers (`tracer.calibrate_overhead`) whose layers stream the model's real weights (so the caches
+  are as cold as in a real step), minus those weights' read time; for each decoder in OVERHEAD_DECODERS:
+  transformers' DynamicCache loop and the tracer's tiered cache under each policy (its bookkeeping costs
+  2-3x the bare loop per layer on a CPU). The profile's `overheads` are those of `--overhead-decoder` (default
+  `tiered/full`: decoding under the tracer); every decoder's pair is in `provenance.overheads_by_decoder`,
+  where `thoughtkv crosscheck` takes the one matching the policy it measures.
+- attention decode time vs KV length (the model's head shapes) and the two-directions-at-once figure are
+  recorded in `provenance` for the cross-check (the cost model charges attention at `hbm_bytes_per_s`).
+
+Provenance records device, driver, library versions, date, thread count, clock and every raw timing and fit.
+Timings are medians (or minima: `--statistic min`) of repeats after warm-up. On the CPU the default is ONE
+intra-op thread, timed by that thread's CPU time: two OpenMP threads on a shared 2-core box stall for
+milliseconds at random (measured: 8 ms for a 5 us sdpa call), and wall time counts other processes' turns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from thoughtkv.errors import UserError
+
+FULL_DUPLEX_MIN_RATIO = 1.6  # both-directions throughput / one direction, above which the link is full duplex
+NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+
+class CalibrationError(UserError):
+    """Bad calibrate arguments (one line, exit 2)."""
+
+
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """Sizes and repeats of every microbenchmark (per device; `quick` = seconds-long, for tests)."""
+
+    copy_sizes_bytes: tuple[int, ...]
+    duplex_bytes: int
+    device_copy_bytes: int
+    matvec_n: int
+    gemm_n: int
+    kv_lengths: tuple[int, ...]
+    overhead_layer_counts: tuple[int, ...] = (1, 2, 4, 8)
+    overhead_steps: int = 40
+    # Long enough that hierarchy holds more DDR blocks than recall_k (4), so the recall takes its top-k path.
+    overhead_prompt_tokens: int = 320
+    repeats: int = 11
+    warmup: int = 3
+    weights_min_bytes: int = 256 * 2**20  # model-shape weight reads: pass the last-level cache
+    prefill_tokens: int = 256  # tokens per GEMM of the model-shape matmul benchmark (a prompt's prefill)
+
+
+def plan_for(device_type: str, quick: bool = False) -> CalibrationPlan:
+    kib, mib = 2**10, 2**20
+    if quick:
+        return CalibrationPlan(
+            copy_sizes_bytes=(4 * kib, 64 * kib, 1 * mib, 4 * mib), duplex_bytes=1 * mib,
+            device_copy_bytes=4 * mib, matvec_n=512, gemm_n=128, kv_lengths=(64, 256, 1024),
+            overhead_layer_counts=(1, 3), overhead_steps=4, overhead_prompt_tokens=40, repeats=3, warmup=1,
+            weights_min_bytes=2**20, prefill_tokens=16,
+        )
+    sizes = tuple(4 * kib * 4**i for i in range(9))  # 4 KB ... 256 MB
+    if device_type == "cuda":
+        return CalibrationPlan(
+            copy_sizes_bytes=sizes, duplex_bytes=256 * mib, device_copy_bytes=1024 * mib, matvec_n=8192,
+            gemm_n=8192, kv_lengths=(256, 1024, 4096, 16384, 65536),
+        )
+    return CalibrationPlan(
+        copy_sizes_bytes=sizes, duplex_bytes=64 * mib, device_copy_bytes=256 * mib, matvec_n=4096,
+        gemm_n=1024, kv_lengths=(64, 256, 1024, 4096, 16384),
+    )
+
+
+@dataclass
+class Calibration:
+    """Everything measured: raw series, fits, scalar figures and where it ran."""
+
+    device: str
+    device_name: str
+    dtype: str
+    threads: int
+    architecture: str
+    plan: CalibrationPlan
+    series: dict = field(default_factory=dict)  # name -> {"x": [...], "time_s": [...], "unit": ...}
+    fits: dict = field(default_factory=dict)  # name -> {"fixed": s, "slope": s/unit, "rate": unit/s, ...}
+    figures: dict = field(default_factory=dict)  # name -> float (SI)
+    clock: str = "wall"  # cuda_events | thread_cpu | wall
+    statistic: str = "median"  # how repeats are reduced: median | min
+    overhead_decoder: str = "tiered/full"  # whose overheads the profile's `overheads` are
+
+
+# ---------------------------------------------------------------- measuring ----------------------------------
+
+
+def measure(
+    device_type: str,
+    architecture: str,
+    plan: CalibrationPlan,
+    threads: int,
+    overhead_decoder: str = "tiered/full",
+    statistic: str = "median",
+    progress: bool = True,
+) -> Calibration:
+    import numpy as np
+    import torch
+
+    from tracer import calibrate_bench as bench
+    from tracer.calibrate_fit import fit_fixed_plus_linear
+    from tracer.calibrate_overhead import overhead_sweep
+    from traces.architectures import get_architecture
+
+    torch.set_num_threads(threads)
+    device = torch.device(device_type)
+    dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+    arch = get_architecture(architecture)
+    clock_name, clock = ("cuda_events", time.perf_counter) if device_type == "cuda" else bench.cpu_clock(threads)
+    cal = Calibration(device_type, device_name(device), str(dtype).removeprefix("torch."), threads, architecture,
+                      plan, clock=clock_name, statistic=statistic, overhead_decoder=overhead_decoder)
+    timing = bench.Timing(device, plan.repeats, plan.warmup, clock, statistic)
+
+    def record(series: bench.Series) -> None:
+        fit = fit_fixed_plus_linear(np.array(series.x), np.array(series.time_s))
+        cal.series[series.name] = {"x": series.x, "time_s": series.time_s, "unit": series.unit}
+        cal.fits[series.name] = {**asdict(fit), "rate": fit.rate}
+
+    def figure(name: str, value: float) -> None:
+        cal.figures[name] = value
+
+    weights = bench.ModelWeights(arch, dtype, device, plan.weights_min_bytes)
+    cal.figures["layer_weight_bytes"] = float(weights.layer_bytes)
+    cal.figures["head_weight_bytes"] = float(weights.head_bytes)
+    sizes = list(plan.copy_sizes_bytes)
+    # Two threads' work is not one thread's CPU time: the duplex figure is wall time (recorded only, on a CPU).
+    wall = dataclasses.replace(timing, clock=time.perf_counter)
+    steps = [
+        ("copy h2d", lambda: record(bench.copy_sweep("h2d", sizes, timing))),
+        ("copy d2h", lambda: record(bench.copy_sweep("d2h", sizes, timing))),
+        ("duplex", lambda: _duplex(cal, bench.duplex_time_s(plan.duplex_bytes, wall))),
+        ("host copy", lambda: figure("host_copy_bytes_per_s", _one_copy_rate(
+            bench.copy_sweep("h2h", [plan.device_copy_bytes], timing)))),
+        ("device copy", lambda: _device_copy(cal, bench.copy_sweep("d2d", [plan.device_copy_bytes], timing))),
+        ("matvec", lambda: figure("matvec_read_bytes_per_s", bench.matvec_read_bytes_per_s(plan.matvec_n, dtype, timing))),
+        ("model weights", lambda: figure(
+            "model_weights_read_bytes_per_s", bench.model_weights_read_bytes_per_s(weights, timing))),
+        ("gemm", lambda: figure("gemm_flops_per_s", bench.gemm_flops_per_s(plan.gemm_n, dtype, timing))),
+        ("model gemm", lambda: figure("model_gemm_flops_per_s",
+                                      bench.model_gemm_flops_per_s(weights, plan.prefill_tokens, timing))),
+        ("attention", lambda: record(bench.attention_decode_sweep(
+            list(plan.kv_lengths), arch.n_heads, arch.n_kv_heads, arch.head_dim, dtype, timing))),
+    ]
+    for decoder in OVERHEAD_DECODERS:
+        for prefix, stream in (("overhead", None), ("overhead_with_weights", weights)):
+            steps.append((f"{prefix} {decoder}", lambda decoder=decoder, prefix=prefix, stream=stream: record(_named(
+                overhead_sweep(list(plan.overhead_layer_counts), dtype, plan.overhead_steps, timing,
+                               decoder_factory(decoder), plan.overhead_prompt_tokens, stream),
+                f"{prefix}/{decoder}"))))
+    from tqdm import tqdm
+
+    with tqdm(steps, desc="calibrate", unit="bench", disable=not progress) as bar:
+        for name, run_step in bar:
+            bar.set_postfix_str(name)
+            run_step()
+    return cal
+
+
+OVERHEAD_DECODERS = ("dynamic-cache", "tiered/full", "tiered/evict", "tiered/hierarchy")
+
+
+def decoder_factory(name: str):
+    """A decode-loop factory for the overhead benchmark: transformers' DynamicCache or the tracer's tiered
+    cache with one policy (budget 0.5, recall_k 4, block 16: the tracer's defaults for these runs)."""
+    from tracer.calibrate_overhead import dynamic_cache_decoder
+
+    if name == "dynamic-cache":
+        return dynamic_cache_decoder
+    from tracer.calibrate_tiered import tiered_decoder_factory
+
+    return tiered_decoder_factory(name.removeprefix("tiered/"))
+
+
+def _named(series, name: str):
+    series.name = name
+    return series
+
+
+def overheads_by_decoder(cal: Calibration) -> dict[str, dict[str, float]]:
+    """Per decoder: the overheads the simulator adds to the weights' roofline time.
+
+    From the sweep whose layers stream the model's weights: step time = a + b * layers, minus the weights' own
+    time at the measured weight-read bandwidth (b - layer_bytes / bw per layer, a - head_bytes / bw per step),
+    so that roofline + overhead reproduces the sweep. The near-zero sweep alone (`warm_*`) is kept to show how
+    much cold caches add."""
+    bandwidth = cal.figures["model_weights_read_bytes_per_s"]
+    layer_s = cal.figures["layer_weight_bytes"] / bandwidth
+    head_s = cal.figures["head_weight_bytes"] / bandwidth
+    out = {}
+    for name, cold in cal.fits.items():
+        if not name.startswith("overhead_with_weights/"):
+            continue
+        decoder = name.removeprefix("overhead_with_weights/")
+        warm = cal.fits[f"overhead/{decoder}"]
+        out[decoder] = {
+            "step_overhead_s": max(0.0, cold["fixed"] - head_s),
+            "layer_overhead_s": max(0.0, cold["slope"] - layer_s),
+            "warm_step_overhead_s": warm["fixed"], "warm_layer_overhead_s": warm["slope"],
+            "max_rel_residual": cold["max_rel_residual"],
+        }
+    return out
+
+
+def _duplex(cal: Calibration, times: tuple[float, float, float]) -> None:
+    h2d_s, d2h_s, both_s = times
+    n = cal.plan.duplex_bytes
+    cal.figures["duplex_one_way_bytes_per_s"] = n / max(h2d_s, d2h_s)
+    cal.figures["duplex_both_bytes_per_s"] = 2 * n / both_s
+    cal.figures["duplex_ratio"] = cal.figures["duplex_both_bytes_per_s"] / cal.figures["duplex_one_way_bytes_per_s"]
+
+
+def _one_copy_rate(series) -> float:
+    return series.x[0] / series.time_s[0]
+
+
+def _device_copy(cal: Calibration, series) -> None:
+    # A copy reads and writes every byte: the memory traffic is twice the size.
+    cal.figures["device_copy_bytes_per_s"] = 2 * series.x[0] / series.time_s[0]
+
+
+def device_name(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# ---------------------------------------------------------------- the profile --------------------------------
+
+
+def link_kind_for(device_type: str, device_name: str, h2d_bytes_per_s: float) -> str:
+    """The host link's kind: by GPU name where it is unambiguous, else by the measured bandwidth."""
+    if device_type == "cpu":
+        return "host"
+    name = device_name.lower()
+    if "gh200" in name or "gb200" in name:
+        return "nvlink-c2c"
+    gb_per_s = h2d_bytes_per_s / 1e9
+    return "pcie5" if gb_per_s > 32 else "pcie4" if gb_per_s > 16 else "pcie3"
+
+
+def memory_bytes(device_type: str) -> tuple[int, int]:
+    """(device memory, host memory) in bytes; on the CPU both tiers are the same RAM."""
+    import torch
+
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory, host
+    return host, host
+
+
+def build_profile(cal: Calibration, name: str):
+    """Calibration -> (HardwareProfile, sources for every field)."""
+    from hwprofiles import GPUSpec, HardwareProfile, HostSpec, LinkSpec, OverheadSpec
+
+    fits, fig = cal.fits, cal.figures
+    device_bytes, host_bytes = memory_bytes(cal.device)
+    h2d, d2h = fits["copy_h2d"], fits["copy_d2h"]
+    h2d_rate, d2h_rate = h2d["rate"], d2h["rate"]
+    # Peak per direction: the best single copy seen, never below the fitted asymptote.
+    h2d_peak = max(h2d_rate, max(x / t for x, t in zip(cal.series["copy_h2d"]["x"], cal.series["copy_h2d"]["time_s"])))
+    d2h_peak = max(d2h_rate, max(x / t for x, t in zip(cal.series["copy_d2h"]["x"], cal.series["copy_d2h"]["time_s"])))
+    weights = fig["model_weights_read_bytes_per_s"]
+    hbm_peak = max(fig["device_copy_bytes_per_s"], fig["matvec_read_bytes_per_s"], weights)
+    hbm_efficiency = weights / hbm_peak
+    matmul_peak = max(fig["gemm_flops_per_s"], fig["model_gemm_flops_per_s"])
+    full_duplex = cal.device == "cuda" and fig["duplex_ratio"] >= FULL_DUPLEX_MIN_RATIO
+    overhead = overheads_by_decoder(cal)[cal.overhead_decoder]
+    # The simulator moves offloaded KV at min(link, DDR). On a GPU the DDR figure is a host -> host copy; on
+    # the CPU the "link" copy IS the DDR access (same memory, same copy), so DDR must not cap it again.
+    ddr_bytes_per_s = fig["host_copy_bytes_per_s"] if cal.device == "cuda" else max(h2d_rate, d2h_rate)
+    profile = HardwareProfile(
+        name=name,
+        description=f"measured by `thoughtkv calibrate` on {cal.device_name} ({cal.device}, {cal.dtype}, "
+                    f"{cal.threads} thread{'s' if cal.threads != 1 else ''})",
+        gpu=GPUSpec(
+            name=cal.device_name,
+            hbm_capacity_bytes=int(device_bytes),
+            hbm_peak_bytes_per_s=hbm_peak,
+            hbm_efficiency=min(1.0, hbm_efficiency),
+            matmul_peak_flops_per_s=matmul_peak,
+            matmul_efficiency=fig["model_gemm_flops_per_s"] / matmul_peak,
+        ),
+        host=HostSpec(ddr_capacity_bytes=int(host_bytes), ddr_bytes_per_s=ddr_bytes_per_s),
+        link=LinkSpec(
+            kind=link_kind_for(cal.device, cal.device_name, h2d_rate),
+            h2d_peak_bytes_per_s=h2d_peak,
+            d2h_peak_bytes_per_s=d2h_peak,
+            h2d_bytes_per_s=h2d_rate,
+            d2h_bytes_per_s=d2h_rate,
+            transfer_overhead_s=(h2d["fixed"] + d2h["fixed"]) / 2,
+            copy_engines=1,
+            full_duplex=full_duplex,
+        ),
+        overheads=OverheadSpec(step_overhead_s=overhead["step_overhead_s"], layer_overhead_s=overhead["layer_overhead_s"]),
+        provenance=provenance(cal),
+    )
+    p = cal.plan
+    copies = f"{p.copy_sizes_bytes[0]} B .. {p.copy_sizes_bytes[-1]} B, {cal.statistic} of {p.repeats}"
+    pinned = "pinned host <-> device" if cal.device == "cuda" else "host -> host (the CPU tiered cache's copy)"
+    sources = {
+        "gpu.hbm_capacity": "measured: torch.cuda total_memory" if cal.device == "cuda" else "measured: physical RAM (sysconf)",
+        "gpu.hbm_peak_bandwidth": f"measured: best of a device copy of {p.device_copy_bytes} B ((read + write "
+                                  f"bytes) / time) and {p.matvec_n}^2 / model-shape {cal.dtype} matvec weight reads",
+        "gpu.hbm_efficiency": f"measured: weight-read bandwidth of one decode step's linear layers with "
+                              f"{cal.architecture}'s shapes (1 token, {cal.dtype}) / peak",
+        "gpu.matmul_peak": f"measured: best of a {p.gemm_n}^3 {cal.dtype} GEMM (2 n^3 / time) and the model-shape GEMMs",
+        "gpu.matmul_efficiency": f"measured: FLOP rate of {cal.architecture}'s linear layers on {p.prefill_tokens} "
+                                 f"tokens at once (a prefill's GEMMs) / peak",
+        "host.ddr_capacity": "measured: physical RAM (sysconf)",
+        "host.ddr_bandwidth": f"measured: host -> host copy of {p.device_copy_bytes} B, bytes / time"
+                              if cal.device == "cuda" else "measured: the link fit (on the CPU the link copy is the "
+                                                          "DDR access; the simulator takes min(link, DDR))",
+        "link.h2d_peak_bandwidth": f"measured: best single {pinned} copy, {copies}",
+        "link.d2h_peak_bandwidth": f"measured: best single {pinned} copy, {copies}",
+        "link.h2d_bandwidth": f"measured: 1/slope of overhead + bytes/bandwidth fitted to {pinned} copies, {copies}",
+        "link.d2h_bandwidth": f"measured: 1/slope of overhead + bytes/bandwidth fitted to {pinned} copies, {copies}",
+        "link.transfer_overhead": "measured: mean intercept of the H2D and D2H fits",
+        "link.copy_engines": "1: the tiered cache issues copies on one stream per direction",
+        "link.full_duplex": f"measured: both directions at once / one direction = {fig['duplex_ratio']:.2f} "
+                            f"(full duplex when >= {FULL_DUPLEX_MIN_RATIO}; the CPU path copies synchronously)",
+        "overheads.step_overhead": f"measured: intercept of decode-step time vs layers of a near-zero-work Qwen2 "
+                                   f"whose layers stream {cal.architecture}'s weights ({cal.overhead_decoder} decode, "
+                                   f"layers {list(p.overhead_layer_counts)}), minus the lm_head's read time",
+        "overheads.layer_overhead": f"measured: slope of the same fit minus one layer's weight-read time "
+                                    f"({cal.overhead_decoder} decode)",
+    }
+    return profile, sources
+
+
+def provenance(cal: Calibration) -> dict:
+    import torch
+    import transformers
+
+    from thoughtkv import __version__, git_commit
+
+    def rounded(obj):
+        if isinstance(obj, float):
+            return float(f"{obj:.6g}")
+        if isinstance(obj, dict):
+            return {k: rounded(v) for k, v in obj.items()}
+        if isinstance(obj, list | tuple):
+            return [rounded(v) for v in obj]
+        return obj
+
+    cuda = torch.version.cuda if cal.device == "cuda" else None
+    driver = None
+    if cal.device == "cuda":
+        try:
+            driver = str(torch._C._cuda_getDriverVersion())
+        except (AttributeError, RuntimeError):
+            driver = None
+    return {
+        "kind": "measured",
+        "tool": "thoughtkv calibrate",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": cal.device,
+        "device_name": cal.device_name,
+        "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+        "driver": driver,
+        "cuda": cuda,
+        "torch": str(torch.__version__),
+        "transformers": str(transformers.__version__),
+        "python": platform.python_version(),
+        "thoughtkv": __version__,
+        "git_commit": git_commit(),
+        "threads": cal.threads,
+        "clock": cal.clock,
+        "statistic": cal.statistic,
+        "dtype": cal.dtype,
+        "architecture_for_attention": cal.architecture,
+        "overhead_decoder": cal.overhead_decoder,
+        "overheads_by_decoder": rounded(overheads_by_decoder(cal)),
+        "plan": rounded(asdict(cal.plan)),
+        "figures": rounded(cal.figures),
+        "fits": rounded(cal.fits),
+        "series": rounded(cal.series),
+    }
+
+
+def write_profile(profile, sources: dict, out: Path) -> None:
+    """Writes the YAML atomically, after reading it back through the loader, so that a profile the simulator
+    would refuse is never left behind (the loader wants the file stem to be the profile name, hence the
+    same-named file in a private temporary directory next to `out`)."""
+    import tempfile
+
+    import yaml
+
+    from hwprofiles import load_profile_file, profile_to_yaml_dict
+
+    text = "# Measured hardware profile written by `thoughtkv calibrate`; rerun it to refresh.\n"
+    text += yaml.safe_dump(profile_to_yaml_dict(profile, sources), sort_keys=False, width=120)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".calibrate-") as temp_dir:
+        temp = Path(temp_dir) / out.name
+        temp.write_text(text, encoding="utf-8")
+        load_profile_file(temp)
+        os.replace(temp, out)
+
+
+# ---------------------------------------------------------------- CLI ----------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="device to calibrate (default: cuda when available, else cpu)")
+    parser.add_argument("--out", default=None,
+                        help="profile YAML to write; its stem is the profile name "
+                             "(default: hwprofiles/measured/measured-<device>.yaml)")
+    parser.add_argument("--architecture", default=None,
+                        help="model shapes for the attention benchmark (default: tiny on cpu, qwen2-7b on cuda)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: 1 on cpu, torch's default on cuda); recorded")
+    parser.add_argument("--overhead-decoder", default="tiered/full", choices=OVERHEAD_DECODERS,
+                        help="whose per-step/per-layer overheads the profile's `overheads` are (all are measured "
+                             "and kept in provenance.overheads_by_decoder); default: tiered/full")
+    parser.add_argument("--statistic", choices=("median", "min"), default="median",
+                        help="reduce repeated timings by their median (default) or minimum (the uncontended cost "
+                             "on a shared machine); recorded, and `thoughtkv crosscheck` reduces its repeats alike")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and few repeats (seconds; for tests)")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing --out file")
+
+
+def resolve_out(out: str | None, device_type: str, force: bool) -> Path:
+    from hwprofiles import MEASURED_DIR
+
+    path = Path(out) if out else MEASURED_DIR / f"measured-{device_type}.yaml"
+    if path.suffix not in (".yaml", ".yml"):
+        raise CalibrationError(f"--out {path}: must end in .yaml (the profile is YAML)")
+    if not NAME_PATTERN.match(path.stem):
+        raise CalibrationError(f"--out {path}: the file stem is the profile name and must be lower-case letters, "
+                               "digits, '.', '_' or '-'")
+    if path.exists() and not force:
+        raise CalibrationError(f"--out {path}: exists; pass --force to overwrite it or choose another file")
+    if path.exists() and not path.is_file():
+        raise CalibrationError(f"--out {path}: is not a file")
+    parent = path.parent if str(path.parent) else Path(".")
+    if parent.exists() and not os.access(parent, os.W_OK):
+        raise CalibrationError(f"--out {path}: directory {parent} is not writable")
+    return path
+
+
+def resolve_device(device: str | None) -> str:
+    import torch
+
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CalibrationError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
+    return device
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from traces.architectures import get_architecture
+
+    device_type = resolve_device(args.device)
+    out = resolve_out(args.out, device_type, args.force)
+    architecture = args.architecture or ("qwen2-7b" if device_type == "cuda" else "tiny")
+    try:
+        get_architecture(architecture)
+    except UserError as exc:
+        raise CalibrationError(f"--architecture: {exc}") from None
+    if args.threads is not None and args.threads < 1:
+        raise CalibrationError(f"--threads {args.threads}: must be >= 1")
+    threads = args.threads or (1 if device_type == "cpu" else torch.get_num_threads())
+    cal = measure(device_type, architecture, plan_for(device_type, args.quick), threads, args.overhead_decoder,
+                  args.statistic)
+    profile, sources = build_profile(cal, out.stem)
+    write_profile(profile, sources, out)
+    print(summary_line(profile))
+    print(f"wrote {out}")
+    return 0
+
+
+def summary_line(profile) -> str:
+    g, lk, o = profile.gpu, profile.link, profile.overheads
+    return (f"{profile.name}: memory {g.hbm_bytes_per_s / 1e9:.1f} GB/s (copy peak {g.hbm_peak_bytes_per_s / 1e9:.1f}), "
+            f"matmul {g.matmul_flops_per_s / 1e9:.1f} GFLOP/s, link h2d {lk.h2d_bytes_per_s / 1e9:.1f} GB/s "
+            f"d2h {lk.d2h_bytes_per_s / 1e9:.1f} GB/s + {lk.transfer_overhead_s * 1e6:.1f} us/copy, "
+            f"duplex={lk.full_duplex}, overhead {o.step_overhead_s * 1e6:.0f} us/step + "
+            f"{o.layer_overhead_s * 1e6:.0f} us/layer")

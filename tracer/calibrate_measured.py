@@ -1,0 +1,134 @@
+"""Measured decode runs for `thoughtkv crosscheck`: the tracer's own decode, timed step by step.
+
+- `load_for_crosscheck(spec, device, dtype, seed)`: `random:NAME` models are created directly on the compute
+  device (meta device -> `to_empty` -> in-place init), so that `random:qwen2-7b` never builds 15 GB on the
+  CPU first; anything else goes through `tracer.models.load_model`.
+- `StepTimer`: forward hooks on the model and on each decoder layer. On the CPU with one intra-op thread every
+  kernel runs on the calling thread, so its CPU time (`time.thread_time`) is the step's cost without the time
+  other processes on a shared box take (wall time is kept too: the trace's `measured_step_us`). On CUDA the
+  step time is the trace's own `measured_step_us` (wall, up to `torch.cuda.synchronize`).
+- `measured_run(loaded, config, clock)`: `tracer.run.run_trace` into a fresh directory with the timer
+  attached -> the run directory and a per-step table (sample_id, step, measured_s, layers_s, wall_s).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+CLOCKS = {"thread_cpu": time.thread_time, "wall": time.perf_counter}
+
+
+def load_for_crosscheck(spec: str, device: str, dtype: str | None = None, seed: int = 0):
+    """A `tracer.models.LoadedModel`; random architectures are initialised on the device itself."""
+    from tracer.models import load_model
+
+    if not spec.startswith("random:"):
+        return load_model(spec, device, dtype, seed=seed)
+    return load_random_on_device(spec, torch.device(device), dtype, seed)
+
+
+def load_random_on_device(spec: str, device: torch.device, dtype: str | None, seed: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tracer.models import DTYPES, ByteTokenizer, LoadedModel, _config_kwargs, _manifest, default_dtype
+    from traces.architectures import get_architecture
+
+    dtype = dtype or default_dtype(device)
+    arch = get_architecture(spec.split(":", 1)[1])
+    config = AutoConfig.for_model(arch.model_type, **_config_kwargs(arch))
+    with torch.device("meta"):  # shapes only: no memory, no init
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation="sdpa")
+    model.to_empty(device=device)
+    for module in model.modules():  # nothing was initialised on the meta device; make sure HF initialises all
+        if hasattr(module, "_is_hf_initialized"):
+            del module._is_hf_initialized
+    torch.manual_seed(seed)
+    model.initialize_weights()  # in place, on the device: normal(0, 0.02) linears/embeddings, norms 1, RoPE
+    model.tie_weights()
+    model.eval()
+    return LoadedModel(model, ByteTokenizer(), spec, True, _manifest(model, spec, dtype, None, True))
+
+
+@dataclass
+class StepTimer:
+    """Per-forward (= per decode step) and per-decoder-layer times from forward hooks, with `clock`."""
+
+    clock_name: str = "thread_cpu"
+    step_s: list[float] = field(default_factory=list)
+    layers_s: list[float] = field(default_factory=list)
+    _handles: list = field(default_factory=list)
+    _step_start: float = 0.0
+    _layer_start: float = 0.0
+    _layers_sum: float = 0.0
+
+    def attach(self, model: torch.nn.Module) -> StepTimer:
+        clock = CLOCKS[self.clock_name]
+
+        def step_begin(*_args, **_kwargs):
+            self._layers_sum = 0.0
+            self._step_start = clock()
+
+        def step_end(*_args, **_kwargs):
+            self.step_s.append(clock() - self._step_start)
+            self.layers_s.append(self._layers_sum)
+
+        def layer_begin(*_args, **_kwargs):
+            self._layer_start = clock()
+
+        def layer_end(*_args, **_kwargs):
+            self._layers_sum += clock() - self._layer_start
+
+        self._handles.append(model.register_forward_pre_hook(step_begin, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(step_end, with_kwargs=True))
+        for layer in decoder_layers(model):
+            self._handles.append(layer.register_forward_pre_hook(layer_begin, with_kwargs=True))
+            self._handles.append(layer.register_forward_hook(layer_end, with_kwargs=True))
+        return self
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    base = getattr(model, "model", model)
+    return list(getattr(base, "layers", []))
+
+
+def measured_run(loaded, config, clock_name: str) -> tuple[Path, pd.DataFrame]:
+    """Traces `config` (its `out` must not hold a run yet) with the step timer attached; returns the run
+    directory and per-step times. `clock_name` 'trace' = use the trace's measured_step_us (CUDA)."""
+    from tracer.run import run_trace
+    from traces import open_run
+
+    out = Path(config.out)
+    if out.exists():
+        shutil.rmtree(out)  # a crash leftover of this measurement: its samples' timings are lost anyway
+    timer = StepTimer("wall" if clock_name == "trace" else clock_name).attach(loaded.model)
+    try:
+        run_trace(config, progress=False, loaded=loaded)
+    finally:
+        timer.detach()
+    run = open_run(out)
+    steps = run.steps(columns=["sample_id", "step", "layer", "measured_step_us"])
+    steps = steps[steps["layer"] == 0].drop(columns="layer")
+    samples = run.samples()
+    order = dict(zip(samples["sample_id"], samples["sample_index"]))
+    steps = steps.assign(sample_index=steps["sample_id"].map(order)).sort_values(["sample_index", "step"])
+    steps = steps.drop(columns="sample_index").reset_index(drop=True)
+    if len(steps) != len(timer.step_s):
+        raise RuntimeError(f"{len(timer.step_s)} forward passes for {len(steps)} trace steps in {out}: the "
+                           "measured run must be the only decode with this model (no oracle teacher pass)")
+    steps["wall_s"] = steps.pop("measured_step_us") / 1e6
+    if clock_name == "trace":
+        steps["measured_s"], steps["layers_s"] = steps["wall_s"], float("nan")
+    else:
+        steps["measured_s"], steps["layers_s"] = timer.step_s, timer.layers_s
+    return out, steps

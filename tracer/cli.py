@@ -1,0 +1,63 @@
+"""`thoughtkv trace`: decode a model with a tiered KV cache and record a trace v1 run (resumable).
+
+No torch at module level: `run` imports the tracer lazily after validating every argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP_BUDGET = "HBM budget: a fraction of the logical length in (0, 1] or a whole token count (e.g. 512)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="HF id or local path, `micro`, or `random:NAME` (traces.architectures)")
+    parser.add_argument("--task", required=True, help="task name (gsm8k, math500, chains, ...)")
+    parser.add_argument("--data-file", default=None, help="local dataset file for the task (no downloads at run time)")
+    parser.add_argument("--n-samples", type=int, default=1)
+    parser.add_argument("--policy", default="full", help="full | evict | hierarchy")
+    parser.add_argument("--hbm-budget", default="1.0", help=HELP_BUDGET)
+    parser.add_argument("--evict-ratio", type=float, default=0.0, help="hierarchy: fraction of the logical length evicted")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (1 = per token)")
+    parser.add_argument("--scorer", default="h2o", help="h2o | tova | snapkv | keynorm | rkv | recency | random | oracle | vatp | gradient")
+    parser.add_argument("--recall-k", type=int, default=4, help="hierarchy: DDR blocks recalled per layer and step")
+    parser.add_argument("--sink-tokens", type=int, default=4)
+    parser.add_argument("--window-tokens", type=int, default=32)
+    parser.add_argument("--promote", action="store_true", help="hierarchy: recalled blocks that outscore HBM blocks stay in HBM (swap)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
+    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--no-access", action="store_true", help="do not record per-block masses (access table)")
+    parser.add_argument("--ddr-dtype", default="same", choices=["same", "int8", "int4"],
+                        help="hierarchy: store offloaded blocks quantized (per block and head scale + zero point)")
+    parser.add_argument("--also-score", default=None, metavar="A,B",
+                        help="scorers computed alongside (not placing); recorded for `thoughtkv analyze correlation`")
+    parser.add_argument("--grad-window", type=int, default=1, help="gradient scorer: next-token losses of the last N positions")
+    parser.add_argument("--grad-interval", type=int, default=1, help="gradient scorer: a backward pass every N decode steps")
+    parser.add_argument("--out", required=True, help="run directory (created; rerun to resume)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def config_from_args(args: argparse.Namespace):
+    from tracer.run import TraceConfig
+
+    return TraceConfig(
+        model=args.model, task=args.task, out=args.out, n_samples=args.n_samples, data_file=args.data_file,
+        policy=args.policy, hbm_budget=args.hbm_budget, evict_ratio=args.evict_ratio, block_size=args.block_size,
+        scorer=args.scorer, recall_k=args.recall_k, max_new_tokens=args.max_new_tokens,
+        sink_tokens=args.sink_tokens, window_tokens=args.window_tokens, promote=args.promote,
+        seed=args.seed, device=args.device, dtype=args.dtype, access=not args.no_access,
+        ddr_dtype=args.ddr_dtype, also_score=args.also_score, grad_window=args.grad_window,
+        grad_interval=args.grad_interval,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from tracer.run import run_trace
+
+    config = config_from_args(args)
+    config.validate()
+    out = run_trace(config, progress=not args.quiet)
+    print(f"trace written to {out}")
+    return 0

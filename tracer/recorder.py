@@ -1,0 +1,52 @@
+"""Per-sample recording buffers -> the columns of trace v1 (traces/schema.py).
+
+The tiered layers call `add_layer_row` once per (step, layer) with scalars, id lists and the block masses
+already reduced on the device (one small host copy per layer and step); the decode loop sets `step` and the
+step's wall time. Nothing here touches torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+STEP_COLUMNS = (
+    "step", "layer", "query_tokens", "logical_len", "hbm_tokens", "ddr_tokens", "evicted_tokens",
+    "recalled_tokens", "hbm_blocks", "ddr_blocks", "evicted_blocks", "recalled_block_ids", "promoted_block_ids",
+    "offloaded_block_ids", "evicted_block_ids", "bytes_h2d", "bytes_d2h", "hbm_kv_bytes", "ddr_kv_bytes",
+    "mass_hbm", "mass_ddr",
+)
+OPTIONAL_STEP_COLUMNS = ("quant_max_rel_err", "quant_rms_rel_err")  # quantized DDR tier; None when not measured
+
+
+@dataclass
+class Recorder:
+    record_access: bool = True
+    step: int = 0
+    columns: dict[str, list] = field(default_factory=lambda: {name: [] for name in STEP_COLUMNS + OPTIONAL_STEP_COLUMNS})
+    block_mass: list[np.ndarray] = field(default_factory=list)
+    step_us: list[float] = field(default_factory=list)
+
+    def add_layer_row(self, *, block_mass: np.ndarray, **values) -> None:
+        values["step"] = self.step
+        for name in STEP_COLUMNS:
+            self.columns[name].append(values[name])
+        for name in OPTIONAL_STEP_COLUMNS:
+            self.columns[name].append(values.get(name))
+        if self.record_access:
+            self.block_mass.append(block_mass)
+
+    def end_step(self, wall_us: float) -> None:
+        self.step_us.append(wall_us)
+        self.step += 1
+
+    def steps_table(self) -> dict[str, list]:
+        table = dict(self.columns)
+        table["measured_step_us"] = [self.step_us[s] for s in self.columns["step"]]
+        return table
+
+    def access_table(self) -> dict[str, list] | None:
+        if not self.record_access:
+            return None
+        return {"step": self.columns["step"], "layer": self.columns["layer"], "block_mass": self.block_mass}

@@ -1,0 +1,218 @@
+"""`run_trace(config)`: decode a task's samples with a tiered KV cache and write a trace v1 run (resumable).
+
+The Python API behind `thoughtkv trace`; demo/crosscheck/sweep code calls it without a subprocess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+from thoughtkv.errors import UserError
+
+
+class BadTraceConfig(UserError):
+    pass
+
+
+@dataclass
+class TraceConfig:
+    model: str
+    task: str
+    out: str
+    n_samples: int = 1
+    data_file: str | None = None
+    policy: str = "full"
+    hbm_budget: str | float = 1.0  # fraction of the logical length in (0, 1], or a token count
+    evict_ratio: float = 0.0
+    block_size: int = 16
+    scorer: str = "h2o"
+    recall_k: int = 4
+    max_new_tokens: int = 256
+    sink_tokens: int = 4
+    window_tokens: int = 32
+    promote: bool = False
+    seed: int = 0
+    device: str | None = None
+    dtype: str | None = None
+    access: bool = True
+    # Issue 9 (tracer/quant.py, tracer/scorers_extra.py):
+    ddr_dtype: str = "same"  # hierarchy: DDR stores offloaded blocks as same | int8 | int4
+    also_score: str | None = None  # "A,B": scorers computed alongside, recorded in tokens.importance_by_scorer
+    grad_window: int = 1  # gradient scorer: next-token losses of the last N positions
+    grad_interval: int = 1  # gradient scorer: one backward pass every N decode steps
+
+    def validate(self) -> None:
+        """Every check that needs no model; raises a one-line UserError."""
+        from tracer.policies import make_policy
+        from tracer.scorers import SCORERS
+        from tracer.tasks import get_task
+
+        make_policy(self.policy, self.hbm_budget, self.evict_ratio)
+        if self.scorer not in SCORERS:
+            raise BadTraceConfig(f"unknown scorer {self.scorer!r}; use one of {', '.join(SCORERS)}")
+        get_task(self.task)
+        self._validate_extras()
+        for name in ("n_samples", "block_size", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise BadTraceConfig(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
+        for name in ("recall_k", "sink_tokens", "window_tokens"):
+            if getattr(self, name) < 0:
+                raise BadTraceConfig(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})")
+        if self.data_file is not None and not Path(self.data_file).is_file():
+            raise BadTraceConfig(f"--data-file {self.data_file}: no such file")
+        out = Path(self.out)
+        if out.exists() and not out.is_dir():
+            raise BadTraceConfig(f"--out {out}: exists and is not a directory; choose another path")
+        parent = next((p for p in [out, *out.parents] if p.exists()), None)
+        if parent is None or not parent.is_dir():
+            raise BadTraceConfig(f"--out {out}: no existing parent directory")
+
+
+    def _validate_extras(self) -> None:
+        from tracer.quant import check_ddr_dtype
+        from tracer.scorers_extra import parse_also_score
+
+        check_ddr_dtype(self.ddr_dtype)
+        if self.ddr_dtype != "same" and self.policy != "hierarchy":
+            raise BadTraceConfig(f"--ddr-dtype {self.ddr_dtype} applies to the hierarchy policy only (got --policy {self.policy})")
+        extras = parse_also_score(self.also_score)
+        if extras and self.scorer == "oracle" and self.policy != "full":
+            raise BadTraceConfig("--also-score cannot be combined with --scorer oracle; run them separately")
+        if self.grad_window > 1 and self.policy != "full" and "gradient" in (self.scorer, *extras):
+            raise BadTraceConfig("--grad-window > 1 needs the full policy (layers keep different entries otherwise); use 1")
+        for name in ("grad_window", "grad_interval"):
+            if getattr(self, name) < 1:
+                raise BadTraceConfig(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
+
+
+def policy_manifest(config: TraceConfig) -> dict:
+    from tracer.cache import RECALL_RULE
+    from tracer.policies import make_policy
+
+    policy = make_policy(config.policy, config.hbm_budget, config.evict_ratio)
+    budget = getattr(policy, "hbm_budget", None)
+    uses_ddr = config.policy == "hierarchy"
+    return {
+        "name": config.policy,
+        "hbm_budget": budget.describe() if budget is not None else 1.0,
+        "evict_ratio": config.evict_ratio if uses_ddr else 0.0,
+        "block_size": config.block_size,
+        "scorer": config.scorer,
+        "recall_k": config.recall_k if uses_ddr else 0,
+        "recall_rule": RECALL_RULE if uses_ddr else None,
+        "sink_tokens": config.sink_tokens,
+        "window_tokens": config.window_tokens,
+        "params": {"promote": config.promote if uses_ddr else False, "budget_is_fraction": bool(budget is None or budget.is_fraction),
+                   "ddr_dtype": config.ddr_dtype if uses_ddr else "same"},
+    }
+
+
+def hardware_manifest(device) -> dict:
+    import torch
+    import transformers
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    return {
+        "device": f"{device.type}: {name}",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+    }
+
+
+def make_settings(config: TraceConfig, scorer=None, track_importance: bool = True):
+    from tracer.cache import TierSettings
+    from tracer.policies import make_policy
+    from tracer.scorers_extra import build_scorer, parse_also_score, with_also_score
+
+    if scorer is None:
+        options = {"seed": config.seed, "grad_window": config.grad_window, "grad_interval": config.grad_interval}
+        primary = build_scorer(config.scorer, **options)
+        # Under the full policy nothing is placed, so only the --also-score extras need scoring.
+        extras = parse_also_score(config.also_score)
+        scorer = with_also_score(None if config.policy == "full" and extras else primary, extras, **options)
+    return TierSettings(
+        policy=make_policy(config.policy, config.hbm_budget, config.evict_ratio), scorer=scorer,
+        block_size=config.block_size, sink_tokens=config.sink_tokens, window_tokens=config.window_tokens,
+        recall_k=config.recall_k if config.policy == "hierarchy" else 0, promote=config.promote,
+        track_importance=track_importance, ddr_dtype=config.ddr_dtype if config.policy == "hierarchy" else "same",
+    )
+
+
+def run_trace(config: TraceConfig, progress: bool = True, loaded=None) -> Path:
+    """Trace `config.n_samples` samples into `config.out`; samples already committed there are skipped."""
+    from tqdm.auto import tqdm
+
+    from tracer.models import load_model
+    from tracer.tasks import get_task
+    from traces import TraceWriter, make_manifest
+
+    config.validate()
+    task = get_task(config.task)
+    samples = task.load(config.n_samples, config.data_file, config.seed)
+    loaded = loaded or load_model(config.model, config.device, config.dtype, seed=config.seed)
+    manifest = make_manifest(
+        kind="traced",
+        model=loaded.manifest,
+        task={"name": task.name, "source": config.data_file or task.source, "split": task.split,
+              "sample_ids": [s.sample_id for s in samples]},
+        policy=policy_manifest(config),
+        hardware=hardware_manifest(loaded.model.device),
+        seed=config.seed,
+        access=config.access,
+        extra={"tracer": {k: v for k, v in dataclasses.asdict(config).items() if k not in ("out",)}},
+    )
+    writer = TraceWriter(config.out, manifest, resume=True)
+    todo = [s for s in samples if s.sample_id not in writer.done_sample_ids()]
+    bar = tqdm(todo, desc=f"trace {config.policy}", unit="sample", disable=not progress)
+    for sample in bar:
+        row, steps, tokens, access = trace_sample(loaded, task, sample, config, progress=progress)
+        writer.write_sample(row, steps, tokens, access)
+        bar.set_postfix(tokens=row["generated_tokens"], stop=row["stop_reason"])
+    return Path(config.out)
+
+
+def trace_sample(loaded, task, sample, config: TraceConfig, progress: bool = False):
+    """Decode one sample (an oracle run first does a full-cache pass); returns the four trace parts."""
+    from tqdm.auto import tqdm
+
+    from tracer.cache import TieredCache
+    from tracer.decode import encode_prompt, eos_token_ids, greedy_decode, tokens_table, use_tiered_attention
+    from tracer.recorder import Recorder
+
+    model, tokenizer = loaded.model, loaded.tokenizer
+    use_tiered_attention(model)
+    prompt_ids = encode_prompt(tokenizer, sample.prompt, task.use_chat_template)
+    eos_ids = eos_token_ids(model, tokenizer)
+    n_layers = model.config.num_hidden_layers
+    settings = make_settings(config)
+    if config.scorer == "oracle" and config.policy != "full":
+        teacher = TieredCache(n_layers, make_settings(dataclasses.replace(config, policy="full"), scorer=settings.scorer))
+        greedy_decode(model, prompt_ids, teacher, config.max_new_tokens, eos_ids)
+        settings.scorer.future_importance = [layer.importance[: layer.logical_len].clone() for layer in teacher.layers]
+    recorder = Recorder(record_access=config.access)
+    cache = TieredCache(n_layers, settings, recorder)
+    with tqdm(total=config.max_new_tokens, desc=sample.sample_id, unit="tok", leave=False, disable=not progress) as bar:
+        result = greedy_decode(model, prompt_ids, cache, config.max_new_tokens, eos_ids, recorder, bar)
+    text = tokenizer.decode(result.generated_ids, skip_special_tokens=True)
+    scored = not loaded.random_weights
+    predicted = task.extract_answer(text) if scored else None
+    row = {
+        "sample_id": sample.sample_id,
+        "prompt_tokens": len(prompt_ids),
+        "generated_tokens": len(result.generated_ids),
+        "stop_reason": result.stop_reason,
+        "predicted": predicted,
+        "gold": sample.gold,
+        "correct": task.is_correct(predicted, sample.gold) if scored else None,
+        "wall_s": result.wall_s,
+        "nonfinite": result.stop_reason == "nonfinite",
+        "generated_text": text,
+    }
+    tokens = tokens_table(result)
+    if hasattr(settings.scorer, "importance_by_scorer"):  # --also-score (tracer/scorers_extra.py)
+        tokens["importance_by_scorer"] = settings.scorer.importance_by_scorer(len(tokens["position"]), n_layers)
+    return row, recorder.steps_table(), tokens, recorder.access_table()
