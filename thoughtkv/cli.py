@@ -19,6 +19,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("traces", "traces.cli", "trace runs: info, validate, synth (synthetic traces without torch)"),
     ("trace", "tracer.cli", "decode a model with a tiered KV cache and record a trace (torch)"),
     ("simulate", "simulator.cli", "replay a trace against hardware profiles (SimPy)"),
+    ("serve-sim", "simulator.serving_cli", "serving simulation: continuous batching, HBM admission, shared link"),
     ("sweep", "simulator.sweep_cli", "grid of simulations or collections, local process pool or Ray"),
     ("plot", "analysis.cli", "figures, tables and report.md from traces and simulator results"),
     ("demo", "thoughtkv.demo", "the main job on the bundled micro model: trace, simulate, report"),

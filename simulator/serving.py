@@ -1,0 +1,630 @@
+"""Serving simulation: many requests share one GPU with continuous batching, HBM admission control and one
+host link; each request replays a traced sample, so its per-step recall/offload pattern is real.
+
+    result = simulate_serving("runs/hier30", "h100-pcie", ServingConfig(rate_per_s=2, duration_s=600))
+    result.summary          # one row: throughput, TTFT/TBT percentiles, goodput, concurrency, link use, ...
+    result.requests         # one row per request: arrival, admission, first token, finish, TBT stats
+    result.timeline         # one row per batch iteration: time, running, waiting, HBM/DDR occupancy
+
+The model (SimPy; the engine's hardware, engine.py, and cost model, costs.py):
+- `arrivals`: requests arrive (Poisson at `rate_per_s` during `duration_s`, or the rows of an arrival CSV, see
+  `load_arrivals_csv`) and wait in one FCFS admission queue. Each replays a traced sample: Poisson picks one
+  uniformly (seeded), a CSV row the nearest in (prompt, output) length.
+- `batch_loop` (holds the engine's GPU Resource per iteration): before every iteration it admits waiting
+  requests in order while (a) fewer than `max_batch` run, (b) HBM holds weights + the reserved KV of every
+  running request, where a request reserves its sample's peak HBM KV bytes (resident + recall buffers,
+  summed over layers, at the policy's budget), and (c) DDR (or the offload tier) holds every request's peak
+  offloaded KV. Reserving the peak means no request is ever preempted; the head of the queue blocks the rest
+  (no overtaking). A request that cannot fit even alone is rejected (`n_rejected`).
+  One iteration runs every running request's next traced step (the prefill for a new one) as the engine runs
+  a step: operations = the layers, then the LM head. Before operation i the recalls of all requests that have
+  one complete (a batched kernel needs all of them); operation i computes as one roofline over the batch:
+  weights once + every request's own FLOPs and KV bytes (`costs.layer_flops_bytes` per request, summed,
+  `costs.roofline`); after it, the offloads start on D2H (awaited only without async offload). With
+  `layer-prefetch` the recalls of operation i+1 (after the LM head: of the next step's first layer) are
+  issued when operation i starts computing. Every request then emits one token.
+- The link: the engine's `Channel`s (H2D and D2H, or one shared channel when half duplex; copy engines as a
+  Resource, one wire when there are several engines). Every request's copy is queued on them (each with the
+  fixed per-copy overhead, as in the engine; `batch_copies` instead moves a batch's blocks of one operation
+  in one copy, as a gather kernel would), so requests delay each other's recalls: `link_wait_s` is the time a request's copies spent beyond their uncontended
+  duration. With one request (or n identical ones arriving together) the schedule is exactly the engine's
+  single-sequence replay (or its lockstep `batch=n`); tests/test_serving.py checks both.
+Metrics: TTFT = first token - arrival; TBT = time between a request's consecutive tokens; queueing delay =
+admission - arrival; throughput = tokens / time of the last token; goodput counts requests whose mean TBT
+<= `tbt_slo_s` (and TTFT <= `ttft_slo_s` if set); link utilisation = bytes / bandwidth / time; Little's law
+L = lambda W on the admission queue (L integrated from the queue's trajectory, W from the requests).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import simpy
+
+from hwprofiles import HardwareProfile, load_profile
+from simulator import costs
+from simulator.engine import OVERLAP_MODES, Channel, Hardware, Timeline
+from simulator.workload import build_workload
+from thoughtkv.errors import UserError
+from traces import open_run
+
+
+class ServingError(UserError):
+    """Serving options or an arrival file that cannot be simulated as given (one-line message, exit 2)."""
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    rate_per_s: float = 1.0  # Poisson arrival rate (ignored when arrivals_csv is given)
+    duration_s: float = 60.0  # arrivals happen in [0, duration_s); the run then drains
+    max_batch: int = 64  # most requests in one decode iteration
+    tbt_slo_s: float = 0.1  # goodput: a request is good if its mean time between tokens is at most this
+    ttft_slo_s: float | None = None  # ... and, when set, its time to first token at most this
+    overlap: str = "none"  # none | layer-prefetch (see module docstring)
+    async_offload: bool = True  # False: a layer's offloads finish before the next layer starts
+    seed: int = 0  # Poisson arrivals and the sample each request replays
+    arrivals_csv: str | None = None  # arrival trace (see load_arrivals_csv); overrides rate/duration
+    offload_tier: str = "ddr"  # where offloaded KV lives: host DDR or an extra tier of the profile (e.g. cxl)
+    batch_copies: bool = False  # True: one copy per operation for the whole batch (a gather kernel), one overhead
+
+
+# ---------------------------------------------------------------- what one request costs ---------------------
+
+
+@dataclass
+class SampleWork:
+    """One traced sample, precomputed once so that the DES only looks numbers up.
+
+    Transfers come from the engine's Workload (workload.py: one operation per layer plus the LM head, with
+    the recall before and the offload after it); compute is kept per sequence as FLOPs and KV bytes so that a
+    batch of different sequences is one roofline (weights once + every sequence's own KV).
+    """
+
+    sample_id: str
+    prompt_tokens: int
+    flops: np.ndarray  # [steps, layers] FLOPs of this sequence
+    kv_read_bytes: np.ndarray  # [steps, layers] HBM bytes of this sequence's KV (weights excluded)
+    recall_bytes: np.ndarray  # [steps, layers + 1] H2D copy before each operation
+    recall_s: np.ndarray
+    offload_bytes: np.ndarray  # [steps, layers + 1] D2H copy after each operation
+    offload_s: np.ndarray
+    hbm_kv_bytes: np.ndarray  # [steps] KV bytes in HBM at attention, all layers, incl. recall buffers
+    ddr_kv_bytes: np.ndarray  # [steps] KV bytes in DDR
+
+    @property
+    def n_steps(self) -> int:
+        return len(self.hbm_kv_bytes)
+
+    def truncated(self, n_steps: int) -> SampleWork:
+        """The first n_steps steps (a request asking for fewer output tokens than the sample generated)."""
+        n = max(1, min(n_steps, self.n_steps))
+        return SampleWork(self.sample_id, self.prompt_tokens, *(getattr(self, f)[:n] for f in (
+            "flops", "kv_read_bytes", "recall_bytes", "recall_s", "offload_bytes", "offload_s", "hbm_kv_bytes",
+            "ddr_kv_bytes")))
+
+    @property
+    def peak_hbm_kv_bytes(self) -> float:
+        return float(self.hbm_kv_bytes.max())
+
+    @property
+    def peak_ddr_kv_bytes(self) -> float:
+        return float(self.ddr_kv_bytes.max())
+
+
+STEP_COLUMNS = ["step", "layer", "query_tokens", "hbm_tokens", "recalled_tokens", "bytes_h2d", "bytes_d2h",
+                "hbm_kv_bytes", "ddr_kv_bytes"]
+
+
+def sample_work(steps: pd.DataFrame, sample: pd.Series, shape: costs.ModelShape,
+                profile: HardwareProfile, tier: str = "ddr") -> SampleWork:
+    """Arrays of one sample from its steps rows: the cost model's FLOPs/KV bytes and the engine's transfers."""
+    steps = steps.sort_values(["step", "layer"])
+    n_steps, n_layers = int(steps["step"].max()) + 1, shape.n_layers
+    if len(steps) != n_steps * n_layers:
+        raise ServingError(f"sample {sample['sample_id']}: steps rows do not cover every (step, layer); "
+                           "run `thoughtkv traces validate` on the run")
+
+    def grid(column: str) -> np.ndarray:
+        return steps[column].to_numpy(dtype=np.float64).reshape(n_steps, n_layers)
+
+    query, attended = grid("query_tokens"), grid("hbm_tokens") + grid("recalled_tokens")
+    flops, hbm_bytes = costs.layer_flops_bytes(shape, query, attended, batch=1)
+    work = build_workload(str(sample["sample_id"]), shape, profile, query, attended, grid("bytes_h2d"),
+                          grid("bytes_d2h"), grid("hbm_kv_bytes"), grid("ddr_kv_bytes"), tier=tier)
+    ops = (n_steps, n_layers + 1)
+    return SampleWork(
+        sample_id=str(sample["sample_id"]), prompt_tokens=int(sample["prompt_tokens"]),
+        flops=flops, kv_read_bytes=hbm_bytes - shape.layer_weight_bytes,
+        recall_bytes=work.recall_bytes.reshape(ops), recall_s=work.recall_s.reshape(ops),
+        offload_bytes=work.offload_bytes.reshape(ops), offload_s=work.offload_s.reshape(ops),
+        hbm_kv_bytes=work.step_hbm_kv_bytes, ddr_kv_bytes=work.step_ddr_kv_bytes,
+    )
+
+
+def load_run_work(run_dir: str | Path, profile: HardwareProfile,
+                  tier: str = "ddr") -> tuple[dict, costs.ModelShape, list[SampleWork]]:
+    run = open_run(run_dir)
+    shape = costs.ModelShape.from_manifest(run.manifest["model"])
+    samples = run.samples()
+    if samples.empty:
+        raise ServingError(f"{run_dir}: the run has no committed samples; trace or synthesise some first")
+    steps = run.steps(columns=["sample_id", *STEP_COLUMNS])
+    by_sample = dict(tuple(steps.groupby("sample_id", sort=False)))
+    works = [sample_work(by_sample[row.sample_id], row, shape, profile, tier) for _, row in samples.iterrows()]
+    return run.manifest, shape, works
+
+
+# ---------------------------------------------------------------- arrivals -----------------------------------
+
+
+@dataclass(frozen=True)
+class Arrival:
+    arrival_s: float
+    sample: int  # index into the run's samples
+    n_steps: int  # tokens this request generates (= traced steps replayed)
+
+
+def poisson_arrivals(rate_per_s: float, duration_s: float, works: list[SampleWork], seed: int) -> list[Arrival]:
+    """Exponential inter-arrival gaps at `rate_per_s` during [0, duration_s); each request replays a uniformly
+    drawn sample in full."""
+    rng = np.random.default_rng(seed)
+    expected = rate_per_s * duration_s
+    gaps = rng.exponential(1.0 / rate_per_s, size=int(expected + 10 * math.sqrt(expected) + 10))
+    times = np.cumsum(gaps)
+    times = times[times < duration_s]
+    picks = rng.integers(0, len(works), size=len(times))
+    return [Arrival(float(t), int(i), works[i].n_steps) for t, i in zip(times, picks)]
+
+
+# Column names accepted for an arrival CSV: ours, and those of the Azure LLM inference traces released with
+# Splitwise (Azure Public Dataset, AzureLLMInferenceTrace_2023/2024: TIMESTAMP,ContextTokens,GeneratedTokens).
+CSV_COLUMNS = {
+    "arrival_s": ("arrival_s", "TIMESTAMP", "timestamp"),
+    "prompt_tokens": ("prompt_tokens", "ContextTokens", "input_tokens"),
+    "output_tokens": ("output_tokens", "GeneratedTokens", "generated_tokens"),
+}
+
+
+def load_arrivals_csv(path: str | Path, works: list[SampleWork]) -> list[Arrival]:
+    """Arrivals from a CSV: arrival time (seconds, or timestamps as in the Azure trace; shifted to start at 0),
+    prompt tokens and output tokens per request.
+
+    Each request replays the traced sample closest to it (|prompt - P| + |output - O| smallest), truncated to
+    its output tokens; a request asking for more tokens than any sample generated replays the whole sample
+    (its `n_steps` says how many tokens were simulated).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ServingError(f"arrival file {path} not found; pass an existing CSV")
+    frame = pd.read_csv(path)
+    picked = {}
+    for ours, names in CSV_COLUMNS.items():
+        found = [n for n in names if n in frame.columns]
+        if not found:
+            raise ServingError(f"{path}: no column for {ours} (one of {', '.join(names)}); add it")
+        picked[ours] = frame[found[0]]
+    times = picked["arrival_s"]
+    if not pd.api.types.is_numeric_dtype(times):
+        try:
+            times = pd.to_datetime(times, errors="raise")
+        except (ValueError, TypeError):
+            raise ServingError(f"{path}: arrival times must be seconds or timestamps like 2023-11-16 "
+                               "18:15:46.68; fix the column") from None
+        times = (times - times.min()).dt.total_seconds()
+    times = times.to_numpy(dtype=np.float64)
+    times = times - times.min()
+    prompt = picked["prompt_tokens"].to_numpy(dtype=np.int64)
+    output = picked["output_tokens"].to_numpy(dtype=np.int64)
+    if np.isnan(times).any() or (prompt < 0).any() or (output < 1).any():
+        raise ServingError(f"{path}: arrival times must be numbers and output tokens >= 1 in every row")
+    lengths = np.array([[w.prompt_tokens, w.n_steps] for w in works], dtype=np.int64)
+    order = np.argsort(times, kind="stable")
+    arrivals = []
+    for i in order:
+        distance = np.abs(lengths[:, 0] - prompt[i]) + np.abs(lengths[:, 1] - output[i])
+        sample = int(np.argmin(distance))
+        arrivals.append(Arrival(float(times[i]), sample, int(min(output[i], works[sample].n_steps))))
+    return arrivals
+
+
+# ---------------------------------------------------------------- the simulation -----------------------------
+
+
+@dataclass
+class Request:
+    rid: int
+    arrival_s: float
+    work: SampleWork
+    admitted_s: float = math.nan
+    first_token_s: float = math.nan
+    finish_s: float = math.nan
+    step: int = 0  # next traced step to run
+    last_token_s: float = math.nan
+    link_wait_s: float = 0.0  # time its transfers spent queued for a copy engine
+    tbt_s: list[float] = field(default_factory=list)
+    rejected: bool = False
+
+
+@dataclass
+class ServingResult:
+    summary: dict
+    requests: pd.DataFrame
+    timeline: pd.DataFrame
+    tbt_s: np.ndarray  # every time-between-tokens interval of every request
+
+
+class ServingSim:
+    """The SimPy model: an arrival process, the batch loop (GPU) and copies on the engine's link channels."""
+
+    def __init__(self, profile: HardwareProfile, shape: costs.ModelShape, works: list[SampleWork],
+                 arrivals: list[Arrival], config: ServingConfig, timeline: Timeline | None = None):
+        if config.overlap not in OVERLAP_MODES:
+            raise ServingError(f"overlap {config.overlap!r} is unknown; use one of {', '.join(OVERLAP_MODES)}")
+        if config.max_batch < 1:
+            raise ServingError(f"max_batch must be >= 1, got {config.max_batch}")
+        self.profile, self.shape, self.config = profile, shape, config
+        self.env = simpy.Environment()
+        self.hw = Hardware(self.env, profile, timeline)  # the engine's GPU and link channels
+        self.timeline = timeline
+        self.kv_capacity_bytes = profile.gpu.hbm_capacity_bytes - shape.weight_bytes
+        if self.kv_capacity_bytes <= 0:
+            raise ServingError(f"{shape.name}: weights ({shape.weight_bytes / 1e9:.1f} GB) do not fit in "
+                               f"{profile.name}'s HBM; pick a larger GPU")
+        self.tier = costs.offload_tier(profile, config.offload_tier)
+        self.ddr_capacity_bytes = self.tier.capacity_bytes
+        self.works = works
+        self.requests = [Request(i, a.arrival_s, works[a.sample].truncated(a.n_steps))
+                         for i, a in enumerate(arrivals)]
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.reserved_hbm_bytes = 0.0
+        self.reserved_ddr_bytes = 0.0
+        self.all_arrived = False
+        self.wakeup = self.env.event()
+        self.queue_changes: list[tuple[float, int]] = [(0.0, 0)]  # (time, requests waiting) at every change
+        self.occupancy: list[tuple] = []  # one row per iteration (the `timeline` table of summarise)
+        self.prefetched: dict[int, simpy.Event] = {}  # layer-prefetch: request -> in-flight recall of its next op
+        self.iterations = 0
+        self.tokens = 0  # emitted so far (progress)
+        self.env.process(self.arrivals())
+        self.done = self.env.process(self.batch_loop())
+
+    # -- arrivals and admission ---------------------------------------------------------------------------
+
+    def arrivals(self):
+        for i, request in enumerate(self.requests):
+            yield self.env.timeout(request.arrival_s - self.env.now)
+            if not self.fits_alone(request):
+                request.rejected = True
+            else:
+                self.waiting.append(request)
+                self._queue_changed()
+            burst_goes_on = i + 1 < len(self.requests) and self.requests[i + 1].arrival_s == request.arrival_s
+            if not burst_goes_on and not self.wakeup.triggered:  # a burst is admitted together
+                self.wakeup.succeed()
+        self.all_arrived = True
+        if not self.wakeup.triggered:
+            self.wakeup.succeed()
+
+    def fits_alone(self, request: Request) -> bool:
+        return request.work.peak_hbm_kv_bytes <= self.kv_capacity_bytes and \
+            request.work.peak_ddr_kv_bytes <= self.ddr_capacity_bytes
+
+    def _queue_changed(self) -> None:
+        self.queue_changes.append((self.env.now, len(self.waiting)))
+
+    def admit(self) -> None:
+        """FCFS while the batch has room and the head's peak KV fits in what HBM and DDR have left."""
+        while self.waiting and len(self.running) < self.config.max_batch:
+            head = self.waiting[0]
+            if self.reserved_hbm_bytes + head.work.peak_hbm_kv_bytes > self.kv_capacity_bytes or \
+                    self.reserved_ddr_bytes + head.work.peak_ddr_kv_bytes > self.ddr_capacity_bytes:
+                return
+            self.waiting.popleft()
+            self._queue_changed()
+            head.admitted_s = self.env.now
+            self.reserved_hbm_bytes += head.work.peak_hbm_kv_bytes
+            self.reserved_ddr_bytes += head.work.peak_ddr_kv_bytes
+            self.running.append(head)
+
+    # -- the GPU ------------------------------------------------------------------------------------------
+
+    def batch_loop(self):
+        while True:
+            self.admit()
+            if not self.running:
+                if self.all_arrived and not self.waiting:
+                    return
+                self.wakeup = self.env.event()
+                yield self.wakeup
+                continue
+            self._record_occupancy()
+            start_s = self.env.now
+            with self.hw.gpu.request() as gpu:
+                yield gpu
+                yield from self.iteration(self.running)
+            if self.timeline is not None:
+                self.timeline.span("GPU", f"iteration {self.iterations}", start_s, self.env.now,
+                                   sequences=len(self.running))
+            self.iterations += 1
+            self._emit_tokens()
+
+    def iteration(self, batch: list[Request]):
+        """One decode iteration: every running request's next traced step, operation by operation (layers,
+        then the LM head), with the engine's rules for when recalls are issued and waited for."""
+        rows = [(r.work, r.step) for r in batch]
+        flops = np.sum([w.flops[s] for w, s in rows], axis=0)
+        kv_bytes = np.sum([w.kv_read_bytes[s] for w, s in rows], axis=0)
+        layer_s = costs.roofline(flops, self.shape.layer_weight_bytes + kv_bytes, self.profile,
+                                 self.profile.overheads.layer_overhead_s).total_s
+        op_s = [*layer_s.tolist(), float(costs.head_times(self.shape, self.profile, batch=len(batch)).total_s)]
+        n_ops = len(op_s)
+        recall_s = np.array([w.recall_s[s] for w, s in rows])  # [batch, ops]
+        recall_bytes = np.array([w.recall_bytes[s] for w, s in rows])
+        offload_s = np.array([w.offload_s[s] for w, s in rows])
+        offload_bytes = np.array([w.offload_bytes[s] for w, s in rows])
+        prefetch = self.config.overlap == "layer-prefetch"
+        if prefetch:  # after the last operation comes the next step's first, for requests that go on
+            nxt = [(w.recall_s[s + 1, 0], w.recall_bytes[s + 1, 0]) if s + 1 < w.n_steps else (0.0, 0.0)
+                   for w, s in rows]
+            following_s = np.column_stack([recall_s[:, 1:], [t for t, _ in nxt]])
+            following_bytes = np.column_stack([recall_bytes[:, 1:], [b for _, b in nxt]])
+        busy_s = 0.0  # compute not yet turned into a timeout (nothing observable happens in between)
+        for i in range(n_ops):
+            needs = np.flatnonzero(recall_s[:, i])
+            if needs.size:
+                if busy_s:
+                    yield self.env.timeout(busy_s)
+                    busy_s = 0.0
+                # Prefetched copies are already in flight; the others (all of them without prefetch) start now.
+                waits, fresh = {}, []
+                for j in needs:
+                    event = self.prefetched.pop(batch[j].rid, None)
+                    if event is None:
+                        fresh.append(j)
+                    else:
+                        waits[id(event)] = event
+                if len(fresh) == 1 and not waits and not prefetch:
+                    yield from self._copy_now(self.hw.h2d, "h2d", batch[fresh[0]], recall_bytes[fresh[0], i],
+                                              recall_s[fresh[0], i], f"recall op {i}")
+                else:
+                    if fresh:
+                        event = self._start(self.hw.h2d, "h2d", [batch[j] for j in fresh], recall_bytes[fresh, i],
+                                            recall_s[fresh, i], f"recall op {i}")
+                        waits[id(event)] = event
+                    events = list(waits.values())
+                    yield events[0] if len(events) == 1 else self.env.all_of(events)
+            if prefetch:
+                ahead = np.flatnonzero(following_s[:, i])
+                if ahead.size:
+                    if busy_s:
+                        yield self.env.timeout(busy_s)
+                        busy_s = 0.0
+                    event = self._start(self.hw.h2d, "h2d", [batch[j] for j in ahead], following_bytes[ahead, i],
+                                        following_s[ahead, i], f"recall op {(i + 1) % n_ops}")
+                    for j in ahead:
+                        self.prefetched[batch[j].rid] = event
+            busy_s += op_s[i]
+            moving = np.flatnonzero(offload_s[:, i])
+            if moving.size:
+                if busy_s:
+                    yield self.env.timeout(busy_s)
+                    busy_s = 0.0
+                if moving.size == 1 and not self.config.async_offload:
+                    j = moving[0]
+                    yield from self._copy_now(self.hw.d2h, "d2h", batch[j], offload_bytes[j, i], offload_s[j, i],
+                                              f"offload op {i}")
+                else:
+                    event = self._start(self.hw.d2h, "d2h", [batch[j] for j in moving], offload_bytes[moving, i],
+                                        offload_s[moving, i], f"offload op {i}")
+                    if not self.config.async_offload:
+                        yield event
+        if busy_s:
+            yield self.env.timeout(busy_s)
+
+    # The link: the engine's Channel. Copies are issued exactly as the engine issues them (a copy waited for at
+    # once runs inside the batch loop's process, the others through Channel.start) so that same-instant
+    # requests on a shared half-duplex link are served in the same order as in the single-sequence replay.
+
+    def _copy_now(self, channel: Channel, direction: str, request: Request, n_bytes: float, duration_s: float,
+                  label: str):
+        asked_s = self.env.now
+        yield from channel.transfer(direction, float(n_bytes), float(duration_s), self.tier.transfer_overhead_s,
+                                    label)
+        request.link_wait_s += self.env.now - asked_s - float(duration_s)  # time beyond the uncontended copy
+
+    def _start(self, channel: Channel, direction: str, requests: list[Request], n_bytes: np.ndarray,
+               durations_s: np.ndarray, label: str) -> simpy.Event:
+        """Copies for `requests`, issued at this instant in batch order; the event fires when all are done.
+
+        With one copy engine on the channel the FIFO queue keeps copies issued together back to back, so one
+        copy of their summed bytes and duration is the same schedule for a fraction of the events; with several
+        engines (setups overlap, the wire is shared) every copy is its own, as in the engine.
+        """
+        asked_s = self.env.now
+        overhead_s = self.tier.transfer_overhead_s
+        if self.config.batch_copies and len(requests) > 1:
+            rate = self.tier.h2d_bytes_per_s if direction == "h2d" else self.tier.d2h_bytes_per_s
+            total_bytes = float(n_bytes.sum())
+            copy_s = float(costs.transfer_s(total_bytes, rate, overhead_s))
+            done = channel.start(direction, total_bytes, copy_s, overhead_s, label)
+
+            def account_batched(_event) -> None:
+                for request in requests:
+                    request.link_wait_s += self.env.now - asked_s - copy_s
+
+            done.callbacks.append(account_batched)
+            return done
+        if channel.wire is None and len(requests) > 1:
+            total_s = float(durations_s.sum())
+            done = channel.start(direction, float(n_bytes.sum()), total_s, overhead_s, label)
+            queued_before_s = np.concatenate([[0.0], np.cumsum(durations_s)[:-1]])  # earlier copies of the group
+
+            def account(_event) -> None:
+                start_s = self.env.now - total_s
+                for request, ahead_s in zip(requests, queued_before_s):
+                    request.link_wait_s += start_s - asked_s + float(ahead_s)
+
+            done.callbacks.append(account)
+            return done
+        events = []
+        for request, b, d in zip(requests, n_bytes, durations_s):
+            done = channel.start(direction, float(b), float(d), overhead_s, label)
+
+            def account(_event, request=request, duration_s=float(d)) -> None:
+                request.link_wait_s += self.env.now - asked_s - duration_s
+
+            done.callbacks.append(account)
+            events.append(done)
+        return events[0] if len(events) == 1 else self.env.all_of(events)
+
+    def _emit_tokens(self) -> None:
+        now = self.env.now
+        self.tokens += len(self.running)
+        still_running = []
+        for r in self.running:
+            if r.step == 0:
+                r.first_token_s = now
+            else:
+                r.tbt_s.append(now - r.last_token_s)
+            r.last_token_s = now
+            r.step += 1
+            if r.step >= r.work.n_steps:
+                r.finish_s = now
+                self.reserved_hbm_bytes -= r.work.peak_hbm_kv_bytes
+                self.reserved_ddr_bytes -= r.work.peak_ddr_kv_bytes
+            else:
+                still_running.append(r)
+        self.running = still_running
+
+    def _record_occupancy(self) -> None:
+        hbm_kv = sum(r.work.hbm_kv_bytes[r.step] for r in self.running)
+        ddr_kv = sum(r.work.ddr_kv_bytes[r.step] for r in self.running)
+        self.occupancy.append((self.env.now, len(self.running), len(self.waiting),
+                             self.shape.weight_bytes + hbm_kv, self.shape.weight_bytes + self.reserved_hbm_bytes,
+                             ddr_kv, self.reserved_ddr_bytes))
+
+    def run(self, progress: bool = False) -> None:
+        if progress:  # tokens generated so far, checked every simulated second
+            from tqdm import tqdm
+
+            total = sum(r.work.n_steps for r in self.requests if self.fits_alone(r))
+            with tqdm(total=total, unit="tok", unit_scale=True, desc=f"serving on {self.profile.name}") as bar:
+                while not self.done.triggered:
+                    self.env.run(until=self.env.any_of([self.done, self.env.timeout(1.0)]))
+                    bar.update(self.tokens - bar.n)
+        self.env.run(until=self.done)
+        self.end_s = float(self.env.now)  # the last token (or 0 when nothing ran)
+        self.env.run()  # drain the offload backlog (it occupies the link, not the requests)
+
+
+# ---------------------------------------------------------------- metrics ------------------------------------
+
+
+def _percentiles(values, prefix: str) -> dict:
+    values = np.asarray(values, dtype=np.float64)
+    if values.size == 0:
+        return {f"{prefix}_p{q}_s": math.nan for q in (50, 90, 99)} | {f"{prefix}_mean_s": math.nan}
+    return {f"{prefix}_p{q}_s": float(np.percentile(values, q)) for q in (50, 90, 99)} | \
+        {f"{prefix}_mean_s": float(values.mean())}
+
+
+def time_average(changes: list[tuple[float, int]], end_s: float) -> float:
+    """Time-average of a step function given as (time, value) at every change, over [0, end_s]."""
+    if end_s <= 0:
+        return 0.0
+    times = np.array([t for t, _ in changes] + [end_s])
+    values = np.array([v for _, v in changes], dtype=np.float64)
+    return float(np.sum(values * np.diff(times)) / end_s)
+
+
+def summarise(sim: ServingSim, manifest: dict, run_dir: str) -> ServingResult:
+    config, profile = sim.config, sim.profile
+    requests = pd.DataFrame([{
+        "request": r.rid, "sample_id": r.work.sample_id, "prompt_tokens": r.work.prompt_tokens,
+        "tokens": r.work.n_steps, "rejected": r.rejected, "arrival_s": r.arrival_s, "admitted_s": r.admitted_s,
+        "first_token_s": r.first_token_s, "finish_s": r.finish_s,
+        "queue_delay_s": r.admitted_s - r.arrival_s, "ttft_s": r.first_token_s - r.arrival_s,
+        "tbt_mean_s": float(np.mean(r.tbt_s)) if r.tbt_s else math.nan,
+        "tbt_max_s": float(np.max(r.tbt_s)) if r.tbt_s else math.nan, "link_wait_s": r.link_wait_s,
+        "peak_hbm_kv_bytes": r.work.peak_hbm_kv_bytes, "peak_ddr_kv_bytes": r.work.peak_ddr_kv_bytes,
+    } for r in sim.requests])
+    timeline = pd.DataFrame(sim.occupancy, columns=["time_s", "running", "waiting", "hbm_bytes",
+                                                   "hbm_reserved_bytes", "ddr_bytes", "ddr_reserved_bytes"])
+    served = requests[~requests["rejected"]] if len(requests) else requests
+    tbt = np.array([x for r in sim.requests for x in r.tbt_s])
+    end_s = sim.end_s
+    tokens = int(served["tokens"].sum()) if len(served) else 0
+    good = served["tbt_mean_s"].fillna(0.0) <= config.tbt_slo_s if len(served) else pd.Series([], dtype=bool)
+    if config.ttft_slo_s is not None and len(served):
+        good &= served["ttft_s"] <= config.ttft_slo_s
+    # Little's law on the admission queue: time-average queue length vs arrival rate x mean wait.
+    queue_length = time_average(sim.queue_changes, end_s)
+    arrival_rate = len(served) / end_s if end_s > 0 else 0.0
+    mean_wait = float(served["queue_delay_s"].mean()) if len(served) else 0.0
+    policy = manifest["policy"]
+    reserved_per_request = float(np.mean([w.peak_hbm_kv_bytes for w in sim.works]))
+    summary = {
+        "run_dir": str(run_dir), "model": sim.shape.name, "policy": policy["name"],
+        "hbm_budget": policy.get("hbm_budget"), "profile": profile.name, "overlap": config.overlap,
+        "async_offload": config.async_offload, "batch_copies": config.batch_copies, "rate_per_s": config.rate_per_s if not config.arrivals_csv else
+        math.nan, "duration_s": config.duration_s, "max_batch": config.max_batch, "seed": config.seed,
+        "tbt_slo_s": config.tbt_slo_s, "n_requests": len(requests), "n_rejected": int(requests["rejected"].sum())
+        if len(requests) else 0, "n_completed": int(served["finish_s"].notna().sum()) if len(served) else 0,
+        "end_s": end_s, "tokens": tokens, "throughput_tokens_per_s": tokens / end_s if end_s > 0 else math.nan,
+        **_percentiles(served.get("ttft_s", []), "ttft"), **_percentiles(tbt, "tbt"),
+        **_percentiles(served.get("queue_delay_s", []), "queue_delay"),
+        "link_wait_mean_s": float(served["link_wait_s"].mean()) if len(served) else math.nan,
+        "max_concurrency": int(timeline["running"].max()) if len(timeline) else 0,
+        "mean_concurrency": time_average(list(zip(timeline["time_s"], timeline["running"])), end_s)
+        if len(timeline) else 0.0,
+        # How many requests of this run fit at once by HBM alone (mean reservation), whatever the load was.
+        "kv_reserved_bytes_per_request": reserved_per_request,
+        "hbm_capacity_requests": int(sim.kv_capacity_bytes // reserved_per_request) if reserved_per_request > 0
+        else None,
+        "kv_capacity_bytes": sim.kv_capacity_bytes, "hbm_capacity_bytes": profile.gpu.hbm_capacity_bytes,
+        "peak_hbm_bytes": float(timeline["hbm_bytes"].max()) if len(timeline) else float(sim.shape.weight_bytes),
+        "peak_hbm_reserved_bytes": float(timeline["hbm_reserved_bytes"].max()) if len(timeline) else math.nan,
+        "tier": sim.tier.name, "ddr_capacity_bytes": sim.ddr_capacity_bytes,
+        "peak_ddr_bytes": float(timeline["ddr_bytes"].max()) if len(timeline) else 0.0,
+        # Share of the link's bandwidth used while requests were served (bytes / bandwidth / time).
+        "bytes_h2d": sim.hw.h2d.bytes["h2d"], "bytes_d2h": sim.hw.d2h.bytes["d2h"],
+        "link_util_h2d": sim.hw.h2d.bytes["h2d"] / sim.tier.h2d_bytes_per_s / end_s if end_s > 0 else 0.0,
+        "link_util_d2h": sim.hw.d2h.bytes["d2h"] / sim.tier.d2h_bytes_per_s / end_s if end_s > 0 else 0.0,
+        "goodput_requests_per_s": float(good.sum()) / end_s if end_s > 0 else math.nan,
+        "goodput_tokens_per_s": float(served.loc[good, "tokens"].sum()) / end_s if end_s > 0 else math.nan,
+        "slo_attainment": float(good.mean()) if len(served) else math.nan,
+        "littles_queue_length": queue_length, "littles_arrival_rate_per_s": arrival_rate,
+        "littles_mean_wait_s": mean_wait,
+        "littles_rel_err": abs(queue_length - arrival_rate * mean_wait) / (arrival_rate * mean_wait)
+        if arrival_rate * mean_wait > 0 else 0.0,
+    }
+    return ServingResult(summary=summary, requests=requests, timeline=timeline, tbt_s=tbt)
+
+
+def simulate_serving(run_dir: str | Path, profile: str | HardwareProfile, config: ServingConfig,
+                     timeline: Timeline | None = None, progress: bool = False) -> ServingResult:
+    """Serve Poisson (or CSV) arrivals replaying the run's samples on one GPU of `profile`; `timeline` (the
+    engine's Chrome-trace recorder) gets one span per iteration and per copy."""
+    if not isinstance(profile, HardwareProfile):
+        profile = load_profile(profile)
+    manifest, shape, works = load_run_work(run_dir, profile, config.offload_tier)
+    if config.overlap == "layer-prefetch":  # the same validity rule as simulate_run's
+        from simulator.simulate import _check_prefetch
+        from simulator.whatif import traced_config
+
+        _check_prefetch(open_run(run_dir), traced_config(manifest["policy"]), projected=False)
+    if config.arrivals_csv:
+        arrivals = load_arrivals_csv(config.arrivals_csv, works)
+    else:
+        if config.rate_per_s <= 0 or config.duration_s <= 0:
+            raise ServingError("--rate and --duration must be > 0 (or give an arrival CSV)")
+        arrivals = poisson_arrivals(config.rate_per_s, config.duration_s, works, config.seed)
+    sim = ServingSim(profile, shape, works, arrivals, config, timeline)
+    sim.run(progress)
+    return summarise(sim, manifest, str(run_dir))

@@ -1,0 +1,477 @@
+"""Sweeps: a grid of independent cells (simulations, serving simulations or trace collections) run on a local
+process pool or on Ray, each finished cell cached as a small Parquet file, all merged into one table.
+
+    grid = load_grid("examples/sweeps/simulate_budgets.yaml")    # validated YAML -> list of cells
+    report = run_sweep(grid.cells, "sweeps/budgets", executor="local", workers=2)
+    report.table                                                  # = sweeps/budgets/results.parquet
+
+A cell is a frozen dataclass (one per kind: SimulateCell, ServeCell, CollectCell) with one method `run()`
+returning a DataFrame; `cell_key(cell)` hashes what it computes (not where it runs) into the name of its cached
+result, OUT/cells/<key>.parquet, so a rerun skips finished cells. The scheduler is not ours:
+`concurrent.futures.ProcessPoolExecutor` locally, Ray tasks otherwise (`ray.init()` starts a local Ray;
+`address=` joins a cluster). Workers return Parquet bytes and only the driver writes files, so on a cluster
+the trace runs must be on a path every node sees (and thoughtkv installed on every node), the output
+directory only on the driver. Collection cells are the exception: `thoughtkv trace` writes its run itself,
+under OUT/runs/<key>/, which must then be shared too.
+
+Grid files (YAML, `yaml.safe_load`): a scalar is fixed, a list is an axis, the cells are the cross product.
+See `examples/sweeps/` and GRID_KEYS below for the keys each kind accepts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import itertools
+import json
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+from thoughtkv.errors import UserError
+from traces.layout import write_bytes_atomic
+
+
+class SweepError(UserError):
+    """A grid file or sweep request that cannot run as written (one-line message, exit 2)."""
+
+
+# ---------------------------------------------------------------- cells (one dataclass per kind) -------------
+
+
+@dataclass(frozen=True)
+class SimulateCell:
+    """One `simulate_run` call: a traced run replayed (or re-placed by a what-if) on one hardware profile."""
+
+    run_dir: str
+    profile: str
+    overlap: str = "none"
+    async_offload: bool = True
+    batch: int = 1
+    what_if: tuple[tuple[str, Any], ...] = ()  # sorted (key, value) pairs; () = replay as traced
+    engine: str = "auto"
+    offload_tier: str = "ddr"
+    num_gpus: float = 0.0
+
+    def run(self) -> pd.DataFrame:
+        from simulator import simulate_run
+
+        result = simulate_run(
+            self.run_dir, self.profile, overlap=self.overlap, async_offload=self.async_offload,
+            batch=self.batch, what_if=dict(self.what_if) or None, engine=self.engine,
+            offload_tier=self.offload_tier,
+        )
+        summary = result.summary
+        return summary.copy() if isinstance(summary, pd.DataFrame) else pd.DataFrame([summary])
+
+
+@dataclass(frozen=True)
+class ServeCell:
+    """One serving simulation: Poisson arrivals replaying samples of a run, continuous batching (serving.py)."""
+
+    run_dir: str
+    profile: str
+    rate_per_s: float
+    duration_s: float
+    max_batch: int = 64
+    tbt_slo_ms: float = 100.0
+    overlap: str = "none"
+    async_offload: bool = True
+    offload_tier: str = "ddr"
+    batch_copies: bool = False
+    seed: int = 0
+    num_gpus: float = 0.0
+
+    def run(self) -> pd.DataFrame:
+        from simulator.serving import ServingConfig, simulate_serving
+
+        config = ServingConfig(
+            rate_per_s=self.rate_per_s, duration_s=self.duration_s, max_batch=self.max_batch,
+            tbt_slo_s=self.tbt_slo_ms / 1e3, overlap=self.overlap, async_offload=self.async_offload,
+            offload_tier=self.offload_tier, batch_copies=self.batch_copies, seed=self.seed,
+        )
+        return pd.DataFrame([simulate_serving(self.run_dir, self.profile, config).summary])
+
+
+@dataclass(frozen=True)
+class CollectCell:
+    """One trace collection: `thoughtkv trace ARGS --out OUT` in a subprocess (the simulator never imports torch).
+
+    On Ray the task asks for `num_gpus` GPUs, so a cluster runs one collection per GPU; Ray sets
+    CUDA_VISIBLE_DEVICES for the task and the subprocess inherits it.
+    """
+
+    trace_args: tuple[tuple[str, Any], ...]  # sorted (flag, value) pairs, flags without the leading `--`
+    out_root: str
+    num_gpus: float = 0.0
+    cwd: str = ""  # the grid file's directory: relative paths in trace_args are relative to it, as `runs:` are
+
+    def out_dir(self) -> str:
+        return str(Path(self.out_root) / "runs" / cell_key(self))
+
+    def command(self) -> list[str]:
+        args = [sys.executable, "-m", "thoughtkv.cli", "trace"]
+        for flag, value in self.trace_args:
+            if value is True:
+                args.append(f"--{flag}")
+            elif value is not False and value is not None:
+                args += [f"--{flag}", str(value)]
+        return args + ["--out", self.out_dir()]
+
+    def run(self) -> pd.DataFrame:
+        done = subprocess.run(self.command(), capture_output=True, text=True, cwd=self.cwd or None)
+        if done.returncode != 0:  # not cached: a rerun retries it (and the tracer resumes its run)
+            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise SweepError(f"`thoughtkv trace` exited with {done.returncode}: {last}")
+        samples = pd.read_parquet(Path(self.out_dir()) / "samples.parquet")
+        row: dict[str, Any] = {f"trace_{flag}": value for flag, value in self.trace_args}
+        row.update(run_dir=self.out_dir(), returncode=done.returncode, command=shlex.join(self.command()[3:]),
+                   n_samples=len(samples), generated_tokens=int(samples["generated_tokens"].sum()),
+                   accuracy=samples["correct"].astype("float").mean())
+        return pd.DataFrame([row])
+
+
+CELL_KINDS: dict[str, type] = {"simulate": SimulateCell, "serve": ServeCell, "collect": CollectCell}
+
+
+# Where a cell runs or writes is not what it computes: these fields stay out of its key.
+NOT_IN_KEY = ("num_gpus", "out_root", "cwd")
+
+
+def cell_key(cell) -> str:
+    """Stable 16-hex key of what a cell computes: the file name of its cached result."""
+    params = {f.name: getattr(cell, f.name) for f in fields(cell) if f.name not in NOT_IN_KEY}
+    text = json.dumps({"kind": cell_kind(cell), **params}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cell_kind(cell) -> str:
+    return next(name for name, cls in CELL_KINDS.items() if isinstance(cell, cls))
+
+
+def cell_to_dict(cell) -> dict:
+    return {"kind": cell_kind(cell), **asdict(cell)}
+
+
+def cell_from_dict(data: dict):
+    data = dict(data)
+    cls = CELL_KINDS[data.pop("kind")]
+    for name in ("what_if", "trace_args"):
+        if name in data:
+            data[name] = tuple(tuple(pair) for pair in data[name])
+    return cls(**data)
+
+
+def run_cell_to_parquet(cell_data: dict) -> bytes:
+    """Worker entry point (process pool or Ray task): run one cell, return its result table as Parquet bytes."""
+    cell = cell_from_dict(cell_data)
+    table = cell.run()
+    table.insert(0, "cell_key", cell_key(cell))
+    buffer = io.BytesIO()
+    table.to_parquet(buffer, index=False)
+    return buffer.getvalue()
+
+
+# ---------------------------------------------------------------- grid files ---------------------------------
+
+# Keys each kind accepts; a list value is an axis (every value crossed with every other axis).
+GRID_KEYS: dict[str, dict[str, str]] = {
+    "simulate": {
+        "runs": "trace run directories (relative to the grid file); list or one path",
+        "profiles": "hardware profile names, or `all`",
+        "overlap": "none | layer-prefetch",
+        "async_offload": "true | false",
+        "batch": "sequences decoded in lockstep",
+        "what_if": "mapping of what-if axes (e.g. budget: [0.1, 0.3]); omit to replay as traced",
+        "engine": "auto | des | fast",
+        "offload_tier": "ddr or a profile's extra tier",
+    },
+    "serve": {
+        "runs": "trace run directories (relative to the grid file)",
+        "profiles": "hardware profile names, or `all`",
+        "rate_per_s": "Poisson arrival rates (requests/s)",
+        "duration_s": "simulated arrival window (s)",
+        "max_batch": "most sequences in one decode step",
+        "tbt_slo_ms": "time-between-tokens SLO for goodput (ms)",
+        "overlap": "none | layer-prefetch",
+        "async_offload": "true | false",
+        "offload_tier": "ddr or a profile's extra tier",
+        "batch_copies": "false: one copy per request and layer (as the engine) | true: one per layer for the batch",
+        "seed": "arrival/sample seed",
+    },
+    "collect": {
+        "trace_args": "mapping of `thoughtkv trace` flags (without --) to a value or a list of values",
+        "gpus_per_task": "GPUs a Ray task asks for (e.g. 1); the local executor ignores it",
+    },
+}
+COMMON_KEYS = {"kind": "simulate | serve | collect", "description": "free text"}
+
+
+@dataclass(frozen=True)
+class Grid:
+    kind: str
+    cells: list
+    source: str
+
+
+def load_grid(path: str | Path, out_dir: str | Path | None = None) -> Grid:
+    """Read and validate a grid YAML file; relative run paths are relative to the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise SweepError(f"grid file {path} not found; pass an existing YAML file to --grid")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise SweepError(f"{path}: not valid YAML ({str(exc).splitlines()[0]}); fix the syntax") from None
+    return grid_from_dict(data, base_dir=path.parent, where=str(path), out_dir=out_dir)
+
+
+def grid_from_dict(data: Any, base_dir: Path, where: str, out_dir: str | Path | None = None) -> Grid:
+    if not isinstance(data, dict):
+        raise SweepError(f"{where}: the grid must be a mapping of keys to values or lists")
+    kind = data.get("kind", "simulate")
+    if kind not in GRID_KEYS:
+        raise SweepError(f"{where}: kind {kind!r} is unknown; use one of {', '.join(GRID_KEYS)}")
+    allowed = {**COMMON_KEYS, **GRID_KEYS[kind]}
+    for key in data:
+        if key not in allowed:
+            raise SweepError(f"{where}: unknown key {key!r} for kind {kind}; allowed: {', '.join(allowed)}")
+    for key, value in data.items():
+        _check_axis(where, key, value)
+    if kind == "collect":
+        cells = _collect_cells(data, base_dir, where, out_dir)
+    else:
+        cells = _simulation_cells(kind, data, base_dir, where)
+    return Grid(kind=kind, cells=cells, source=where)
+
+
+def _check_axis(where: str, key: str, value: Any) -> None:
+    if isinstance(value, list) and not value:
+        raise SweepError(f"{where}: axis {key!r} is empty; give at least one value or remove the key")
+    if isinstance(value, dict):
+        for sub_key, sub_value in value.items():
+            _check_axis(where, f"{key}.{sub_key}", sub_value)
+
+
+def _as_list(value: Any) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def _simulation_cells(kind: str, data: dict, base_dir: Path, where: str) -> list:
+    from hwprofiles import list_profiles, load_profile
+
+    if "runs" not in data or "profiles" not in data:
+        raise SweepError(f"{where}: a {kind} grid needs `runs:` and `profiles:`; add them")
+    runs = [_resolve_run(base_dir, run, where) for run in _as_list(data["runs"])]
+    profiles = _as_list(data["profiles"])
+    if profiles == ["all"]:
+        profiles = [p.name for p in list_profiles()]
+    for name in profiles:
+        load_profile(name)  # unknown profile -> ProfileError (one line) before anything runs
+    axes: dict[str, list] = {"run_dir": runs, "profile": profiles}
+    for key in GRID_KEYS[kind]:
+        if key in ("runs", "profiles", "what_if") or key not in data:
+            continue
+        axes[key] = _as_list(data[key])
+    if kind == "simulate":
+        what_ifs = _what_if_combinations(data.get("what_if"), where)
+        axes["what_if"] = what_ifs
+    cls = CELL_KINDS[kind]
+    names = list(axes)
+    cells = []
+    for values in itertools.product(*(axes[n] for n in names)):
+        try:
+            cells.append(cls(**dict(zip(names, values))))
+        except TypeError as exc:
+            raise SweepError(f"{where}: {exc}; check the grid's keys") from None
+    _check_values(cells, where)
+    return cells
+
+
+def _what_if_combinations(spec: Any, where: str) -> list[tuple]:
+    if spec is None:
+        return [()]
+    if not isinstance(spec, dict):
+        raise SweepError(f"{where}: what_if must be a mapping like {{budget: [0.1, 0.3], block: [16]}}")
+    names = sorted(spec)
+    return [tuple(zip(names, values)) for values in itertools.product(*(_as_list(spec[n]) for n in names))]
+
+
+def _check_values(cells: list, where: str) -> None:
+    for cell in cells:
+        if getattr(cell, "overlap", "none") not in ("none", "layer-prefetch"):
+            raise SweepError(f"{where}: overlap {cell.overlap!r} is unknown; use none or layer-prefetch")
+        for name in ("batch", "max_batch"):
+            value = getattr(cell, name, 1)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SweepError(f"{where}: {name} must be a positive integer, got {value!r}")
+        for name in ("rate_per_s", "duration_s"):
+            value = getattr(cell, name, 1.0)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise SweepError(f"{where}: {name} must be a positive number, got {value!r}")
+
+
+def _resolve_run(base_dir: Path, run: Any, where: str) -> str:
+    if not isinstance(run, str):
+        raise SweepError(f"{where}: runs must be paths (strings), got {run!r}")
+    path = (base_dir / run).resolve()
+    if not (path / "run.json").is_file():
+        raise SweepError(f"{where}: {path} is not a trace run (no run.json); fix the path in `runs:`")
+    return str(path)
+
+
+def _collect_cells(data: dict, base_dir: Path, where: str, out_dir: str | Path | None) -> list:
+    args = data.get("trace_args")
+    if not isinstance(args, dict) or not args:
+        raise SweepError(f"{where}: a collect grid needs `trace_args:` (flags of `thoughtkv trace`); add it")
+    if "out" in args:
+        raise SweepError(f"{where}: trace_args must not set `out`; each cell writes under the sweep's --out")
+    gpus = data.get("gpus_per_task", 0)
+    if not isinstance(gpus, (int, float)) or isinstance(gpus, bool) or gpus < 0:
+        raise SweepError(f"{where}: gpus_per_task must be a number >= 0, got {gpus!r}")
+    names = sorted(args)
+    out_root = str(Path(out_dir or ".").resolve())
+    return [
+        CollectCell(trace_args=tuple(zip(names, values)), out_root=out_root, num_gpus=float(gpus),
+                    cwd=str(base_dir.resolve()))
+        for values in itertools.product(*(_as_list(args[n]) for n in names))
+    ]
+
+
+# ---------------------------------------------------------------- executors ----------------------------------
+
+Executor = Callable[[list, int], Iterator[tuple[Any, bytes | BaseException]]]
+
+
+def execute_local(cells: list, workers: int) -> Iterator[tuple[Any, bytes | BaseException]]:
+    """A process pool (spawned workers: safe next to a Ray driver's threads); yields cells as they finish."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from multiprocessing import get_context
+
+    if workers == 1:  # no pool: same code path, no start-up cost
+        for cell in cells:
+            yield cell, _call(cell)
+        return
+    pool = ProcessPoolExecutor(max_workers=min(workers, len(cells) or 1), mp_context=get_context("spawn"))
+    try:
+        futures = {pool.submit(run_cell_to_parquet, cell_to_dict(cell)): cell for cell in cells}
+        for future in as_completed(futures):
+            exc = future.exception()
+            yield futures[future], exc if exc is not None else future.result()
+    finally:  # on Ctrl-C: drop the cells not started; finished ones are already on disk
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _call(cell) -> bytes | BaseException:
+    try:
+        return run_cell_to_parquet(cell_to_dict(cell))
+    except Exception as exc:  # a failed cell is reported at the end; the others still run
+        return exc
+
+
+def execute_ray(cells: list, workers: int, address: str | None = None) -> Iterator[tuple[Any, bytes | BaseException]]:
+    """Ray tasks, one per cell (`num_cpus=1`, `num_gpus` from the cell); yields cells as they finish.
+
+    Joins the running Ray if this process already initialised one, else `ray.init(address)`: None starts a
+    local Ray with `workers` CPUs, "auto" or "ray://host:10001" joins a cluster (see README).
+    """
+    try:
+        import ray
+    except ImportError:
+        raise SweepError("Ray is not installed; `pip install 'thoughtkv[ray]'` or use --executor local") from None
+    started_here = False
+    if not ray.is_initialized():
+        if address is None:
+            ray.init(address="local", num_cpus=workers, include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(address=address, log_to_driver=False)
+        started_here = True
+    try:
+        remote = ray.remote(run_cell_to_parquet)
+        pending = {
+            remote.options(num_cpus=1, num_gpus=cell.num_gpus, max_retries=0).remote(cell_to_dict(cell)): cell
+            for cell in cells
+        }
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            cell = pending.pop(done[0])
+            try:
+                yield cell, ray.get(done[0])
+            except ray.exceptions.RayTaskError as exc:
+                yield cell, exc.as_instanceof_cause()
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+# ---------------------------------------------------------------- the sweep ----------------------------------
+
+
+@dataclass
+class SweepReport:
+    table: pd.DataFrame
+    computed: int
+    cached: int
+    failed: dict[str, str]  # cell key -> one-line error
+
+
+def cell_result_path(out_dir: Path, cell) -> Path:
+    return out_dir / "cells" / f"{cell_key(cell)}.parquet"
+
+
+def run_sweep(
+    cells: list, out_dir: str | Path, executor: str = "local", workers: int | None = None,
+    address: str | None = None, progress: bool = True,
+) -> SweepReport:
+    """Run the cells not cached under `out_dir/cells/`, then merge every cell's table into `results.parquet`."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SweepError(f"--out {out_dir} is a file; pass a directory")
+    workers = workers or os.cpu_count() or 1
+    if len({cell_key(c) for c in cells}) != len(cells):
+        raise SweepError("the grid lists the same cell twice; remove duplicate values from its axes")
+    (out_dir / "cells").mkdir(parents=True, exist_ok=True)
+    todo = [c for c in cells if not cell_result_path(out_dir, c).is_file()]
+    if executor == "local":
+        finished = execute_local(todo, workers)
+    elif executor == "ray":
+        finished = execute_ray(todo, workers, address)
+    else:
+        raise SweepError(f"executor {executor!r} is unknown; use local or ray")
+    failed: dict[str, str] = {}
+    from tqdm import tqdm
+
+    with tqdm(total=len(cells), initial=len(cells) - len(todo), unit="cell", disable=not progress,
+              desc=f"sweep ({executor})") as bar:
+        for cell, result in finished:
+            if isinstance(result, BaseException):
+                lines = str(result).strip().splitlines() or [""]
+                failed[cell_key(cell)] = f"{type(result).__name__}: {lines[-1]}"
+            else:
+                write_bytes_atomic(cell_result_path(out_dir, cell), result)
+            bar.update(1)
+    table = merge_results(cells, out_dir)
+    return SweepReport(table=table, computed=len(todo) - len(failed), cached=len(cells) - len(todo), failed=failed)
+
+
+def merge_results(cells: list, out_dir: Path) -> pd.DataFrame:
+    """One table of every finished cell of this grid, sorted so that any executor gives the same table."""
+    parts = [pd.read_parquet(p) for c in cells if (p := cell_result_path(out_dir, c)).is_file()]
+    if not parts:
+        return pd.DataFrame()
+    table = pd.concat(parts, ignore_index=True)
+    sort_by = ["cell_key"] + [c for c in ("sample_id",) if c in table.columns]
+    table = table.sort_values(sort_by, kind="stable").reset_index(drop=True)
+    buffer = io.BytesIO()
+    table.to_parquet(buffer, index=False)
+    write_bytes_atomic(out_dir / "results.parquet", buffer.getvalue())
+    write_bytes_atomic(out_dir / "results.csv", table.to_csv(index=False).encode())
+    return table
