@@ -105,6 +105,9 @@ TOKENS = pa.schema(
         pa.field("importance_max", pa.float32(), nullable=False),  # same, max over heads (mean over layers)
         pa.field("importance_by_layer", pa.list_(pa.float32()), nullable=False),  # mean over heads, per layer
         pa.field("final_tier_by_layer", pa.list_(pa.uint8()), nullable=False),  # TIER_* codes at the end
+        # `thoughtkv trace --also-score A,B`: each named scorer's final score of this token, mean over layers
+        # (scorers computed alongside, not driving placement; for `thoughtkv analyze correlation`); else null.
+        pa.field("importance_by_scorer", pa.map_(pa.string(), pa.float32())),
     ]
 )
 

@@ -1,0 +1,394 @@
+"""build_report: runs + simulator results -> figures (PNG + PDF), tables (Markdown + LaTeX) and report.md.
+
+Each figure is one entry of FIGURES: a function that either draws it (returning the Figure and a one-line
+caption with its headline number) or says why the data do not support it (the report lists those).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from analysis import figures, frames, load, stats, tables
+from analysis.style import save_figure
+from thoughtkv import __version__
+from thoughtkv.errors import UserError
+from traces import TraceRun
+
+REPORT_NAME = "report.md"
+TOP_FRAC = 0.2
+NO_SIM = "no simulator results (pass --sim with what `thoughtkv simulate RUN --all-profiles --out DIR` wrote)"
+
+
+class ReportOutputError(UserError):
+    """An --out that cannot take the report."""
+
+
+class Skip(Exception):  # noqa: N818 - control flow, not an error: "this figure has no data"
+    """Raised by a figure builder when its data are absent; the message says why, for the report."""
+
+
+@dataclass
+class Data:
+    """Everything the figure builders read, loaded once."""
+
+    runs: list[TraceRun]
+    run_table: pd.DataFrame
+    sim: pd.DataFrame
+    latency: pd.DataFrame
+    budget: float | None  # the budget the breakdown and latency table single out
+    measured_profile: str | None
+    top_share: pd.DataFrame | None = None  # set by the importance figure, shown again as a table
+
+
+@dataclass
+class FigureEntry:
+    stem: str
+    title: str
+    caption: str = ""
+    paths: list[Path] = field(default_factory=list)
+    skipped: str = ""
+
+
+@dataclass
+class TableEntry:
+    stem: str
+    title: str
+    markdown: str
+    paths: list[Path] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    out_dir: Path
+    path: Path
+    figures: list[FigureEntry]
+    tables: list[TableEntry]
+    run_table: pd.DataFrame
+    latency: pd.DataFrame
+    ignored: list[Path]
+
+
+# -- figure builders: Data -> (Figure, caption) or Skip ----------------------------------------------------------
+
+
+def _importance(data: Data) -> tuple[Figure, str]:
+    source = load.importance_source(data.runs)
+    if source is None:
+        raise Skip("no trace runs given")
+    tokens = source.tokens()
+    if tokens.empty:
+        raise Skip(f"{source.path.name} has no committed samples")
+    cdf = frames.importance_cdf(tokens)
+    top = frames.top_share_by_layer(tokens, TOP_FRAC)
+    data.top_share = top
+    heatmap, sample_note = None, "no heatmap: the run was recorded with --no-access"
+    if source.has_access:
+        sample_id = _longest_sample(source)
+        heatmap = frames.block_mass_heatmap(source.access(sample_id), sample_id)
+        sample_note = f"heatmap: sample {sample_id}"
+    figure = figures.importance_long_tail(cdf, top, heatmap, source.block_size, TOP_FRAC,
+                                          heatmap_title=f" ({sample_note.removeprefix('heatmap: ')})")
+    caption = (
+        f"Attention is long-tailed: in `{source.path.name}` the top {TOP_FRAC:.0%} of tokens receive "
+        f"{top['top_share'].mean():.0%} of the attention mass (layers {top['top_share'].min():.0%}-"
+        f"{top['top_share'].max():.0%}, {tokens['sample_id'].nunique()} samples); {sample_note}."
+    )
+    return figure, caption
+
+
+def _longest_sample(run: TraceRun) -> str:
+    samples = run.samples()
+    return str(samples.loc[samples["generated_tokens"].idxmax(), "sample_id"])
+
+
+def _capacity_accuracy(data: Data) -> tuple[Figure, str]:
+    if not data.runs:
+        raise Skip("no trace runs given (accuracy comes from the runs' samples)")
+    accuracy = frames.accuracy_frame(data.run_table) if not data.run_table.empty else pd.DataFrame()
+    if accuracy.empty:
+        raise Skip("no run has scored samples (random weights or a task without gold answers)")
+    pooled = frames.pooled_accuracy(accuracy)
+    if (~pooled["is_full"]).sum() == 0:
+        raise Skip("only full-cache runs: no reduced HBM budget to compare")
+    full = pooled[pooled["is_full"]]
+    full_text = f"full cache {full['accuracy'].iloc[0]:.0%} (n={int(full['n_scored'].iloc[0])})" if not full.empty else "no full-cache run"
+    caption = (
+        f"Accuracy vs HBM budget per method with 95% Wilson intervals; {full_text} shown as the grey band; "
+        f"{len(pooled)} points, n per point in the legend."
+    )
+    return figures.capacity_accuracy(pooled), caption
+
+
+def _need_latency(data: Data) -> pd.DataFrame:
+    if data.sim.empty:
+        raise Skip(NO_SIM)
+    if data.latency.empty:
+        raise Skip("the simulator results hold no replayed (result_kind=traced) rows")
+    return data.latency
+
+
+def _projected_latency(data: Data) -> tuple[Figure, str]:
+    latency = _need_latency(data)
+    focus = frames.focus_method(latency)
+    methods = [focus] if focus else [frames.FULL_LABEL]
+    methods += [m for m in frames.method_order(latency) if m.startswith("pure eviction") and m not in methods][:1]
+    breakdown = frames.breakdown_frame(latency, data.budget, focus)
+    fastest, slowest = breakdown.iloc[0], breakdown.iloc[-1]
+    caption = (
+        f"Projected ms/token vs HBM budget on {latency['profile'].nunique()} hardware profiles "
+        f"({_config_text(latency)}); right: where the time goes for {breakdown['method'].iloc[0]} at "
+        f"{breakdown['hbm_budget'].iloc[0]:.0%}, from {fastest['ms_per_token']:.3g} ms ({fastest['profile']}) to "
+        f"{slowest['ms_per_token']:.3g} ms ({slowest['profile']})."
+    )
+    return figures.projected_latency(latency, breakdown, methods), caption
+
+
+def _config_text(latency: pd.DataFrame) -> str:
+    row = latency.iloc[0]
+    return f"overlap={row['overlap']}, async offload={row['async_offload']}, batch={row['batch']}"
+
+
+def _pareto(data: Data) -> tuple[Figure, str]:
+    latency = _need_latency(data)
+    points = frames.pareto_frame(latency)
+    if points.empty:
+        raise Skip("no simulated run has a measured accuracy (need scored trace runs among RUN_DIRs)")
+    frontier = points[points["on_frontier_latency"]].sort_values("ms_per_token")
+    names = ", ".join(f"{r.method} @ {r.hbm_budget:.0%} on {r.profile}" for r in frontier.head(3).itertuples())
+    caption = (
+        f"Accuracy vs projected latency ({len(points)} policy x profile points) and vs KV bytes in HBM per "
+        f"sequence; the black step line is the Pareto frontier (fastest frontier points: {names})."
+    )
+    return figures.pareto(points), caption
+
+
+def _capacity(data: Data) -> tuple[Figure, str]:
+    latency = _need_latency(data)
+    capacity = frames.capacity_frame(latency, data.sim)
+    method = frames.focus_method(latency) or frames.FULL_LABEL
+    rows = capacity[capacity["method"] == method]
+    full = capacity[capacity["is_full"]]
+    gain = ""
+    if not full.empty and not rows.empty:
+        smallest = rows[rows["hbm_budget"] == rows["hbm_budget"].min()]
+        ratio = smallest["max_concurrency"].median() / max(full["max_concurrency"].median(), 1)
+        gain = f"; at {smallest['hbm_budget'].iloc[0]:.0%} budget {ratio:.1f}x the full cache's concurrency (median over profiles)"
+    simulated = (capacity["throughput_source"] != "bound").sum()
+    source = (f"throughput simulated with batched replays for {simulated} of {len(capacity)} points, elsewhere "
+              "bounded by max sequences x single-sequence tokens/s" if simulated else
+              "throughput is the bound max sequences x single-sequence tokens/s (no batched replays simulated)")
+    caption = f"Max concurrent sequences (HBM and DDR limits) vs HBM budget for {method}, per profile{gain}; {source}."
+    return figures.capacity(capacity, method), caption
+
+
+def sim_measured_pairs(data: Data) -> pd.DataFrame:
+    """Per sample of every timed run: simulated (on its measuring machine's profile) and measured seconds."""
+    if data.sim.empty:
+        raise Skip(NO_SIM)
+    measured = pd.concat([load.measured_seconds(run) for run in data.runs] or [pd.DataFrame()], ignore_index=True)
+    if measured.empty:
+        raise Skip("no trace run carries measured timings (measured_step_us); collect with timing on")
+    devices = data.run_table.set_index("run_dir")["device"].to_dict()
+    pairs = []
+    for run_dir, group in measured.groupby("run_dir"):
+        simulated_profiles = sorted(data.sim.loc[data.sim["run_dir"] == run_dir, "profile"].unique())
+        chosen = ([data.measured_profile] if data.measured_profile else
+                  load.measuring_profiles(simulated_profiles, devices.get(run_dir)))
+        pairs += [group.assign(profile=p) for p in chosen if p in simulated_profiles]
+    if not pairs:
+        raise Skip("timed runs were not simulated on a measured profile (`thoughtkv calibrate`, then simulate on it)")
+    frame = frames.sim_vs_measured_frame(data.sim, pd.concat(pairs, ignore_index=True))
+    if frame.empty:
+        raise Skip("no sample of a timed run appears in the simulator results of its measured profile")
+    return frame
+
+
+def _sim_vs_measured(data: Data) -> tuple[Figure, str]:
+    frame = sim_measured_pairs(data)
+    errors = stats.error_stats(frame["simulated_s"], frame["measured_s"])
+    caption = (
+        f"Simulated vs measured decode time per sample on the measured profile(s) {', '.join(sorted(frame['profile'].unique()))}: "
+        f"median |error| {errors['median_abs_rel_err']:.1%}, p95 {errors['p95_abs_rel_err']:.1%} (n={errors['n']})."
+    )
+    return figures.sim_vs_measured(frame, errors), caption
+
+
+def _mass_lost(data: Data) -> tuple[Figure, str]:
+    if data.sim.empty:
+        raise Skip(NO_SIM)
+    frame = frames.mass_lost_frame(data.sim, data.run_table) if not data.run_table.empty else pd.DataFrame()
+    if frame.empty:
+        raise Skip("no what-if (result_kind=projected) result matches a traced run with measured accuracy")
+    rho = stats.spearman(frame["mass_lost"], frame["accuracy"])
+    rho_text = (f"Spearman rho = {rho:.2f}" if np.isfinite(rho)
+                else "no rank correlation (fewer than 3 points, or accuracy or mass lost does not vary)")
+    caption = (
+        f"Projected attention mass lost (evicted + not recalled, from what-if replays) vs the measured accuracy "
+        f"of the same policy, {len(frame)} policies: {rho_text}."
+    )
+    return figures.mass_lost_vs_accuracy(frame, rho), caption
+
+
+FigureBuilder = Callable[[Data], tuple[Figure, str]]
+FIGURES: list[tuple[str, str, FigureBuilder]] = [
+    ("fig1_importance", "Importance long tail", _importance),
+    ("fig2_capacity_accuracy", "Capacity vs accuracy", _capacity_accuracy),
+    ("fig3_latency", "Projected latency", _projected_latency),
+    ("fig4_pareto", "Pareto: accuracy vs latency and HBM bytes", _pareto),
+    ("fig5_capacity", "Capacity and throughput", _capacity),
+    ("fig6_sim_vs_measured", "Simulated vs measured", _sim_vs_measured),
+    ("fig7_mass_lost", "Attention mass lost vs accuracy", _mass_lost),
+]
+
+
+# -- tables -----------------------------------------------------------------------------------------------------
+
+
+def _tables(data: Data) -> list[tuple[str, str, pd.DataFrame]]:
+    """(stem, title, display frame) for every table the data support."""
+    out = []
+    if not data.run_table.empty:
+        accuracy = frames.accuracy_frame(data.run_table)
+        if not accuracy.empty:
+            out.append(("table_capacity_accuracy", "Capacity vs accuracy (95% Wilson CI)",
+                        tables.display_capacity_accuracy(tables.capacity_accuracy_table(accuracy))))
+    if not data.latency.empty:
+        budget = data.budget if data.budget is not None else _default_budget(data.latency)
+        out.append(("table_latency", f"Projected ms/token per profile (budget nearest {budget:.0%})",
+                    tables.display_latency(tables.latency_table(data.latency, budget))))
+    if data.top_share is not None and not data.top_share.empty:
+        out.append(("table_importance", f"Share of attention mass held by the top {TOP_FRAC:.0%} of tokens, per layer",
+                    tables.display_top_share(data.top_share, TOP_FRAC)))
+    try:
+        pairs = sim_measured_pairs(data)
+    except Skip:
+        pass
+    else:
+        out.append(("table_sim_vs_measured", "Simulated vs measured time per sample: relative error",
+                    tables.display_sim_vs_measured(tables.sim_vs_measured_table(pairs))))
+    return out
+
+
+def _default_budget(latency: pd.DataFrame) -> float:
+    partial = latency.loc[~latency["is_full"], "hbm_budget"]
+    return float(partial.min()) if not partial.empty else 1.0
+
+
+# -- the whole report ---------------------------------------------------------------------------------------------
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """--out must be a new or empty directory, or one holding an earlier report (whose files we replace)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ReportOutputError(f"--out {out_dir}: exists and is not a directory; choose a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / REPORT_NAME).is_file():
+        raise ReportOutputError(
+            f"--out {out_dir}: a non-empty directory without {REPORT_NAME}; choose a new or empty directory"
+        )
+
+
+def build_report(
+    run_paths: list[str | Path],
+    sim_paths: list[str | Path] = (),
+    out_dir: str | Path = "report",
+    *,
+    budget: float | None = None,
+    measured_profile: str | None = None,
+    log: Callable[[str], None] = lambda _message: None,
+) -> Report:
+    """Write every figure and table the inputs support, and report.md listing them (and the skipped ones)."""
+    out_dir = Path(out_dir)
+    inputs = load.classify_paths(list(run_paths), list(sim_paths))
+    if not inputs.runs and not inputs.sim_files:
+        raise load.AnalysisInputError("no trace run or results file among the paths given; pass RUN_DIRs (with run.json)")
+    check_out_dir(out_dir)
+    run_table = load.run_table(inputs.runs)
+    sim = load.align_run_dirs(load.load_sim_results(inputs.sim_files), [load.run_key(r) for r in inputs.runs])
+    latency = frames.latency_frame(sim, run_table if not run_table.empty else None) if not sim.empty else pd.DataFrame()
+    data = Data(inputs.runs, run_table, sim, latency, budget, measured_profile)
+
+    figure_dir, table_dir = out_dir / "figures", out_dir / "tables"
+    entries = []
+    for stem, title, builder in FIGURES:
+        entry = FigureEntry(stem, title)
+        try:
+            figure, entry.caption = builder(data)
+        except Skip as reason:
+            entry.skipped = str(reason)
+            log(f"skipped {stem}: {reason}")
+        else:
+            entry.paths = save_figure(figure, figure_dir, stem)
+            log(f"wrote {entry.paths[0]}")
+        entries.append(entry)
+
+    table_entries = []
+    for stem, title, shown in _tables(data):
+        table_dir.mkdir(parents=True, exist_ok=True)
+        markdown = tables.to_markdown(shown)
+        paths = [table_dir / f"{stem}.md", table_dir / f"{stem}.tex"]
+        paths[0].write_text(markdown)
+        paths[1].write_text(tables.to_latex(shown, caption=title, label=f"tab:{stem.removeprefix('table_')}"))
+        table_entries.append(TableEntry(stem, title, markdown, paths))
+        log(f"wrote {paths[0]}")
+
+    report_path = out_dir / REPORT_NAME
+    out_dir.mkdir(parents=True, exist_ok=True)  # even when nothing could be drawn: the report says why
+    report_path.write_text(render_markdown(out_dir, entries, table_entries, inputs, run_table, sim))
+    log(f"wrote {report_path}")
+    return Report(out_dir, report_path, entries, table_entries, run_table, latency, inputs.ignored)
+
+
+def render_markdown(out_dir: Path, entries: list[FigureEntry], table_entries: list[TableEntry], inputs: load.Inputs,
+                    run_table: pd.DataFrame, sim: pd.DataFrame) -> str:
+    lines = [
+        "# thoughtkv report",
+        "",
+        f"Generated {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')} by thoughtkv {__version__} from "
+        f"{len(inputs.runs)} trace run(s) and {len(inputs.sim_files)} simulator results file(s)"
+        + (f" ({len(sim)} rows, {sim['profile'].nunique()} profiles)." if not sim.empty else "."),
+        "",
+    ]
+    if not run_table.empty:
+        lines += ["Runs: " + ", ".join(f"`{label}`" for label in run_table["run_label"]) + ".", ""]
+    for number, entry in enumerate(entries, start=1):
+        lines.append(f"## Figure {number}. {entry.title}")
+        lines.append("")
+        if entry.skipped:
+            lines += [f"*Not drawn: {entry.skipped}.*", ""]
+            continue
+        png, pdf = (p.relative_to(out_dir).as_posix() for p in entry.paths)
+        lines += [f"![{entry.title}]({png})", "", f"{entry.caption} ([PDF]({pdf}))", ""]
+    if table_entries:
+        lines += ["## Tables", ""]
+        for entry in table_entries:
+            md, tex = (p.relative_to(out_dir).as_posix() for p in entry.paths)
+            lines += [f"### {entry.title}", "", entry.markdown, f"LaTeX (booktabs): [{tex}]({tex})", ""]
+    if inputs.ignored:
+        lines += ["Ignored (not a run or results file): " + ", ".join(f"`{p}`" for p in inputs.ignored), ""]
+    return "\n".join(lines)
+
+
+def best_per_profile(latency: pd.DataFrame, max_accuracy_drop: float = 0.05) -> pd.DataFrame:
+    """Per profile, the fastest policy whose accuracy is within `max_accuracy_drop` of the best accuracy.
+
+    The terminal summary of `thoughtkv demo`: ties in accuracy at these n are noise, so "best" means fastest
+    among the near-best, not the single highest point estimate.
+    """
+    if latency.empty or "accuracy" not in latency or latency["accuracy"].isna().all():
+        return pd.DataFrame()
+    rows = []
+    for profile, group in latency.dropna(subset=["accuracy"]).groupby("profile"):
+        eligible = group[group["accuracy"] >= group["accuracy"].max() - max_accuracy_drop - 1e-9]
+        best = eligible.sort_values(["ms_per_token", "accuracy"], ascending=[True, False]).iloc[0]
+        rows.append({"profile": profile, "method": best["method"], "hbm_budget": best["hbm_budget"],
+                     "accuracy": best["accuracy"], "ci_low": best["ci_low"], "ci_high": best["ci_high"],
+                     "ms_per_token": best["ms_per_token"], "n": best["n_scored"]})
+    return pd.DataFrame(rows).sort_values("ms_per_token").reset_index(drop=True)
+

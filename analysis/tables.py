@@ -1,0 +1,148 @@
+"""The report's tables: numeric DataFrames (tested) and their Markdown and LaTeX (booktabs) renderings.
+
+Each `*_table` function returns numbers; `display_*` turns them into the strings a reader sees, and
+`to_markdown` / `to_latex` write any display frame.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from analysis import stats
+from analysis.frames import focus_method, method_order, pooled_accuracy
+
+# -- numbers -----------------------------------------------------------------------------------------------
+
+
+def capacity_accuracy_table(accuracy: pd.DataFrame) -> pd.DataFrame:
+    """The seed's shape: method, HBM budget, evicted share, accuracy with 95% Wilson CI, n.
+
+    `accuracy` is `frames.accuracy_frame(runs)`. Runs of the same method and budget are pooled; the evicted
+    share is the n-weighted mean of the runs' measured share of KV entries evicted by the end of decoding.
+    """
+    if accuracy.empty:
+        return pd.DataFrame(columns=["method", "hbm_budget", "evicted_frac", "accuracy", "ci_low", "ci_high", "n"])
+    pooled = pooled_accuracy(accuracy)
+    weighted = accuracy.assign(_w=accuracy["evicted_frac"] * accuracy["n_scored"])
+    evicted = weighted.groupby(["method", "hbm_budget"], as_index=False)[["_w", "n_scored"]].sum()
+    evicted["evicted_frac"] = evicted["_w"] / evicted["n_scored"]
+    table = pooled.merge(evicted[["method", "hbm_budget", "evicted_frac"]], on=["method", "hbm_budget"])
+    order = {m: i for i, m in enumerate(method_order(table))}
+    table = table.assign(_order=table["method"].map(order)).sort_values(["_order", "hbm_budget"], ascending=[True, False])
+    table = table.rename(columns={"n_scored": "n"})
+    return table[["method", "hbm_budget", "evicted_frac", "accuracy", "ci_low", "ci_high", "n"]].reset_index(drop=True)
+
+
+def latency_table(latency: pd.DataFrame, hbm_budget: float, stall_method: str | None = None) -> pd.DataFrame:
+    """Projected ms/token per hardware profile: full cache, then each method at (its budget nearest) `hbm_budget`.
+
+    Also the link-stall share of `stall_method` (default: the focus method), which says why offload costs time.
+    """
+    if latency.empty:
+        return pd.DataFrame()
+    stall_method = stall_method or focus_method(latency)
+    columns, stall_column = {}, None
+    for method in method_order(latency):
+        rows = latency[latency["method"] == method]
+        nearest = rows["hbm_budget"].iloc[(rows["hbm_budget"] - hbm_budget).abs().argmin()]
+        rows = rows[np.isclose(rows["hbm_budget"], nearest)]
+        name = method if rows["is_full"].all() else f"{method} @ {nearest:.0%}"
+        columns[f"{name} (ms/token)"] = rows.groupby("profile")["ms_per_token"].mean()
+        if method == stall_method:
+            stall_column = f"link stall share, {name}"
+            stall = rows.groupby("profile")["link_stall_frac"].mean()
+    table = pd.DataFrame(columns)
+    if stall_column is not None:
+        table[stall_column] = stall
+    table = table.sort_values(table.columns[0]).rename_axis("profile").reset_index()
+    return table
+
+
+def sim_vs_measured_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per profile and overall: n, median and p95 of |relative error|, mean signed error."""
+    if frame.empty:
+        return pd.DataFrame(columns=["profile", "n", "median_abs_rel_err", "p95_abs_rel_err", "mean_rel_err"])
+    rows = [{"profile": p, **stats.error_stats(g["simulated_s"], g["measured_s"])} for p, g in frame.groupby("profile")]
+    if len(rows) > 1:
+        rows.append({"profile": "all", **stats.error_stats(frame["simulated_s"], frame["measured_s"])})
+    return pd.DataFrame(rows)
+
+
+# -- display strings ----------------------------------------------------------------------------------------
+
+
+def _percent(value: float, digits: int = 1) -> str:
+    return "-" if pd.isna(value) else f"{100 * value:.{digits}f}%"
+
+
+def display_capacity_accuracy(table: pd.DataFrame) -> pd.DataFrame:
+    return pd.DataFrame({
+        "method": table["method"],
+        "HBM budget": [_percent(v, 0) for v in table["hbm_budget"]],
+        "evicted %": [_percent(v) for v in table["evicted_frac"]],
+        "accuracy [95% CI]": [
+            f"{100 * a:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
+            for a, lo, hi in zip(table["accuracy"], table["ci_low"], table["ci_high"])
+        ],
+        "n": table["n"].astype(int),
+    })
+
+
+def display_latency(table: pd.DataFrame) -> pd.DataFrame:
+    shown = table.copy()
+    for column in shown.columns[1:]:
+        if column.startswith("link stall share"):
+            shown[column] = [_percent(v) for v in shown[column]]
+        else:
+            shown[column] = [("-" if pd.isna(v) else f"{v:.3g}") for v in shown[column]]
+    return shown
+
+
+def display_sim_vs_measured(table: pd.DataFrame) -> pd.DataFrame:
+    return pd.DataFrame({
+        "profile": table["profile"],
+        "n": table["n"].astype(int),
+        "median |error|": [_percent(v) for v in table["median_abs_rel_err"]],
+        "p95 |error|": [_percent(v) for v in table["p95_abs_rel_err"]],
+        "mean error (bias)": [_percent(v) for v in table["mean_rel_err"]],
+    })
+
+
+def display_top_share(top_share: pd.DataFrame, top_frac: float) -> pd.DataFrame:
+    shown = pd.DataFrame({
+        "layer": top_share["layer"].astype(str),
+        f"top {top_frac:.0%} share (mean)": [_percent(v) for v in top_share["top_share"]],
+        "min over samples": [_percent(v) for v in top_share["top_share_min"]],
+        "max over samples": [_percent(v) for v in top_share["top_share_max"]],
+    })
+    mean_row = {"layer": "mean", shown.columns[1]: _percent(float(np.mean(top_share["top_share"]))),
+                "min over samples": "", "max over samples": ""}
+    return pd.concat([shown, pd.DataFrame([mean_row])], ignore_index=True)
+
+
+# -- renderings ---------------------------------------------------------------------------------------------
+
+
+def to_markdown(frame: pd.DataFrame) -> str:
+    """A GitHub pipe table (pandas' own needs the optional `tabulate`); value columns right-aligned."""
+    def cell(value) -> str:
+        return str(value).replace("|", "\\|")
+
+    header = [cell(c) for c in frame.columns]
+    rows = [[cell(v) for v in row] for row in frame.itertuples(index=False)]
+    align = [":---"] + ["---:"] * (len(header) - 1)  # first column names the row, the rest are numbers
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def to_latex(frame: pd.DataFrame, caption: str = "", label: str = "") -> str:
+    """A booktabs table (\\toprule/\\midrule/\\bottomrule), special characters escaped."""
+    styler = frame.style.hide(axis="index").format(escape="latex").format_index(escape="latex", axis=1)
+    kwargs = {"hrules": True, "column_format": "l" + "r" * (len(frame.columns) - 1)}
+    if caption:
+        kwargs.update(caption=caption, position="t", position_float="centering")
+    if label:
+        kwargs["label"] = label
+    return styler.to_latex(**kwargs)

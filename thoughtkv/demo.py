@@ -1,0 +1,334 @@
+"""`thoughtkv demo [--out DIR] [--n-samples N]`: the main job, end to end, on the bundled micro model.
+
+1. trace  the `chains` task with the full cache, and pure eviction and the hierarchy (eviction ratios 0 and
+          0.1) at HBM budgets of 25% and 50%: 7 runs of 20 samples, two single-threaded processes at a time
+          (tracer.run.run_trace; a rerun resumes each run where it stopped),
+2. simulate every run on every hardware profile, plus what-if replays of the full run under each policy
+          (the "attention mass lost" proxy); a run's results are reused while newer than the run,
+3. report figures, tables and report.md (analysis.report.build_report),
+4. print  the best policy per profile: the fastest whose accuracy is within 5 points of the best.
+
+    DIR/runs/<policy>/    trace runs          DIR/sim/<policy>.parquet   simulator results
+    DIR/report/           report.md, figures/, tables/
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from thoughtkv.errors import UserError
+
+DEFAULT_OUT = "demo-out"
+MARKER = "demo.json"  # marks a directory as a demo's, so a rerun may write into it
+WHAT_IF_PROFILE = "h100-sxm"  # mass lost does not depend on the hardware: one profile is enough
+
+
+class DemoError(UserError):
+    pass
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One trace run of the grid."""
+
+    policy: str
+    hbm_budget: float = 1.0
+    evict_ratio: float = 0.0
+
+    @property
+    def label(self) -> str:
+        if self.policy == "full":
+            return "full"
+        label = f"{self.policy}-b{round(100 * self.hbm_budget)}"
+        return label + (f"-e{round(100 * self.evict_ratio)}" if self.policy == "hierarchy" else "")
+
+
+def grid(budgets: list[float], evict_ratios: list[float]) -> list[Cell]:
+    cells = [Cell("full")]
+    for budget in budgets:
+        cells += [Cell("evict", budget)] + [Cell("hierarchy", budget, ratio) for ratio in evict_ratios]
+    return cells
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=Path(DEFAULT_OUT), metavar="DIR",
+                        help=f"where runs, results and the report go; a rerun reuses what is there (default: {DEFAULT_OUT})")
+    parser.add_argument("--n-samples", type=int, default=20, metavar="N", help="samples per run (default: 20)")
+    parser.add_argument("--model", default="micro", help="model to trace (default: the bundled `micro`)")
+    parser.add_argument("--task", default="chains", help="task (default: chains, which micro was trained on)")
+    parser.add_argument("--budgets", default="0.25,0.5", metavar="B,B",
+                        help="HBM budgets (fractions) for pure eviction and the hierarchy (default: 0.25,0.5)")
+    parser.add_argument("--evict-ratios", default="0,0.1", metavar="E,E",
+                        help="the hierarchy's eviction ratios: 0 offloads everything over budget, 0.1 also drops "
+                             "the least important 10%% (default: 0,0.1)")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="decode limit per sample (default: 256)")
+    # chains sequences are ~150 tokens: with the tracer's defaults (16-token blocks, a 32-token protected
+    # window) a third of the cache is never movable and budgets of 25% and 50% place the same blocks. These
+    # defaults are the shipped sample traces' (traces/samples/README.md).
+    parser.add_argument("--block-size", type=int, default=4, help="tokens per KV block (default: 4)")
+    parser.add_argument("--window-tokens", type=int, default=16,
+                        help="recent tokens always kept in HBM (default: 16)")
+    parser.add_argument("--recall-k", type=int, default=16,
+                        help="hierarchy: DDR blocks recalled per layer and step (default: 16)")
+    parser.add_argument("--device", default="cpu", help="device to trace on (default: cpu)")
+    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
+                        help="runs traced at once, one single-threaded process each (default: 2 or the CPU count)")
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    budgets = _parse_fractions(args.budgets, "--budgets", low_open=True)
+    evict_ratios = _parse_fractions(args.evict_ratios, "--evict-ratios", low_open=False)
+    if args.n_samples < 1:
+        raise DemoError(f"--n-samples {args.n_samples} must be at least 1")
+    if args.workers < 1:
+        raise DemoError(f"--workers {args.workers} must be at least 1")
+    out = args.out
+    _claim_out_dir(out, vars(args))
+    cells = grid(budgets, evict_ratios)
+
+    run_dirs = trace_all(cells, out / "runs", args)
+    sim_files = simulate_all(cells, run_dirs, out / "sim", args.workers)
+    from analysis.report import build_report
+
+    _stage("report")
+    report = build_report(list(run_dirs.values()), sim_files, out / "report", log=lambda m: print(f"  {m}"))
+    print_summary(report, time.perf_counter() - started)
+    return 0
+
+
+def _parse_fractions(text: str, option: str, low_open: bool) -> list[float]:
+    """"0.25,0.5" -> sorted unique fractions in (0, 1) (budgets) or [0, 1) (eviction ratios)."""
+    interval = "(0, 1)" if low_open else "[0, 1)"
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise DemoError(f"{option} {text!r}: give fractions separated by commas, e.g. 0.25,0.5") from None
+    if not values or not all((0 < v if low_open else 0 <= v) and v < 1 for v in values):
+        raise DemoError(f"{option} {text!r}: each value must be a fraction in {interval}")
+    return sorted(set(values))
+
+
+def _claim_out_dir(out: Path, settings: dict) -> None:
+    """--out must be new, empty or an earlier demo's (marked by demo.json); never write into anything else."""
+    if out.exists() and not out.is_dir():
+        raise DemoError(f"--out {out}: exists and is not a directory; choose another path")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise DemoError(f"--out {out}: a non-empty directory that is not a demo's (no {MARKER}); choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    marker = {k: (str(v) if isinstance(v, Path) else v) for k, v in settings.items() if not k.startswith("_")}
+    marker.pop("command", None)
+    (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _stage(name: str) -> None:
+    print(f"== {name}", file=sys.stderr, flush=True)
+
+
+# -- 1. trace -------------------------------------------------------------------------------------------------
+
+
+def committed_samples(run_dir: Path) -> int:
+    """Samples on disk (a samples part is a sample's commit record): a directory listing, cheap to poll."""
+    if not (run_dir / "run.json").is_file():
+        return 0
+    from traces.layout import list_parts
+
+    return len(list_parts(run_dir, "samples"))
+
+
+def trace_all(cells: list[Cell], runs_dir: Path, args: argparse.Namespace) -> dict[str, Path]:
+    """Trace every cell; finished runs are skipped without loading the model, unfinished ones resume.
+
+    Runs go to `--workers` processes at once: decoding a small model is bound by Python overhead on one core,
+    so two single-threaded processes on two cores finish the grid in about half the time of one.
+    """
+    from tracer.run import TraceConfig
+
+    run_dirs = {cell.label: (runs_dir / cell.label).resolve() for cell in cells}  # results name runs absolutely
+    todo = [c for c in cells if committed_samples(run_dirs[c.label]) < args.n_samples]
+    _stage(f"trace: {len(cells) - len(todo)} of {len(cells)} runs already complete")
+    configs = []
+    for cell in todo:
+        config = TraceConfig(
+            model=args.model, task=args.task, out=str(run_dirs[cell.label]), n_samples=args.n_samples,
+            policy=cell.policy, hbm_budget=cell.hbm_budget, evict_ratio=cell.evict_ratio,
+            max_new_tokens=args.max_new_tokens, device=args.device, block_size=args.block_size,
+            window_tokens=args.window_tokens, recall_k=args.recall_k,
+        )
+        config.validate()  # before any model loads: a bad option fails in a second, not a minute
+        configs.append(config)
+    if not configs:
+        return run_dirs
+    if args.workers == 1 or len(configs) == 1:
+        for index, config in enumerate(configs, start=1):
+            print(f"[{index}/{len(configs)}] trace {config.out}", file=sys.stderr, flush=True)
+            trace_one(dataclasses.asdict(config), threads=_threads(args.device), progress=True)
+    else:
+        _trace_in_processes(configs, [run_dirs[c.label] for c in todo], args.workers, args.n_samples)
+    return run_dirs
+
+
+def _threads(device: str) -> int | None:
+    """One torch thread on CPU: a small model's ops are too short to split, and idle threads spinning on a
+    shared 2-core machine made decoding ~10x slower in our runs (280 vs 18 ms/token for micro)."""
+    return 1 if device == "cpu" else None
+
+
+_LOADED: dict = {}  # per process: (model, device) -> loaded model, reused across the runs it traces
+
+
+def trace_one(config: dict, threads: int | None, progress: bool) -> str:
+    """Trace one run (in a worker process or this one), loading the model once per process."""
+    import torch
+
+    from tracer.models import load_model
+    from tracer.run import TraceConfig, run_trace
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    key = (config["model"], config["device"], config["seed"])
+    if key not in _LOADED:
+        _LOADED[key] = load_model(config["model"], config["device"], config["dtype"], seed=config["seed"])
+    run_trace(TraceConfig(**config), progress=progress, loaded=_LOADED[key])
+    return config["out"]
+
+
+def _trace_in_processes(configs: list, run_dirs: list[Path], workers: int, n_samples: int) -> None:
+    """A process pool over runs; progress counts committed samples on disk (each is its own file)."""
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    from tqdm.auto import tqdm
+
+    def committed() -> int:
+        return sum(min(committed_samples(d), n_samples) for d in run_dirs)
+
+    total = n_samples * len(configs)
+    # spawn, not fork: torch's thread pools do not survive a fork; each worker imports torch itself.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool, \
+            tqdm(total=total, initial=committed(), desc=f"trace ({workers} processes)", unit="sample") as bar:
+        pending = {pool.submit(trace_one, dataclasses.asdict(c), 1, False) for c in configs}
+        while pending:
+            done, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+            for future in done:
+                future.result()  # a worker's error (one-line UserError) surfaces here, the pool shuts down
+            bar.update(committed() - bar.n)
+            bar.set_postfix(runs_left=len(pending))
+
+
+# -- 2. simulate ----------------------------------------------------------------------------------------------
+
+
+def newest_mtime(run_dir: Path) -> float:
+    """When the run last changed: its manifest or any committed sample (samples parts are written last)."""
+    paths = [run_dir / "run.json", *sorted((run_dir / "samples.parquet").glob("*.parquet"))]
+    return max(p.stat().st_mtime for p in paths if p.exists())
+
+
+def simulate_all(cells: list[Cell], run_dirs: dict[str, Path], sim_dir: Path, workers: int = 1) -> list[Path]:
+    """One results file per run (all profiles; the full run also carries the what-if replays).
+
+    Each (run, profile) replay is one task for `workers` processes; a run's file is written once all of its
+    tasks are back, so an interrupted simulation leaves either a complete file or none.
+    """
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    from hwprofiles import list_profiles
+
+    profiles = [p.name for p in list_profiles()]
+    sim_dir.mkdir(parents=True, exist_ok=True)
+    files = {cell.label: sim_dir / f"{cell.label}.parquet" for cell in cells}
+    stale = [c for c in cells if not files[c.label].is_file()
+             or files[c.label].stat().st_mtime <= newest_mtime(run_dirs[c.label])]
+    _stage(f"simulate: {len(cells) - len(stale)} of {len(cells)} runs' results up to date, {len(profiles)} profiles")
+    what_if_profile = WHAT_IF_PROFILE if WHAT_IF_PROFILE in profiles else profiles[0]
+    tasks = []  # (label, run_dir, profile, what_if)
+    for cell in stale:
+        tasks += [(cell.label, str(run_dirs[cell.label]), profile, None) for profile in profiles]
+        if cell.policy == "full":
+            tasks += [(cell.label, str(run_dirs[cell.label]), what_if_profile, what_if_of(run_dirs[t.label]))
+                      for t in cells if t.policy != "full"]
+    results: dict[str, list] = {cell.label: [] for cell in stale}
+    remaining = {cell.label: sum(1 for t in tasks if t[0] == cell.label) for cell in stale}
+    with tqdm(total=len(tasks), desc="simulate", unit="sim") as bar:
+        for (label, *_), frame in _map_tasks(simulate_one, tasks, workers):
+            results[label].append(frame)
+            remaining[label] -= 1
+            if remaining[label] == 0:
+                _write_parquet_atomic(pd.concat(results.pop(label), ignore_index=True), files[label])
+            bar.update()
+    return list(files.values())
+
+
+def simulate_one(label: str, run_dir: str, profile: str, what_if: dict | None):
+    from simulator import simulate_run
+
+    return simulate_run(run_dir, profile, what_if=what_if).samples
+
+
+def _map_tasks(function, tasks: list[tuple], workers: int):
+    """(task, function(*task)) as tasks finish: in this process, or in a spawn pool of `workers` processes."""
+    if workers == 1 or len(tasks) < 2:
+        for task in tasks:
+            yield task, function(*task)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(function, *task): task for task in tasks}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
+
+
+def what_if_of(run_dir: Path) -> dict:
+    """The --what-if that replays the full run's masses under `run_dir`'s traced policy, knob for knob, so that
+    the projection and the measured accuracy describe the same policy (analysis joins them on these keys)."""
+    from traces import open_run
+
+    policy = open_run(run_dir).manifest["policy"]
+    return {"policy": policy["name"], "budget": policy["hbm_budget"], "evict": policy["evict_ratio"],
+            "block": policy["block_size"], "recall_k": policy["recall_k"], "scorer": policy["scorer"],
+            "sink": policy["sink_tokens"], "window": policy["window_tokens"]}
+
+
+def _write_parquet_atomic(frame, path: Path) -> None:
+    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    frame.to_parquet(temp, index=False)
+    os.replace(temp, path)
+
+
+# -- 4. summary -----------------------------------------------------------------------------------------------
+
+
+def print_summary(report, elapsed_s: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from analysis.report import best_per_profile
+
+    console = Console()
+    best = best_per_profile(report.latency)
+    if best.empty:
+        console.print("No accuracy to rank policies by (unscored samples); see the report for latency.")
+    else:
+        table = Table(title="Best policy per profile: the fastest within 5 points of the best accuracy (95% CI)")
+        for column in ("profile", "policy", "budget", "accuracy [CI]", "n", "ms/token"):
+            table.add_column(column, justify="left" if column in ("profile", "policy") else "right", no_wrap=True)
+        for row in best.itertuples():
+            table.add_row(row.profile, row.method, f"{row.hbm_budget:.0%}",
+                          f"{row.accuracy:.0%} [{row.ci_low:.0%}, {row.ci_high:.0%}]", str(int(row.n)),
+                          f"{row.ms_per_token:.3g}")
+        console.print(table)
+    drawn = sum(1 for f in report.figures if f.paths)
+    console.print(f"report: {report.path} ({drawn} of {len(report.figures)} figures) in {elapsed_s:.0f} s")

@@ -1,0 +1,336 @@
+"""Train the bundled micro reasoning model on `chains`, with plain PyTorch, from one seeded command:
+
+    python -m tracer.micro train --out DIR [--seed 0] [--max-steps 2400] [--threads 1]
+
+Recipe (measured in shared/notes/micro-model-first-try.md): a curriculum of four stages that advances when the
+stage's probe shows variable look-ups learned; a recall side-task mixed in so that look-ups are most of the
+signal; loss on chain-of-thought tokens only; old-result look-ups raised to 50% of steps in the final stage; a
+cosine decay to lr/10 over the last 40% of steps (the final stage is forced there). Batches are a pure function of
+(seed, step), so a resumed run sees the same data as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from tracer.micro.tokenizer import PAD, TOKENIZER_SUBFOLDER, build_tokenizer
+from tracer.tasks.chains import (
+    ROLES,
+    VAR_LOOKUP,
+    ChainsConfig,
+    Problem,
+    generate_problem,
+    generate_recall,
+    heldout_problem,
+)
+
+IGNORE = -100
+N_HELDOUT_GUARD = 2000  # training rejects any problem whose prompt equals one of the first held-out prompts
+
+
+@dataclass(frozen=True)
+class Stage:
+    chains: ChainsConfig
+    recall_share: float  # share of the batch that is the recall side-task
+
+
+EVAL_CONFIG = ChainsConfig()  # the held-out distribution (old-result share 0.2)
+STAGES = (
+    Stage(ChainsConfig(2, 4, 1, 3, fillers_per_step=0), recall_share=0.4),
+    Stage(ChainsConfig(3, 8, 2, 5), recall_share=0.4),
+    Stage(ChainsConfig(5, 10, 3, 7), recall_share=0.4),
+    Stage(replace(EVAL_CONFIG, old_result_share=0.5), recall_share=0.15),  # old results are learnt last
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    max_steps: int = 2400
+    batch_size: int = 32
+    lr: float = 3e-3
+    final_lr: float = 3e-4
+    warmup_steps: int = 200
+    decay_fraction: float = 0.4  # cosine decay over the last 40% of steps
+    weight_decay: float = 0.05
+    clip_norm: float = 1.0
+    earlier_stage_share: float = 0.3
+    probe_every: int = 100
+    probe_size: int = 128
+    advance_var_lookup: float = 0.95
+    advance_sequence_exact: float = 0.5
+    checkpoint_every: int = 250
+    log_every: int = 25
+    threads: int = 2
+
+
+def model_config(vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> Qwen2Config:
+    # 6 query heads with 6 KV heads: the measured recipe (see tracer/micro/README.md for why not GQA).
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=192,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=6,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True,
+        pad_token_id=pad_id,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+    )
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    decay_start = decay_start_step(cfg)
+    if step < decay_start:
+        return cfg.lr
+    progress = (step - decay_start) / max(1, cfg.max_steps - decay_start)
+    return cfg.final_lr + 0.5 * (cfg.lr - cfg.final_lr) * (1 + math.cos(math.pi * progress))
+
+
+def decay_start_step(cfg: TrainConfig) -> int:
+    return int(cfg.max_steps * (1 - cfg.decay_fraction))
+
+
+class Encoder:
+    """Problem -> token ids with labels on the chain of thought (and <eos>) only."""
+
+    def __init__(self, tokenizer) -> None:
+        self.vocab = tokenizer.get_vocab()
+        self.bos_id, self.eos_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+        self.pad_id = self.vocab[PAD]
+
+    def encode(self, problem: Problem) -> tuple[list[int], list[int], list[str]]:
+        prompt = [self.bos_id] + [self.vocab[w] for w in problem.prompt_words]
+        answer = [self.vocab[w] for w in problem.answer_words] + [self.eos_id]
+        roles = ["prompt"] * len(prompt) + list(problem.answer_roles) + ["copy"]
+        labels = [IGNORE] * len(prompt) + answer
+        return prompt + answer, labels, roles
+
+    def batch(self, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[str]]]:
+        encoded = [self.encode(p) for p in problems]
+        width = max(len(ids) for ids, _, _ in encoded)
+        input_ids = torch.full((len(encoded), width), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(encoded), width), IGNORE, dtype=torch.long)
+        mask = torch.zeros((len(encoded), width), dtype=torch.long)
+        roles = []
+        for row, (ids, labs, rls) in enumerate(encoded):
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            labels[row, : len(labs)] = torch.tensor(labs)
+            mask[row, : len(ids)] = 1
+            roles.append(rls)
+        return input_ids, mask, labels, roles
+
+
+def training_batch(step: int, stage: int, cfg: TrainConfig, heldout_prompts: set[str]) -> list[Problem]:
+    """The batch of `step`: a pure function of (seed, step, stage)."""
+    rng = random.Random(f"chains/train/{cfg.seed}/{step}")
+    problems = []
+    while len(problems) < cfg.batch_size:
+        use_stage = stage
+        if stage > 0 and rng.random() < cfg.earlier_stage_share:
+            use_stage = rng.randrange(stage)
+        if rng.random() < STAGES[use_stage].recall_share:
+            problems.append(generate_recall(rng))
+            continue
+        problem = generate_problem(rng, STAGES[use_stage].chains)
+        if problem.prompt not in heldout_prompts:
+            problems.append(problem)
+    return problems
+
+
+@torch.no_grad()
+def teacher_forced_metrics(model, encoder: Encoder, problems: list[Problem], batch_size: int = 64) -> dict:
+    """Per-role next-token accuracy and whole-answer exactness, teacher-forced."""
+    correct = {role: 0 for role in ROLES}
+    total = {role: 0 for role in ROLES}
+    exact = 0
+    model.eval()
+    for start in range(0, len(problems), batch_size):
+        input_ids, mask, labels, roles = encoder.batch(problems[start : start + batch_size])
+        logits = model(input_ids=input_ids, attention_mask=mask).logits
+        predicted = logits[:, :-1].argmax(-1)
+        target = labels[:, 1:]
+        hit = (predicted == target) | (target == IGNORE)
+        exact += int(hit.all(dim=1).sum())
+        for row, row_roles in enumerate(roles):
+            for pos, role in enumerate(row_roles[1:]):
+                if target[row, pos] != IGNORE:
+                    total[role] += 1
+                    correct[role] += int(predicted[row, pos] == target[row, pos])
+    model.train()
+    metrics = {f"acc_{r}": round(correct[r] / total[r], 4) for r in ROLES if total[r]}
+    metrics["sequence_exact"] = round(exact / len(problems), 4)
+    return metrics
+
+
+def probe_set(stage: int, size: int) -> list[Problem]:
+    config = EVAL_CONFIG if stage == len(STAGES) - 1 else STAGES[stage].chains
+    return [generate_problem(random.Random(f"chains/probe/{stage}/{i}"), config) for i in range(size)]
+
+
+def save_checkpoint(directory: Path, model, optimizer, state: dict) -> None:
+    """Weights and optimizer as safetensors plus a JSON state, written beside and then renamed into place."""
+    tmp = directory.with_name(directory.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp)
+    tensors, layout = {}, []
+    for index, (param_id, param_state) in enumerate(optimizer.state_dict()["state"].items()):
+        layout.append([param_id, sorted(param_state)])
+        for key, value in param_state.items():
+            tensors[f"{index}.{key}"] = torch.as_tensor(value).clone()
+    save_file(tensors, str(tmp / "optimizer.safetensors"))
+    (tmp / "state.json").write_text(json.dumps({**state, "optimizer_layout": layout}, indent=1))
+    if directory.exists():
+        old = directory.with_name(directory.name + ".old")
+        directory.rename(old)
+        tmp.rename(directory)
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+    else:
+        tmp.rename(directory)
+
+
+def load_checkpoint(directory: Path, model, optimizer) -> dict:
+    state = json.loads((directory / "state.json").read_text())
+    model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)
+    model.tie_weights()
+    tensors = load_file(str(directory / "optimizer.safetensors"))
+    optimizer_state = optimizer.state_dict()
+    optimizer_state["state"] = {
+        param_id: {key: tensors[f"{index}.{key}"] for key in keys}
+        for index, (param_id, keys) in enumerate(state["optimizer_layout"])
+    }
+    optimizer.load_state_dict(optimizer_state)
+    return state
+
+
+def _truncate_log(log_path: Path, step: int) -> None:
+    """Drop log entries after the checkpoint being resumed: the log then reads like one uninterrupted run."""
+    if log_path.is_file():
+        entries = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+        kept = [e for e in entries if e.get("step", 0) <= step]
+        log_path.write_text("".join(json.dumps(e) + "\n" for e in kept))
+
+
+def train(out: Path, cfg: TrainConfig, resume: bool = True, stop_at: int | None = None) -> None:
+    """Train to `cfg.max_steps` (resuming from `out/checkpoint` if there is one); `stop_at` ends this invocation
+    early at that step, with a checkpoint, as an interruption would."""
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    encoder = Encoder(tokenizer)
+    config = model_config(len(tokenizer), encoder.pad_id, encoder.bos_id, encoder.eos_id)
+    model = Qwen2ForCausalLM(config)
+    model.train()
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        (no_decay if param.ndim < 2 or "norm" in name else decay).append(param)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.98),
+    )
+    heldout_prompts = {heldout_problem(i).prompt for i in range(N_HELDOUT_GUARD)}
+    log_path = out / "train_log.jsonl"
+    checkpoint_dir = out / "checkpoint"
+    step, stage, elapsed_before = 0, 0, 0.0
+    if resume and (checkpoint_dir / "state.json").exists():
+        state = load_checkpoint(checkpoint_dir, model, optimizer)
+        step, stage, elapsed_before = state["step"], state["stage"], state["elapsed_s"]
+        print(f"resumed from {checkpoint_dir} at step {step}, stage {stage}", flush=True)
+        _truncate_log(log_path, step)
+    else:
+        log_path.write_text(json.dumps({"event": "config", **asdict(cfg), "n_params": model.num_parameters(),
+                                        "stages": [asdict(s) for s in STAGES]}) + "\n")
+    tokenizer.save_pretrained(out / TOKENIZER_SUBFOLDER)
+    probes = {s: probe_set(s, cfg.probe_size) for s in range(len(STAGES))}
+    log = log_path.open("a")
+
+    def record(entry: dict) -> None:
+        log.write(json.dumps(entry) + "\n")
+        log.flush()
+        print(json.dumps(entry), flush=True)
+
+    started = time.perf_counter()
+    tokens_since, loss_sum, loss_count = 0, 0.0, 0
+    while step < cfg.max_steps:
+        if stop_at is not None and step >= stop_at:
+            elapsed = elapsed_before + time.perf_counter() - started
+            save_checkpoint(checkpoint_dir, model, optimizer, {"step": step, "stage": stage, "elapsed_s": elapsed})
+            log.close()
+            return
+        if step >= decay_start_step(cfg) and stage < len(STAGES) - 1:
+            stage = len(STAGES) - 1
+            record({"event": "stage", "step": step, "stage": stage, "reason": "decay phase"})
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        input_ids, mask, labels, _ = encoder.batch(training_batch(step, stage, cfg, heldout_prompts))
+        logits = model(input_ids=input_ids, attention_mask=mask).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=IGNORE
+        )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
+        optimizer.step()
+        step += 1
+        tokens_since += int(mask.sum())
+        loss_sum += loss.item()
+        loss_count += 1
+        elapsed = elapsed_before + time.perf_counter() - started
+        if step % cfg.log_every == 0:
+            record({"step": step, "stage": stage, "loss": round(loss_sum / loss_count, 4),
+                    "lr": round(lr_at(step - 1, cfg), 6), "elapsed_s": round(elapsed, 1),
+                    "tokens_per_s": round(tokens_since / max(1e-9, time.perf_counter() - started), 0)})
+            loss_sum, loss_count = 0.0, 0
+        if step % cfg.probe_every == 0 or step == cfg.max_steps:
+            metrics = teacher_forced_metrics(model, encoder, probes[stage])
+            record({"event": "probe", "step": step, "stage": stage, "elapsed_s": round(elapsed, 1), **metrics})
+            advance = (
+                metrics.get(f"acc_{VAR_LOOKUP}", 0) >= cfg.advance_var_lookup
+                and metrics["sequence_exact"] >= cfg.advance_sequence_exact
+            )
+            if advance and stage < len(STAGES) - 1:
+                stage += 1
+                record({"event": "stage", "step": step, "stage": stage, "reason": "probe thresholds met"})
+        if step % cfg.checkpoint_every == 0 or step == cfg.max_steps:
+            save_checkpoint(checkpoint_dir, model, optimizer, {"step": step, "stage": stage, "elapsed_s": elapsed})
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out / TOKENIZER_SUBFOLDER)
+    final = teacher_forced_metrics(model, encoder, probes[len(STAGES) - 1])
+    record({"event": "done", "step": step, "elapsed_s": round(elapsed_before + time.perf_counter() - started, 1),
+            **final})
+    log.close()
+
+
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "train_log.jsonl")
+
+
+def export_model(run_dir: Path, assets_dir: Path) -> None:
+    """Copy a finished run's model, tokenizer and training log (not its checkpoint) into the package."""
+    import shutil
+
+    missing = [name for name in MODEL_FILES if not (run_dir / name).is_file()]
+    if missing:
+        from thoughtkv.errors import UserError
+
+        raise UserError(f"{run_dir} lacks {', '.join(missing)}: the training has not finished; rerun train to resume")
+    assets_dir.mkdir(parents=True, exist_ok=True)
+    for name in MODEL_FILES:
+        shutil.copy2(run_dir / name, assets_dir / name)
+    build_tokenizer().save_pretrained(assets_dir / TOKENIZER_SUBFOLDER)

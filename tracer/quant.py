@@ -1,0 +1,189 @@
+"""The quantized DDR tier (`--ddr-dtype int8|int4`): offloaded blocks are stored as integer codes.
+
+Scheme (asymmetric min/max, one grid per block and KV head, separately for K and V; KIVI-style group
+quantization with the group = one head's `block_size x head_dim` tile):
+
+    zero  = min(x)                          float32, per (block, head)
+    scale = (max(x) - min(x)) / (2**bits - 1)   float32, per (block, head); 1 where the tile is constant
+    code  = round((x - zero) / scale)       in [0, 2**bits - 1]
+    x_hat = code * scale + zero             (dequantized on the compute device at recall)
+
+so |x - x_hat| <= scale / 2 <= max|x| / (2**bits - 1) per element: at most 1/255 (int8) or 1/15 (int4) of the
+tile's largest magnitude, plus float rounding. int4 packs two codes per byte (element 2i in the low nibble,
+2i+1 in the high nibble), so the stored codes are exactly a quarter of bf16's bytes; the float32 scale and zero
+are stored and moved too, and counted. Quantization runs on the compute device before the D2H copy, so the
+PCIe traffic and the DDR footprint shrink by the same factor (bytes = `numel * element_size` of every stored
+tensor). The Quest key bounds kept on the device are taken from the *dequantized* keys, so they bound exactly
+the keys that recall will bring back. A recalled block that is promoted stays in HBM dequantized (its error
+persists); offloading it again re-quantizes it on a grid recomputed from the dequantized tile.
+
+`QuantizedBlockStore` has the interface of `tracer.storage.HostBlockStore` (put/get/block_bytes/key_min/
+key_max) plus `pop_quant_error()`: the max and RMS relative error (relative to the block's max |x|, over K and V)
+of the blocks stored since the last call, for the trace's `quant_max_rel_err` / `quant_rms_rel_err`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from thoughtkv.errors import UserError
+
+DDR_DTYPES = ("same", "int8", "int4")
+BITS = {"int8": 8, "int4": 4}
+
+
+class BadDdrDtype(UserError):
+    pass
+
+
+def check_ddr_dtype(name: str) -> str:
+    if name not in DDR_DTYPES:
+        raise BadDdrDtype(f"unknown --ddr-dtype {name!r}; use one of {', '.join(DDR_DTYPES)}")
+    return name
+
+
+@dataclass
+class QuantizedTiles:
+    """Blocks [n, H, block, d] as codes (uint8; int4: [n, H, block, d/2], two codes per byte) + per-tile grid."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor  # [n, H, 1, 1] float32
+    zero: torch.Tensor  # [n, H, 1, 1] float32
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.codes, self.scale, self.zero
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def quantize(x: torch.Tensor, bits: int) -> QuantizedTiles:
+    """Quantize [n, H, block, d] per (block, head) tile onto a `bits`-bit asymmetric grid (see module doc)."""
+    levels = 2**bits - 1
+    x32 = x.float()
+    zero = x32.amin(dim=(2, 3), keepdim=True)
+    spread = x32.amax(dim=(2, 3), keepdim=True) - zero
+    scale = torch.where(spread > 0, spread / levels, torch.ones_like(spread))
+    codes = ((x32 - zero) / scale).round_().clamp_(0, levels).to(torch.uint8)
+    if bits == 4:
+        if codes.shape[-1] % 2:
+            raise BadDdrDtype(f"int4 packs two values per byte and needs an even head_dim (got {codes.shape[-1]})")
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return QuantizedTiles(codes, scale, zero)
+
+
+def dequantize(tiles: QuantizedTiles, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    codes = tiles.codes
+    if bits == 4:
+        codes = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2)
+    return (codes.float() * tiles.scale + tiles.zero).to(dtype)
+
+
+def relative_errors(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor:
+    """(x - x_hat) / max|x| of each block [n, H, block, d] (over heads and elements), float32."""
+    x32 = x.float()
+    block_max = x32.abs().amax(dim=(1, 2, 3), keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return (x32 - x_hat.float()) / block_max
+
+
+class QuantizedBlockStore:
+    """DDR tier of one layer storing whole blocks quantized to int8 or int4 codes (host, pinned on CUDA)."""
+
+    def __init__(
+        self, n_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+        ddr_dtype: str = "int8",
+    ):
+        self.bits = BITS[check_ddr_dtype(ddr_dtype)] if ddr_dtype != "same" else None
+        if self.bits is None:
+            raise BadDdrDtype("QuantizedBlockStore needs --ddr-dtype int8 or int4; `same` uses HostBlockStore")
+        if self.bits == 4 and head_dim % 2:
+            raise BadDdrDtype(f"--ddr-dtype int4 packs two values per byte and needs an even head_dim (got {head_dim})")
+        self.shape = (n_kv_heads, block_size, head_dim)
+        self.code_dim = head_dim if self.bits == 8 else head_dim // 2
+        self.dtype, self.device = dtype, device
+        self.pin = device.type == "cuda"
+        self.capacity_blocks = 0
+        self.host: dict[str, torch.Tensor] = {}  # k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
+        self.key_min = self.key_max = torch.empty(0)
+        self._errors: list[torch.Tensor] = []  # relative errors of blocks stored since pop_quant_error()
+        self._grow(64)
+
+    def _host_shapes(self, n_blocks: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        n_heads, block_size, _ = self.shape
+        tile = ((n_blocks, n_heads, 1, 1), torch.float32)
+        codes = ((n_blocks, n_heads, block_size, self.code_dim), torch.uint8)
+        return {f"{t}_{part}": spec for t in "kv" for part, spec in (("codes", codes), ("scale", tile), ("zero", tile))}
+
+    def _grow(self, n_blocks: int) -> None:
+        capacity = max(n_blocks, 2 * self.capacity_blocks)
+        old = self.capacity_blocks
+        grown = {
+            name: torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+            for name, (shape, dtype) in self._host_shapes(capacity).items()
+        }
+        bounds_shape = (capacity, self.shape[0], self.shape[2])
+        key_min = torch.empty(bounds_shape, dtype=self.dtype, device=self.device)
+        key_max = torch.empty(bounds_shape, dtype=self.dtype, device=self.device)
+        if old:
+            for name, tensor in grown.items():
+                tensor[:old] = self.host[name]
+            key_min[:old], key_max[:old] = self.key_min, self.key_max
+        self.host, self.key_min, self.key_max = grown, key_min, key_max
+        self.capacity_blocks = capacity
+
+    def put(self, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Quantize blocks [n, H, block, d] on the device and store them under `block_ids`; returns bytes D2H."""
+        needed = int(block_ids.max()) + 1
+        if needed > self.capacity_blocks:
+            self._grow(needed)
+        device_ids, host_ids = block_ids.to(self.device), block_ids.cpu()
+        moved = 0
+        for prefix, x in (("k", keys), ("v", values)):
+            tiles = quantize(x, self.bits)
+            x_hat = dequantize(tiles, self.bits, self.dtype)
+            self._errors.append(relative_errors(x, x_hat).flatten())
+            if prefix == "k":
+                self.key_min[device_ids], self.key_max[device_ids] = x_hat.amin(dim=2), x_hat.amax(dim=2)
+            for part, tensor in zip(("codes", "scale", "zero"), tiles.tensors(), strict=True):
+                host_tensor = tensor.cpu()  # blocking: the host buffer is read right below
+                self.host[f"{prefix}_{part}"][host_ids] = host_tensor
+                moved += host_tensor.numel() * host_tensor.element_size()
+        return moved
+
+    def get(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Copy blocks' codes and grids to the device and dequantize: (keys, values, bytes copied H2D)."""
+        host_ids = block_ids.cpu()
+        out, moved = [], 0
+        for prefix in "kv":
+            parts = [self.host[f"{prefix}_{part}"][host_ids].to(self.device, non_blocking=self.pin) for part in ("codes", "scale", "zero")]
+            tiles = QuantizedTiles(*parts)
+            moved += tiles.nbytes()
+            out.append(dequantize(tiles, self.bits, self.dtype))
+        return out[0], out[1], moved
+
+    def block_bytes(self) -> int:
+        """Bytes of one stored block: K and V codes plus their float32 scales and zero points."""
+        n_heads, block_size, _ = self.shape
+        return 2 * (n_heads * block_size * self.code_dim + 2 * n_heads * 4)
+
+    def pop_quant_error(self) -> dict[str, float | None]:
+        """Max and RMS relative error over the blocks stored since the last call (None when none were)."""
+        errors, self._errors = self._errors, []
+        if not errors:
+            return {"quant_max_rel_err": None, "quant_rms_rel_err": None}
+        flat = torch.cat(errors)
+        return {
+            "quant_max_rel_err": float(flat.abs().max()),
+            "quant_rms_rel_err": float(flat.square().mean().sqrt()),
+        }
+
+
+def make_block_store(ddr_dtype: str, n_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    """The DDR store for `--ddr-dtype`: the tracer's plain `HostBlockStore` for `same`, else a quantized one."""
+    if check_ddr_dtype(ddr_dtype) == "same":
+        from tracer.storage import HostBlockStore
+
+        return HostBlockStore(n_kv_heads, block_size, head_dim, dtype, device)
+    return QuantizedBlockStore(n_kv_heads, block_size, head_dim, dtype, device, ddr_dtype)

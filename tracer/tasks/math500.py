@@ -1,0 +1,36 @@
+"""Task `math500`: the 500-problem MATH subset of "Let's Verify Step by Step" (Lightman et al., 2023,
+https://arxiv.org/abs/2305.20050), as published in `HuggingFaceH4/MATH-500` (fields problem, answer, ...).
+"""
+
+from __future__ import annotations
+
+from tracer.tasks.answers import answers_equal, extract_final_answer
+from tracer.tasks.base import Sample, Task, register_task
+from tracer.tasks.gsm8k import REASONING_SUFFIX
+from tracer.tasks.records import load_records
+
+
+@register_task
+class Math500Task(Task):
+    name = "math500"
+    source = "HuggingFaceH4/MATH-500"
+    split = "test"
+    use_chat_template = True
+    fields = ("problem", "answer")
+
+    def load(self, n_samples: int, data_file: str | None = None, seed: int = 0) -> list[Sample]:
+        records = load_records(data_file, self.source, None, self.split, self.fields, n_samples)
+        samples = []
+        for index, record in enumerate(records):
+            meta = {key: record[key] for key in ("subject", "level", "unique_id") if key in record}
+            samples.append(Sample(f"math500/test/{index}", record["problem"] + REASONING_SUFFIX,
+                                  str(record["answer"]).strip(), meta))
+        return samples
+
+    def extract_answer(self, text: str) -> str | None:
+        return extract_final_answer(text)
+
+    def is_correct(self, predicted: str | None, gold: str | None) -> bool | None:
+        if gold is None:
+            return None
+        return answers_equal(predicted, gold)
