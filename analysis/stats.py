@@ -11,28 +11,7 @@ import math
 import numpy as np
 import pandas as pd
 
-Z_95 = 1.959963984540054  # two-sided 95% normal quantile
-
-
-def wilson_interval(correct: int, n: int, z: float = Z_95) -> tuple[float, float]:
-    """Wilson score interval for a binomial proportion (Wilson 1927; Newcombe 1998, method 3).
-
-    Unlike the normal approximation it stays inside [0, 1] and is usable at 0/n and n/n, which matters for
-    the small per-policy sample counts we have. Returns (nan, nan) when n == 0.
-    """
-    if n < 0 or correct < 0 or correct > n:
-        raise ValueError(f"need 0 <= correct <= n, got correct={correct}, n={n}")
-    if n == 0:
-        return math.nan, math.nan
-    p_hat = correct / n
-    z2 = z * z
-    denominator = 1 + z2 / n
-    center = (p_hat + z2 / (2 * n)) / denominator
-    half_width = z / denominator * math.sqrt(p_hat * (1 - p_hat) / n + z2 / (4 * n * n))
-    # At 0/n and n/n the bound is exactly 0 (1); the formula gets there only up to rounding.
-    low = 0.0 if correct == 0 else max(0.0, center - half_width)
-    high = 1.0 if correct == n else min(1.0, center + half_width)
-    return low, high
+from traces.stats import Z_95, wilson_interval  # noqa: F401  (re-exported: the figures' CIs)
 
 
 def top_share(mass: np.ndarray, top_frac: float = 0.2) -> float:

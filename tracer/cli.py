@@ -53,6 +53,15 @@ def config_from_args(args: argparse.Namespace):
     )
 
 
+def run_accuracy_line(run_dir) -> str:
+    """Accuracy of every scored sample in the run (resumed samples included), with its 95% CI."""
+    from traces import open_run
+    from traces.stats import accuracy_line
+
+    scored = open_run(run_dir).samples()["correct"].dropna()
+    return accuracy_line(int(scored.sum()), len(scored))
+
+
 def run(args: argparse.Namespace) -> int:
     from tracer.run import run_trace
 
@@ -60,4 +69,5 @@ def run(args: argparse.Namespace) -> int:
     config.validate()
     out = run_trace(config, progress=not args.quiet)
     print(f"trace written to {out}")
+    print(f"accuracy: {run_accuracy_line(out)}")
     return 0

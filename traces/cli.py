@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from traces.stats import accuracy_line
+
 
 def add_arguments(parser: argparse.ArgumentParser):
     sub = parser.add_subparsers(dest="traces_command", metavar="ACTION")
@@ -58,7 +60,7 @@ def info_lines(trace) -> list[str]:
     ]
     scored = samples["correct"].dropna()
     if len(scored):
-        lines.append(f"accuracy    {int(scored.sum())}/{len(scored)} = {scored.mean():.1%}")
+        lines.append(f"accuracy    {accuracy_line(int(scored.sum()), len(scored))}")
     if len(samples):
         steps = trace.steps(columns=["step", "bytes_h2d", "bytes_d2h"])
         lines += [
