@@ -14,7 +14,6 @@ from tracer.quant import (
     relative_errors,
 )
 from tracer.scorers import H2OScorer
-from tracer.storage import HostBlockStore
 
 SHAPE = (5, 2, 16, 32)  # blocks, KV heads, block_size, head_dim
 
@@ -113,8 +112,10 @@ def test_store_grows_and_keeps_what_it_held():
     assert relative_errors(first, keys).abs().max() <= 1 / 255 + 1e-6
 
 
-def test_same_is_the_plain_store_and_bad_names_are_refused():
-    assert type(make_block_store("same", 2, 16, 32, torch.float32, torch.device("cpu"))) is HostBlockStore
+def test_same_is_the_pinned_pool_store_and_bad_names_are_refused():
+    from tracer.transfer import PinnedBlockStore
+
+    assert type(make_block_store("same", 2, 16, 32, torch.float32, torch.device("cpu"))) is PinnedBlockStore
     with pytest.raises(BadDdrDtype, match="int8, int4"):
         make_block_store("fp8", 2, 16, 32, torch.float32, torch.device("cpu"))
     with pytest.raises(BadDdrDtype, match="even head_dim"):

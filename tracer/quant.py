@@ -181,9 +181,10 @@ class QuantizedBlockStore:
 
 
 def make_block_store(ddr_dtype: str, n_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device):
-    """The DDR store for `--ddr-dtype`: the tracer's plain `HostBlockStore` for `same`, else a quantized one."""
+    """The DDR store for `--ddr-dtype`: real data movement (`PinnedBlockStore`: preallocated pinned pool,
+    staged copies on a side stream) for `same`, else a quantized one."""
     if check_ddr_dtype(ddr_dtype) == "same":
-        from tracer.storage import HostBlockStore
+        from tracer.transfer import PinnedBlockStore
 
-        return HostBlockStore(n_kv_heads, block_size, head_dim, dtype, device)
+        return PinnedBlockStore(n_kv_heads, block_size, head_dim, dtype, device)
     return QuantizedBlockStore(n_kv_heads, block_size, head_dim, dtype, device, ddr_dtype)
