@@ -18,14 +18,6 @@ from tracer.scorers import H2OScorer
 SHAPE = (5, 2, 16, 32)  # blocks, KV heads, block_size, head_dim
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is faster, and immune to a busy machine (2 threads thrash there)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 def _random_blocks(kind: str, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)

@@ -18,15 +18,6 @@ from tracer.scorers_extra import (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is faster, and immune to a busy machine (2 threads thrash there)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def tiny_model(dtype=torch.float32, attn="sdpa"):
     torch.manual_seed(0)
     config = Qwen2Config(

@@ -24,14 +24,6 @@ CONFIGS = {
 PROMPT_LEN, STEPS = 20, 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models are dispatch-bound: one intra-op thread is faster and steadier on a shared 2-core CI box."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 def tiny_model(arch: str, attn: str = "sdpa"):
     torch.manual_seed(0)

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from thoughtkv.cli import main
 from traces import open_run
@@ -20,14 +19,6 @@ REPO = Path(__file__).resolve().parents[1]
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 needs_gsm8k = pytest.mark.skipif(not GSM8K.is_file(), reason="shared GSM8K file not present")
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """A 20M model's decode is dispatch-bound: one intra-op thread is faster and steadier on a shared CI box."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize(

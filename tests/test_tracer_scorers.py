@@ -16,14 +16,6 @@ from tracer.scorers import SCORERS, get_scorer
 PROMPT_LEN, STEPS, N_LAYERS = 24, 12, 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models are dispatch-bound: one intra-op thread is faster and steadier on a shared 2-core CI box."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 def tiny_model(attn: str):
     torch.manual_seed(0)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
+from tracer.tasks.base import Task
+
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _ANSWER_IS = re.compile(r"answer is\s*:?\s*", re.IGNORECASE)
 _FRAC = re.compile(r"^(-?)\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}$")
@@ -103,3 +105,15 @@ def answers_equal(predicted: str | None, gold: str | None) -> bool:
     if a is not None and b is not None:
         return abs(a - b) <= Fraction(1, 10**6) * max(1, abs(b))
     return normalize(predicted) == normalize(gold)
+
+
+class FreeFormMathTask(Task):
+    """A task whose model writes free-form math: the answer is extracted and compared numerically."""
+
+    def extract_answer(self, text: str) -> str | None:
+        return extract_final_answer(text)
+
+    def is_correct(self, predicted: str | None, gold: str | None) -> bool | None:
+        if gold is None:
+            return None
+        return answers_equal(predicted, gold)

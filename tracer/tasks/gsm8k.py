@@ -6,8 +6,8 @@ Gold answers are the number after `####` in the dataset's `answer` field; model 
 
 from __future__ import annotations
 
-from tracer.tasks.answers import answers_equal, extract_final_answer
-from tracer.tasks.base import Sample, Task, register_task
+from tracer.tasks.answers import FreeFormMathTask
+from tracer.tasks.base import Sample, register_task
 from tracer.tasks.records import DataFileError, load_records
 
 # The prompt DeepSeek recommends for its R1 distills on math.
@@ -15,7 +15,7 @@ REASONING_SUFFIX = "\nPlease reason step by step, and put your final answer with
 
 
 @register_task
-class GSM8KTask(Task):
+class GSM8KTask(FreeFormMathTask):
     name = "gsm8k"
     source = "openai/gsm8k"
     split = "test"
@@ -32,14 +32,6 @@ class GSM8KTask(Task):
                 raise DataFileError(f"gsm8k record {index} has no '#### N' in its answer field; fix the data file")
             samples.append(Sample(f"gsm8k/test/{index}", record["question"] + REASONING_SUFFIX, gold))
         return samples
-
-    def extract_answer(self, text: str) -> str | None:
-        return extract_final_answer(text)
-
-    def is_correct(self, predicted: str | None, gold: str | None) -> bool | None:
-        if gold is None:
-            return None
-        return answers_equal(predicted, gold)
 
 
 def gold_answer(answer_field: str) -> str | None:

@@ -4,14 +4,14 @@ https://arxiv.org/abs/2305.20050), as published in `HuggingFaceH4/MATH-500` (fie
 
 from __future__ import annotations
 
-from tracer.tasks.answers import answers_equal, extract_final_answer
-from tracer.tasks.base import Sample, Task, register_task
+from tracer.tasks.answers import FreeFormMathTask
+from tracer.tasks.base import Sample, register_task
 from tracer.tasks.gsm8k import REASONING_SUFFIX
 from tracer.tasks.records import load_records
 
 
 @register_task
-class Math500Task(Task):
+class Math500Task(FreeFormMathTask):
     name = "math500"
     source = "HuggingFaceH4/MATH-500"
     split = "test"
@@ -26,11 +26,3 @@ class Math500Task(Task):
             samples.append(Sample(f"math500/test/{index}", record["problem"] + REASONING_SUFFIX,
                                   str(record["answer"]).strip(), meta))
         return samples
-
-    def extract_answer(self, text: str) -> str | None:
-        return extract_final_answer(text)
-
-    def is_correct(self, predicted: str | None, gold: str | None) -> bool | None:
-        if gold is None:
-            return None
-        return answers_equal(predicted, gold)
