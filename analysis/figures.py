@@ -223,16 +223,21 @@ def projected_latency(latency: pd.DataFrame, breakdown: pd.DataFrame, methods: l
 # -- 4 -------------------------------------------------------------------------------------------------------
 
 
+def _scatter_by_profile(ax, frame: pd.DataFrame, x: str, y: str, linewidths: float) -> None:
+    """One hollow-marker scatter per hardware profile (greyscale-safe: the marker shape differs)."""
+    styles = _profile_styles(frame["profile"].unique())
+    for profile, group in frame.groupby("profile"):
+        style = styles[profile]
+        ax.scatter(group[x], group[y], marker=style["marker"], facecolors="none", edgecolors=style["color"],
+                   label=profile, linewidths=linewidths)
+
+
 @styled
 def pareto(points: pd.DataFrame) -> Figure:
     """Accuracy vs projected ms/token (all policies x profiles) and vs HBM bytes per sequence; frontier marked."""
     figure = new_figure(DOUBLE_COLUMN_IN)
     ax_latency, ax_bytes = figure.subplots(1, 2)
-    profile_styles = _profile_styles(points["profile"].unique())
-    for profile, group in points.groupby("profile"):
-        style = profile_styles[profile]
-        ax_latency.scatter(group["ms_per_token"], group["accuracy"], marker=style["marker"], facecolors="none",
-                           edgecolors=style["color"], label=profile, linewidths=0.9)
+    _scatter_by_profile(ax_latency, points, "ms_per_token", "accuracy", linewidths=0.9)
     _frontier_line(ax_latency, points[points["on_frontier_latency"]], "ms_per_token")
     _log_if_wide(ax_latency, points["ms_per_token"], which="x", ratio=10)
     ax_latency.set_xlabel("projected time per token (ms)")
@@ -306,11 +311,7 @@ def sim_vs_measured(frame: pd.DataFrame, errors: dict) -> Figure:
     """Simulated vs measured time per sample with y = x, and the histogram of relative errors."""
     figure = new_figure(DOUBLE_COLUMN_IN)
     ax_scatter, ax_hist = figure.subplots(1, 2)
-    styles = _profile_styles(frame["profile"].unique())
-    for profile, group in frame.groupby("profile"):
-        style = styles[profile]
-        ax_scatter.scatter(group["measured_s"], group["simulated_s"], marker=style["marker"], facecolors="none",
-                           edgecolors=style["color"], label=profile, linewidths=0.8)
+    _scatter_by_profile(ax_scatter, frame, "measured_s", "simulated_s", linewidths=0.8)
     low = float(min(frame["measured_s"].min(), frame["simulated_s"].min())) * 0.8
     high = float(max(frame["measured_s"].max(), frame["simulated_s"].max())) * 1.25
     ax_scatter.plot([low, high], [low, high], color="black", linestyle="--", linewidth=0.8, label="y = x")
