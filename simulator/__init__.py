@@ -27,6 +27,7 @@ _EXPORTS = {
     "transfer_s": "simulator.costs",
     "Hardware": "simulator.engine",
     "Channel": "simulator.engine",
+    "ResourceChannel": "simulator.engine",
     "Timeline": "simulator.engine",
     "run_des": "simulator.engine",
     "run_fast": "simulator.fastpath",

@@ -4,26 +4,25 @@ Hardware (`Hardware`):
 - `gpu`: a Resource of capacity 1. A sequence (or a lockstep batch) holds it for a whole decode step: the
   step's kernels run back to back; waiting for a recall inside the step keeps the GPU idle (a link stall).
 - the host link as `Channel`s: in full duplex one per direction (H2D, D2H), in half duplex one shared by both.
-  A channel's copy engines are a Resource (capacity = engines); a transfer holds one engine for
-  overhead + bytes / bandwidth. With more than one engine on a channel the bytes still share one wire (a
-  Resource of capacity 1, held for bytes / bandwidth only), so extra engines overlap setup costs, never
-  bandwidth.
+  A channel is a FIFO queue of copy engines; a transfer holds one engine for overhead + bytes / bandwidth.
+  With more than one engine on a channel the bytes still share one wire (held for bytes / bandwidth only),
+  so extra engines overlap setup costs, never bandwidth. `Channel` keeps this queue as counters (next-free
+  times) and reserves each copy when it is issued; `ResourceChannel`, the same queue as SimPy Resources, is
+  its reference (tests/test_engine_channel.py checks they agree).
 
-A sequence process walks the Workload's operations (workload.py). Consecutive operations with nothing to
-wait for or to issue in between are one timeout (their sum): other processes cannot observe the boundary,
-and it keeps the event count per layer-step low. Overlap modes:
+A sequence process walks the Workload's operations (workload.py). Inside a step it keeps its own clock and
+yields only where another process could observe it: before issuing a copy and at the end of the step (see
+`sequence`); a step with nothing to wait for or issue is one timeout. Overlap modes:
 
 - `none`: recall, then compute (the recall is on the critical path);
 - `layer-prefetch`: the recall for operation i+1 is issued when operation i starts computing, so it
   overlaps with it (valid only when the recall set is known before the step: recall_rule "score");
 - `async_offload`: offloads are issued after an operation and not waited for (else the sequence waits).
-
-A copy the sequence waits for at once runs inside its process (`yield from Channel.transfer`); one it does
-not (async offload, prefetch) runs as event callbacks on the same Resources (`Channel.start`).
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,13 +77,87 @@ class Timeline:
 
 
 class Channel:
-    """One direction of the host link (or both, half duplex): copy engines + the wire they share."""
+    """One direction of the host link (or both, half duplex): copy engines + the wire they share, as counters.
+
+    A FIFO queue of k copy engines (and, when k > 1, one wire behind them) whose state is the engines'
+    next-free times (a heap) and the wire's next-free time. Copies are issued in nondecreasing env.now and a
+    FIFO k-server queue starts its customers in arrival order, at start = max(now, earliest engine free); the
+    wire is asked for at start + overhead, nondecreasing too, so it also serves copies in issue order:
+    wire = max(start + overhead, wire free), end = wire + (duration - overhead). A copy can therefore be
+    *reserved* when it is issued (`reserve` returns its end): the same start and end times, float for float,
+    as `ResourceChannel`'s request -> timeout -> release, without any event. A waiter needs one timeout to
+    the end (`transfer`, `start`), or none (an async offload nobody waits for, a recall folded into the
+    compute after it: engine.sequence). Busy time, bytes and the timeline span are recorded at issue.
+    """
 
     def __init__(self, env: simpy.Environment, name: str, engines: int, timeline: Timeline | None = None):
         self.env, self.name, self.timeline = env, name, timeline
+        self.n_engines = engines
+        self.engine_free_s = [0.0] * engines  # a heap: when each copy engine is next free
+        self.wire_free_s = 0.0  # engines > 1: when the wire is next free
+        self.overhead_s: float | None = None  # engines > 1: the one per-copy overhead of this channel
+        # Per direction ("h2d", "d2h"): sum of transfer durations, bytes moved, end of the last transfer.
+        self.busy_s = {"h2d": 0.0, "d2h": 0.0}
+        self.bytes = {"h2d": 0.0, "d2h": 0.0}
+        self.last_end_s = {"h2d": 0.0, "d2h": 0.0}
+
+    def reserve(self, direction: str, n_bytes: float, duration_s: float, overhead_s: float,
+                label: str = "copy") -> float:
+        """Queue one copy of `n_bytes` issued now, taking `duration_s` = overhead + bytes / bandwidth when it
+        has the channel to itself; returns the time it ends."""
+        now = self.env.now
+        free = self.engine_free_s
+        start = free[0]
+        if now > start:
+            start = now
+        if self.n_engines == 1:
+            end = start + duration_s
+            free[0] = end
+        else:
+            if self.overhead_s is None:
+                self.overhead_s = overhead_s
+            elif overhead_s != self.overhead_s:  # wire requests would not come in issue order
+                raise ValueError(f"{self.name}: copies on a channel with several engines must share one overhead")
+            wire = start + overhead_s
+            if self.wire_free_s > wire:
+                wire = self.wire_free_s
+            end = wire + (duration_s - overhead_s)
+            self.wire_free_s = end
+            heapq.heapreplace(free, end)
+        self.busy_s[direction] += duration_s
+        self.bytes[direction] += n_bytes
+        if end > self.last_end_s[direction]:
+            self.last_end_s[direction] = end
+        if self.timeline is not None:
+            self.timeline.span(self.name, label, start, end, bytes=int(n_bytes))
+        return end
+
+    def transfer(self, direction: str, n_bytes: float, duration_s: float, overhead_s: float, label: str = "copy"):
+        """A SimPy process body: one copy, waited for (one timeout to its end)."""
+        end = self.reserve(direction, n_bytes, duration_s, overhead_s, label)
+        yield self.env.timeout(end - self.env.now)
+
+    def start(self, direction: str, n_bytes: float, duration_s: float, overhead_s: float, label: str = "copy",
+              notify: bool = True) -> simpy.Event | None:
+        """Issue a copy; returns an event that fires when it is done (None when `notify` is off: an async
+        offload nobody waits for, which then costs no event at all)."""
+        end = self.reserve(direction, n_bytes, duration_s, overhead_s, label)
+        return self.env.timeout(end - self.env.now) if notify else None
+
+
+class ResourceChannel:
+    """The reference for `Channel`: the same FIFO link as SimPy Resources and events (kept for the tests).
+
+    A channel's copy engines are a Resource (capacity = engines); a transfer holds one engine for
+    overhead + bytes / bandwidth. With more than one engine the bytes also hold the wire (a capacity-1
+    Resource) for bytes / bandwidth only, so extra engines overlap setup costs, never bandwidth.
+    """
+
+    def __init__(self, env: simpy.Environment, name: str, engines: int, timeline: Timeline | None = None):
+        self.env, self.name, self.timeline = env, name, timeline
+        self.n_engines = engines
         self.engines = simpy.Resource(env, capacity=engines)
         self.wire = simpy.Resource(env, capacity=1) if engines > 1 else None
-        # Per direction ("h2d", "d2h"): sum of transfer durations, bytes moved, end of the last transfer.
         self.busy_s = {"h2d": 0.0, "d2h": 0.0}
         self.bytes = {"h2d": 0.0, "d2h": 0.0}
         self.last_end_s = {"h2d": 0.0, "d2h": 0.0}
@@ -107,30 +180,36 @@ class Channel:
 
     def start(self, direction: str, n_bytes: float, duration_s: float, overhead_s: float, label: str = "copy",
               notify: bool = True) -> simpy.Event | None:
-        """Issue a copy without a process of its own; returns an event that fires when it is done (or None
-        when `notify` is off: an async offload nobody waits for).
-
-        Same Resource semantics as `transfer`, driven by event callbacks: request -> (granted) timeout ->
-        (elapsed) release. It needs a third of the events of a process per copy, which is what keeps the DES
-        fast when every layer-step moves blocks.
+        """Issue a copy without a process of its own: request -> (granted) timeout -> (elapsed) release as event
+        callbacks, through the wire when there is one; returns an event that fires when it is done, or None
+        when not `notify`. The engine is requested here, so copies queue in the order they are issued (as
+        `transfer`'s, and as `Channel`'s). (The engine used to run a wired copy as a process, which requested
+        its engine only when the process started: a copy issued right after it in the same instant went first.)
         """
         env = self.env
         done = env.event() if notify else None
-        if self.wire is not None:  # the two-stage (engine, wire) copy stays a process
-            process = env.process(self.transfer(direction, n_bytes, duration_s, overhead_s, label))
-            return process if notify else None
         request = self.engines.request()
 
         def granted(_event) -> None:
             start = env.now
 
-            def elapsed(_event) -> None:
+            def elapsed(_event, wire=None) -> None:
+                if wire is not None:
+                    self.wire.release(wire)
                 self.engines.release(request)
                 self._finished(direction, n_bytes, duration_s, start, label)
                 if done is not None:
                     done.succeed()
 
-            env.timeout(duration_s).callbacks.append(elapsed)
+            def set_up(_event) -> None:
+                wire = self.wire.request()
+                wire.callbacks.append(
+                    lambda _e: env.timeout(duration_s - overhead_s).callbacks.append(lambda e: elapsed(e, wire)))
+
+            if self.wire is None:
+                env.timeout(duration_s).callbacks.append(elapsed)
+            else:
+                env.timeout(overhead_s).callbacks.append(set_up)
 
         request.callbacks.append(granted)
         return done
@@ -144,113 +223,151 @@ class Channel:
 
 
 class Hardware:
-    """The shared resources of one simulated machine."""
+    """The shared resources of one simulated machine (`channel`: `Channel`, or `ResourceChannel` in tests)."""
 
-    def __init__(self, env: simpy.Environment, profile: HardwareProfile, timeline: Timeline | None = None):
+    def __init__(self, env: simpy.Environment, profile: HardwareProfile, timeline: Timeline | None = None,
+                 channel: type = Channel):
         self.env, self.profile, self.timeline = env, profile, timeline
         self.gpu = simpy.Resource(env, capacity=1)
         engines = engines_per_channel(profile)
         if profile.link.full_duplex:
-            self.h2d = Channel(env, "link H2D", engines, timeline)
-            self.d2h = Channel(env, "link D2H", engines, timeline)
+            self.h2d = channel(env, "link H2D", engines, timeline)
+            self.d2h = channel(env, "link D2H", engines, timeline)
         else:
-            self.h2d = self.d2h = Channel(env, "link (half duplex)", engines, timeline)
+            self.h2d = self.d2h = channel(env, "link (half duplex)", engines, timeline)
 
 
-def _copies(env: simpy.Environment, channel: Channel, direction: str, copies: int, n_bytes: float,
-            duration_s: float, overhead_s: float, label: str, notify: bool = True):
-    """`copies` identical transfers issued at once (one per sequence of a lockstep batch); the event of their
-    completion (None when not `notify`)."""
-    done = [channel.start(direction, n_bytes, duration_s, overhead_s, label, notify) for _ in range(copies)]
-    if not notify:
-        return None
-    return done[0] if copies == 1 else env.all_of(done)
+def _copies(channel: Channel, direction: str, copies: int, n_bytes: float, duration_s: float, overhead_s: float,
+            label: str) -> float:
+    """`copies` identical transfers issued now (one per sequence of a lockstep batch); when the last ends."""
+    end = 0.0
+    for _ in range(copies):
+        end = max(end, channel.reserve(direction, n_bytes, duration_s, overhead_s, label))
+    return end
 
 
 def sequence(env: simpy.Environment, hw: Hardware, work: Workload, overlap: str, async_offload: bool,
              step_end_s: np.ndarray, track: str = "GPU"):
-    """The process of one sequence (or one lockstep batch of `work.batch` copies of it)."""
+    """The process of one sequence (or one lockstep batch of `work.batch` copies of it).
+
+    Within a step the process keeps its own clock `t` (+ `busy`, compute not yet added to it): waiting for a
+    copy is `t = max(t, end)` and computing is `t += compute`, with no event, because nothing else can observe
+    a GPU it holds. It only yields to bring env.now up to `t` where others can see it: before it issues a copy
+    (channels reserve copies at env.now, in issue order across processes) and at the end of a step (the GPU is
+    released). Times are the same floats as waiting and computing with one timeout each.
+    """
     compute = work.compute_s.tolist()
     recall = work.recall_s.tolist()
     offload = work.offload_s.tolist()
     recall_bytes = work.recall_bytes.tolist()
     offload_bytes = work.offload_bytes.tolist()
     per_step = work.ops_per_step
+    n_ops = len(compute)
     copies = work.batch
     prefetch = overlap == "layer-prefetch"
     timeline = hw.timeline
+    h2d, d2h = hw.h2d, hw.d2h
+    recall_overhead_s, offload_overhead_s = work.recall_overhead_s, work.offload_overhead_s
     recalls = work.recall_s.reshape(work.n_steps, per_step) > 0
     offloads = work.offload_s.reshape(work.n_steps, per_step) > 0
-    has_transfer = recalls.any(1) | offloads.any(1)
+    has_transfer = (recalls.any(1) | offloads.any(1)).tolist()
     if prefetch:  # the next step's first recall is issued during this step's last operation
-        has_transfer[:-1] |= recalls[1:, 0]
+        has_transfer[:-1] = (np.array(has_transfer[:-1]) | recalls[1:, 0]).tolist()
     step_compute = work.compute_s.reshape(work.n_steps, per_step).sum(1).tolist()
-    pending_recall = None  # layer-prefetch: the in-flight recall of the next operation
+    timeout = env.timeout
+    pending = -1.0  # layer-prefetch: the end of the in-flight recall of the next operation (-1: none)
     # Copy labels (`timeline and f"..."`) are only formatted when a timeline records them: formatting one
-    # per copy costs more than the copy's events.
+    # per copy costs more than the copy.
 
     for s in range(work.n_steps):
         gpu = hw.gpu.request()
         yield gpu
         first = s * per_step
-        if not has_transfer[s] and pending_recall is None and timeline is None:
-            yield env.timeout(step_compute[s])  # nothing to wait for or issue: the whole step at once
+        if not has_transfer[s] and pending < 0 and timeline is None:
+            yield timeout(step_compute[s])  # nothing to wait for or issue: the whole step at once
+        elif not prefetch and copies == 1 and timeline is None:
+            # The common case, kept lean: recall (waited for), compute, offload (async or waited for).
+            t = env.now
+            busy = 0.0
+            for i in range(first, first + per_step):
+                r = recall[i]
+                if r > 0:
+                    if busy:
+                        t += busy
+                        busy = 0.0
+                    now = env.now
+                    if t > now:
+                        yield timeout(t - now)
+                    t = h2d.reserve("h2d", recall_bytes[i], r, recall_overhead_s, "recall")
+                busy += compute[i]
+                o = offload[i]
+                if o > 0:
+                    t += busy
+                    busy = 0.0
+                    now = env.now
+                    if t > now:
+                        yield timeout(t - now)
+                    end = d2h.reserve("d2h", offload_bytes[i], o, offload_overhead_s, "offload")
+                    if not async_offload:
+                        t = end
+            if busy:
+                t += busy
+            if t > env.now:
+                yield timeout(t - env.now)
         else:
-            busy = 0.0  # compute not yet turned into a timeout
+            t = env.now
+            busy = 0.0
             for i in range(first, first + per_step):
                 if prefetch:
-                    if i == 0 and recall[0] > 0:  # nothing ran before it to hide it behind
-                        yield _copies(env, hw.h2d, "h2d", copies, recall_bytes[0], recall[0],
-                                      work.recall_overhead_s, "recall op 0")
-                    if pending_recall is not None:
+                    if i == 0 and recall[0] > 0:  # nothing ran before it to hide it behind (t == env.now)
+                        t = _copies(h2d, "h2d", copies, recall_bytes[0], recall[0], recall_overhead_s,
+                                    timeline and "recall op 0")
+                    if pending >= 0:
                         if busy:
-                            yield env.timeout(busy)
+                            t += busy
                             busy = 0.0
-                        yield pending_recall
-                        pending_recall = None
+                        if pending > t:
+                            t = pending
+                        pending = -1.0
                     nxt = i + 1
-                    if nxt < len(recall) and recall[nxt] > 0:
+                    if nxt < n_ops and recall[nxt] > 0:
                         if busy:
-                            yield env.timeout(busy)
+                            t += busy
                             busy = 0.0
-                        pending_recall = _copies(env, hw.h2d, "h2d", copies, recall_bytes[nxt], recall[nxt],
-                                                 work.recall_overhead_s, timeline and f"recall op {nxt}")
+                        if t > env.now:
+                            yield timeout(t - env.now)
+                        pending = _copies(h2d, "h2d", copies, recall_bytes[nxt], recall[nxt], recall_overhead_s,
+                                          timeline and f"recall op {nxt}")
                 elif recall[i] > 0:
                     if busy:
-                        yield env.timeout(busy)
+                        t += busy
                         busy = 0.0
-                    if copies == 1:  # waited for at once: run it inside this process (no extra events)
-                        yield from hw.h2d.transfer("h2d", recall_bytes[i], recall[i], work.recall_overhead_s,
-                                                   timeline and f"recall op {i}")
-                    else:
-                        yield _copies(env, hw.h2d, "h2d", copies, recall_bytes[i], recall[i],
-                                      work.recall_overhead_s, timeline and f"recall op {i}")
+                    if t > env.now:
+                        yield timeout(t - env.now)
+                    t = _copies(h2d, "h2d", copies, recall_bytes[i], recall[i], recall_overhead_s,
+                                timeline and f"recall op {i}")
                 if timeline is not None:
-                    if busy:
-                        yield env.timeout(busy)
-                        busy = 0.0
-                    start = env.now
-                    yield env.timeout(compute[i])
+                    start = t
+                    t = start + compute[i]
                     layer = i - first
-                    name = "lm_head" if layer == work.n_layers else f"layer {layer}"
-                    timeline.span(track, name, start, env.now, step=s)
+                    timeline.span(track, "lm_head" if layer == work.n_layers else f"layer {layer}", start, t,
+                                  step=s)
                 else:
                     busy += compute[i]
                 if offload[i] > 0:
                     if busy:
-                        yield env.timeout(busy)
+                        t += busy
                         busy = 0.0
-                    if async_offload:
-                        _copies(env, hw.d2h, "d2h", copies, offload_bytes[i], offload[i], work.offload_overhead_s,
-                                timeline and f"offload op {i}", notify=False)
-                    elif copies == 1:
-                        yield from hw.d2h.transfer("d2h", offload_bytes[i], offload[i], work.offload_overhead_s,
-                                                   timeline and f"offload op {i}")
-                    else:
-                        yield _copies(env, hw.d2h, "d2h", copies, offload_bytes[i], offload[i],
-                                      work.offload_overhead_s, timeline and f"offload op {i}")
+                    if t > env.now:
+                        yield timeout(t - env.now)
+                    end = _copies(d2h, "d2h", copies, offload_bytes[i], offload[i], offload_overhead_s,
+                                  timeline and f"offload op {i}")
+                    if not async_offload:
+                        t = end
             if busy:
-                yield env.timeout(busy)
+                t += busy
+            if t > env.now:
+                yield timeout(t - env.now)
         hw.gpu.release(gpu)
         step_end_s[s] = env.now
 

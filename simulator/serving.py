@@ -23,8 +23,8 @@ The model (SimPy; the engine's hardware, engine.py, and cost model, costs.py):
   `costs.roofline`); after it, the offloads start on D2H (awaited only without async offload). With
   `layer-prefetch` the recalls of operation i+1 (after the LM head: of the next step's first layer) are
   issued when operation i starts computing. Every request then emits one token.
-- The link: the engine's `Channel`s (H2D and D2H, or one shared channel when half duplex; copy engines as a
-  Resource, one wire when there are several engines). Every request's copy is queued on them (each with the
+- The link: the engine's `Channel`s (H2D and D2H, or one shared channel when half duplex; a FIFO queue of
+  copy engines, with one wire when there are several engines). Every request's copy is queued on them (each with the
   fixed per-copy overhead, as in the engine; `batch_copies` instead moves a batch's blocks of one operation
   in one copy, as a gather kernel would), so requests delay each other's recalls: `link_wait_s` is the time a request's copies spent beyond their uncontended
   duration. With one request (or n identical ones arriving together) the schedule is exactly the engine's
@@ -427,9 +427,9 @@ class ServingSim:
         if busy_s:
             yield self.env.timeout(busy_s)
 
-    # The link: the engine's Channel. Copies are issued exactly as the engine issues them (a copy waited for at
-    # once runs inside the batch loop's process, the others through Channel.start) so that same-instant
-    # requests on a shared half-duplex link are served in the same order as in the single-sequence replay.
+    # The link: the engine's Channel, a FIFO queue served in issue order. Copies are issued in the engine's order
+    # (a copy waited for at once through Channel.transfer, the others through Channel.start) so that
+    # same-instant copies on a shared half-duplex link are served as in the single-sequence replay.
 
     def _copy_now(self, channel: Channel, direction: str, request: Request, n_bytes: float, duration_s: float,
                   label: str):
@@ -460,7 +460,7 @@ class ServingSim:
 
             done.callbacks.append(account_batched)
             return done
-        if channel.wire is None and len(requests) > 1:
+        if channel.n_engines == 1 and len(requests) > 1:
             total_s = float(durations_s.sum())
             done = channel.start(direction, float(n_bytes.sum()), total_s, overhead_s, label)
             queued_before_s = np.concatenate([[0.0], np.cumsum(durations_s)[:-1]])  # earlier copies of the group
