@@ -20,7 +20,7 @@ from tracer.micro.train import (
     training_batch,
 )
 from tracer.models import MICRO_DIR
-from tracer.tasks.chains import generate_problem, generate_recall, heldout_problem
+from tracer.tasks.chains import generate_problem, generate_recall, generate_statement_recall, heldout_problem
 
 needs_model = pytest.mark.skipif(not (MICRO_DIR / "model.safetensors").is_file(), reason="micro model not trained yet")
 
@@ -28,7 +28,9 @@ needs_model = pytest.mark.skipif(not (MICRO_DIR / "model.safetensors").is_file()
 def test_tokenizer_round_trips_every_generated_word():
     tokenizer = build_tokenizer()
     rng = random.Random(0)
-    for problem in [generate_problem(rng) for _ in range(50)] + [generate_recall(rng) for _ in range(10)]:
+    side_tasks = [generate_recall(rng, result_share=0.3) for _ in range(10)]
+    side_tasks += [generate_statement_recall(rng) for _ in range(10)]
+    for problem in [generate_problem(rng) for _ in range(50)] + side_tasks:
         text = problem.prompt + " " + problem.answer
         ids = tokenizer(text)["input_ids"]
         assert ids[0] == tokenizer.bos_token_id
@@ -59,6 +61,7 @@ def test_model_loads_offline_from_the_package(monkeypatch):
     assert type(loaded.model).__name__ == "Qwen2ForCausalLM"
     assert loaded.manifest["random_weights"] is False
     assert config.num_hidden_layers == 3 and config.hidden_size == 192
+    assert config.num_key_value_heads < config.num_attention_heads  # GQA, like the Qwen2 / R1-distill family
     assert (MICRO_DIR / "model.safetensors").stat().st_size <= 20 * 1024 * 1024
     assert 1_000_000 < loaded.manifest["n_params"] < 3_000_000
     text = heldout_problem(0).prompt  # the loader found the word-level tokenizer (one id per word)
@@ -77,9 +80,9 @@ def test_twenty_held_out_problems_full_cache_accuracy_smoke(tmp_path):
     samples = open_run(run_trace(config, progress=False)).samples()
     assert len(samples) == 20
     assert (samples["stop_reason"] == "eos").all()
-    # The committed model scores ~50% on 500 held-out problems (12/20 here; 100% on 4-step problems, see
-    # tracer/micro/README.md: the >= 95% target is not met yet). Chance is 10%: 8/20 catches a broken path.
-    assert samples["correct"].sum() >= 8
+    # The committed model scores 500/500 on the held-out problems (tracer/micro/README.md); the bar is
+    # 95%, so 19/20 is what a model meeting it gets here (a broken path or model scores ~2/20, chance).
+    assert samples["correct"].sum() >= 19
 
 
 def test_training_batches_are_deterministic_and_never_contain_held_out_problems():
@@ -119,3 +122,32 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path: Path):
     assert straight.keys() == resumed.keys()
     for name in straight:
         torch.testing.assert_close(resumed[name], straight[name], rtol=1e-5, atol=1e-6)
+
+
+def test_composed_embeddings_share_parts_and_bake_into_a_plain_qwen2_model():
+    from transformers import Qwen2ForCausalLM
+
+    from tracer.micro.train import Encoder, MicroLM, model_config, word_parts
+
+    assert word_parts("r7.y=q") == ["r7", "field:y", "q"]
+    assert word_parts("b=4") == ["b", "4", "field:bind"]
+    assert word_parts("hmm") == []
+    torch.manual_seed(0)
+    encoder = Encoder(build_tokenizer())
+    model = Qwen2ForCausalLM(model_config(len(encoder.vocab), encoder.pad_id, encoder.bos_id, encoder.eos_id))
+    lm = MicroLM(model, encoder.vocab)
+    with torch.no_grad():
+        lm.parts.normal_()  # parts far from zero, so a wrong composition shows
+    # A statement word's row = its free row + the rows of its step, field and operand parts.
+    vocab, matrix = encoder.vocab, lm.embedding_matrix()
+    free = model.model.embed_tokens.weight
+    parts = {name: lm.parts[i] for i, name in enumerate(sorted({p for w in vocab for p in word_parts(w)}))}
+    expected = free[vocab["r7.y=q"]] + parts["r7"] + parts["field:y"] + parts["q"]
+    torch.testing.assert_close(matrix[vocab["r7.y=q"]], expected)
+    torch.testing.assert_close(matrix[vocab["hmm"]], free[vocab["hmm"]])
+    input_ids, mask, _, _ = encoder.batch([generate_problem(random.Random(i)) for i in range(3)])
+    with torch.no_grad():
+        composed = lm(input_ids, mask)
+        lm.bake()
+        plain = model(input_ids=input_ids, attention_mask=mask).logits
+    torch.testing.assert_close(plain, composed, rtol=1e-5, atol=1e-5)

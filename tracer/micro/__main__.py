@@ -13,9 +13,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("train", help="train the micro model on chains (seeded; resumes from DIR/checkpoint)")
     p.add_argument("--out", type=Path, required=True, help="output directory (checkpoints, log, final model)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=int, default=2400)
+    p.add_argument("--max-steps", type=int, default=3000)
     p.add_argument("--threads", type=int, default=2,
                    help="torch CPU threads; use 1 on a busy machine (spinning threads waste CPU there)")
+    p.add_argument("--kv-heads", type=int, default=3, help="KV heads for the 6 query heads (6 = no GQA)")
     p.add_argument("--no-resume", action="store_true", help="start over even if DIR/checkpoint exists")
     p = sub.add_parser("export", help="copy a finished run's model, tokenizer and log into tracer/assets/micro")
     p.add_argument("run_dir", type=Path)
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         from tracer.micro.train import TrainConfig, train
 
-        train(args.out, TrainConfig(seed=args.seed, max_steps=args.max_steps, threads=args.threads), resume=not args.no_resume)
+        train(args.out, TrainConfig(seed=args.seed, max_steps=args.max_steps, threads=args.threads,
+                                      kv_heads=args.kv_heads), resume=not args.no_resume)
     elif args.command == "export":
         from tracer.micro.train import export_model
         from tracer.models import MICRO_DIR

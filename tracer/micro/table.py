@@ -22,7 +22,7 @@ BUDGETS = (1.0, 0.7, 0.5, 0.3, 0.2)
 KEY_BUDGET = 0.3
 # Settings shared by every cell: the micro model's sequences are ~220 tokens, so blocks are small.
 BLOCK_SIZE, SINK_TOKENS, WINDOW_TOKENS = 4, 4, 16
-RECALL_K = 16  # blocks of 4 recalled per layer and step (64 tokens): enough for e=0 to match the full cache
+RECALL_K = 24  # blocks of 4 recalled per layer and step (96 tokens): 16 left e=0 at 97.5% (5/200 lost) at 30% HBM
 MAX_NEW_TOKENS = 320
 FULL_N_SAMPLES = 500  # the full-cache cell doubles as the quality check (>= 95% on 500 held-out problems)
 

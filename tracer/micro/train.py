@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -30,6 +31,7 @@ from tracer.tasks.chains import (
     Problem,
     generate_problem,
     generate_recall,
+    generate_statement_recall,
     heldout_problem,
 )
 
@@ -40,22 +42,25 @@ N_HELDOUT_GUARD = 2000  # training rejects any problem whose prompt equals one o
 @dataclass(frozen=True)
 class Stage:
     chains: ChainsConfig
-    recall_share: float  # share of the batch that is the recall side-task
+    recall_share: float  # share of the batch that is a recall side-task (half variables, half statements)
 
 
 EVAL_CONFIG = ChainsConfig()  # the held-out distribution (old-result share 0.2)
+# Long programs come in early (stage 1 reaches 6 steps, stage 2 all 8): in the previous recipe 5-8-step
+# problems appeared only in the last stage and their statement look-ups never caught up.
 STAGES = (
     Stage(ChainsConfig(2, 4, 1, 3, fillers_per_step=0), recall_share=0.4),
-    Stage(ChainsConfig(3, 8, 2, 5), recall_share=0.4),
-    Stage(ChainsConfig(5, 10, 3, 7), recall_share=0.4),
+    Stage(ChainsConfig(3, 8, 2, 6), recall_share=0.4),
+    Stage(ChainsConfig(5, 10, 3, 8), recall_share=0.3),
     Stage(replace(EVAL_CONFIG, old_result_share=0.5), recall_share=0.15),  # old results are learnt last
 )
+RECALL_RESULT_SHARE = 0.3  # share of result names (`r7=3`) among the variable-recall side task's names
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     seed: int = 0
-    max_steps: int = 2400
+    max_steps: int = 3000
     batch_size: int = 32
     lr: float = 3e-3
     final_lr: float = 3e-4
@@ -71,17 +76,18 @@ class TrainConfig:
     checkpoint_every: int = 250
     log_every: int = 25
     threads: int = 2
+    kv_heads: int = 3  # 6 query heads share 3 KV heads (GQA, as in the Qwen2 / R1-distill models)
+    composed_embeddings: bool = True
 
 
-def model_config(vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> Qwen2Config:
-    # 6 query heads with 6 KV heads: the measured recipe (see tracer/micro/README.md for why not GQA).
+def model_config(vocab_size: int, pad_id: int, bos_id: int, eos_id: int, kv_heads: int = 3) -> Qwen2Config:
     return Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=192,
         intermediate_size=512,
         num_hidden_layers=3,
         num_attention_heads=6,
-        num_key_value_heads=6,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=1024,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=True,
@@ -103,6 +109,56 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def decay_start_step(cfg: TrainConfig) -> int:
     return int(cfg.max_steps * (1 - cfg.decay_fraction))
+
+
+STATEMENT_WORD = re.compile(r"^(r\d+)\.(x|op|y)=(.+)$")  # r7.x=q
+BINDING_WORD = re.compile(r"^([a-z]|r\d+)=(\d)$")  # b=4, r7=3
+
+
+def word_parts(word: str) -> list[str]:
+    """The shared parts a word's embedding is built from: `r7.x=q` = r7 + field x + q; `b=4` = b + 4 + field
+    bind; a name, digit or operator is its own part (shared with every composite word that contains it)."""
+    if match := STATEMENT_WORD.match(word):
+        return [match[1], f"field:{match[2]}", match[3]]
+    if match := BINDING_WORD.match(word):
+        return [match[1], match[2], "field:bind"]
+    if re.fullmatch(r"[a-z]|r\d+|\d|[-+*]", word):
+        return [word]
+    return []
+
+
+class MicroLM(torch.nn.Module):
+    """The Qwen2 model with, during training only, *composed* tied embeddings: row(w) = free(w) + sum of the
+    rows of w's parts (`word_parts`). `r7.y=q` is rare, but r7, the y field and q are seen all the time, so its
+    embedding (and, tied, its output row) is learnt from every problem; without this, look-ups of late steps
+    lagged (tracer/assets/micro/history.md, run 3). `bake()` writes the composed rows into the ordinary
+    embedding matrix: the exported model is a plain `Qwen2ForCausalLM`."""
+
+    def __init__(self, model: Qwen2ForCausalLM, vocab: dict[str, int], composed: bool = True) -> None:
+        super().__init__()
+        self.model = model
+        part_names = sorted({part for word in vocab for part in word_parts(word)}) if composed else []
+        part_index = {name: i for i, name in enumerate(part_names)}
+        composition = torch.zeros(len(vocab), len(part_names))
+        for word, row in vocab.items():
+            for part in word_parts(word) if composed else []:
+                composition[row, part_index[part]] = 1.0
+        self.register_buffer("composition", composition, persistent=False)
+        std = model.config.initializer_range
+        self.parts = torch.nn.Parameter(torch.randn(len(part_names), model.config.hidden_size) * std)
+
+    def embedding_matrix(self) -> torch.Tensor:
+        return self.model.model.embed_tokens.weight + self.composition @ self.parts
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        weight = self.embedding_matrix()
+        hidden = self.model.model(inputs_embeds=weight[input_ids], attention_mask=attention_mask).last_hidden_state
+        return hidden @ weight.T  # tied output head (Qwen2's lm_head has no bias)
+
+    @torch.no_grad()
+    def bake(self) -> None:
+        self.model.model.embed_tokens.weight.copy_(self.embedding_matrix())
+        self.parts.zero_()
 
 
 class Encoder:
@@ -144,7 +200,10 @@ def training_batch(step: int, stage: int, cfg: TrainConfig, heldout_prompts: set
         if stage > 0 and rng.random() < cfg.earlier_stage_share:
             use_stage = rng.randrange(stage)
         if rng.random() < STAGES[use_stage].recall_share:
-            problems.append(generate_recall(rng))
+            if rng.random() < 0.5:
+                problems.append(generate_recall(rng, result_share=RECALL_RESULT_SHARE))
+            else:
+                problems.append(generate_statement_recall(rng))
             continue
         problem = generate_problem(rng, STAGES[use_stage].chains)
         if problem.prompt not in heldout_prompts:
@@ -154,14 +213,18 @@ def training_batch(step: int, stage: int, cfg: TrainConfig, heldout_prompts: set
 
 @torch.no_grad()
 def teacher_forced_metrics(model, encoder: Encoder, problems: list[Problem], batch_size: int = 64) -> dict:
-    """Per-role next-token accuracy and whole-answer exactness, teacher-forced."""
+    """Per-role next-token accuracy and whole-answer exactness, teacher-forced (`model` is a `MicroLM` or a
+    plain causal LM)."""
     correct = {role: 0 for role in ROLES}
     total = {role: 0 for role in ROLES}
     exact = 0
     model.eval()
     for start in range(0, len(problems), batch_size):
         input_ids, mask, labels, roles = encoder.batch(problems[start : start + batch_size])
-        logits = model(input_ids=input_ids, attention_mask=mask).logits
+        if isinstance(model, MicroLM):
+            logits = model(input_ids, mask)
+        else:
+            logits = model(input_ids=input_ids, attention_mask=mask).logits
         predicted = logits[:, :-1].argmax(-1)
         target = labels[:, 1:]
         hit = (predicted == target) | (target == IGNORE)
@@ -182,11 +245,12 @@ def probe_set(stage: int, size: int) -> list[Problem]:
     return [generate_problem(random.Random(f"chains/probe/{stage}/{i}"), config) for i in range(size)]
 
 
-def save_checkpoint(directory: Path, model, optimizer, state: dict) -> None:
+def save_checkpoint(directory: Path, lm: MicroLM, optimizer, state: dict) -> None:
     """Weights and optimizer as safetensors plus a JSON state, written beside and then renamed into place."""
     tmp = directory.with_name(directory.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp)
+    lm.model.save_pretrained(tmp)
+    save_file({"parts": lm.parts.detach().clone()}, str(tmp / "embedding_parts.safetensors"))
     tensors, layout = {}, []
     for index, (param_id, param_state) in enumerate(optimizer.state_dict()["state"].items()):
         layout.append([param_id, sorted(param_state)])
@@ -205,10 +269,12 @@ def save_checkpoint(directory: Path, model, optimizer, state: dict) -> None:
         tmp.rename(directory)
 
 
-def load_checkpoint(directory: Path, model, optimizer) -> dict:
+def load_checkpoint(directory: Path, lm: MicroLM, optimizer) -> dict:
     state = json.loads((directory / "state.json").read_text())
-    model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)
-    model.tie_weights()
+    lm.model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)
+    lm.model.tie_weights()
+    with torch.no_grad():
+        lm.parts.copy_(load_file(str(directory / "embedding_parts.safetensors"))["parts"])
     tensors = load_file(str(directory / "optimizer.safetensors"))
     optimizer_state = optimizer.state_dict()
     optimizer_state["state"] = {
@@ -235,11 +301,12 @@ def train(out: Path, cfg: TrainConfig, resume: bool = True, stop_at: int | None 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     encoder = Encoder(tokenizer)
-    config = model_config(len(tokenizer), encoder.pad_id, encoder.bos_id, encoder.eos_id)
+    config = model_config(len(tokenizer), encoder.pad_id, encoder.bos_id, encoder.eos_id, cfg.kv_heads)
     model = Qwen2ForCausalLM(config)
-    model.train()
+    lm = MicroLM(model, encoder.vocab, composed=cfg.composed_embeddings)
+    lm.train()
     decay, no_decay = [], []
-    for name, param in model.named_parameters():
+    for name, param in lm.named_parameters():
         (no_decay if param.ndim < 2 or "norm" in name else decay).append(param)
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
@@ -250,7 +317,7 @@ def train(out: Path, cfg: TrainConfig, resume: bool = True, stop_at: int | None 
     checkpoint_dir = out / "checkpoint"
     step, stage, elapsed_before = 0, 0, 0.0
     if resume and (checkpoint_dir / "state.json").exists():
-        state = load_checkpoint(checkpoint_dir, model, optimizer)
+        state = load_checkpoint(checkpoint_dir, lm, optimizer)
         step, stage, elapsed_before = state["step"], state["stage"], state["elapsed_s"]
         print(f"resumed from {checkpoint_dir} at step {step}, stage {stage}", flush=True)
         _truncate_log(log_path, step)
@@ -271,7 +338,7 @@ def train(out: Path, cfg: TrainConfig, resume: bool = True, stop_at: int | None 
     while step < cfg.max_steps:
         if stop_at is not None and step >= stop_at:
             elapsed = elapsed_before + time.perf_counter() - started
-            save_checkpoint(checkpoint_dir, model, optimizer, {"step": step, "stage": stage, "elapsed_s": elapsed})
+            save_checkpoint(checkpoint_dir, lm, optimizer, {"step": step, "stage": stage, "elapsed_s": elapsed})
             log.close()
             return
         if step >= decay_start_step(cfg) and stage < len(STAGES) - 1:
@@ -280,13 +347,13 @@ def train(out: Path, cfg: TrainConfig, resume: bool = True, stop_at: int | None 
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         input_ids, mask, labels, _ = encoder.batch(training_batch(step, stage, cfg, heldout_prompts))
-        logits = model(input_ids=input_ids, attention_mask=mask).logits
+        logits = lm(input_ids, mask)
         loss = torch.nn.functional.cross_entropy(
             logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=IGNORE
         )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
+        torch.nn.utils.clip_grad_norm_(lm.parameters(), cfg.clip_norm)
         optimizer.step()
         step += 1
         tokens_since += int(mask.sum())
@@ -299,7 +366,7 @@ def train(out: Path, cfg: TrainConfig, resume: bool = True, stop_at: int | None 
                     "tokens_per_s": round(tokens_since / max(1e-9, time.perf_counter() - started), 0)})
             loss_sum, loss_count = 0.0, 0
         if step % cfg.probe_every == 0 or step == cfg.max_steps:
-            metrics = teacher_forced_metrics(model, encoder, probes[stage])
+            metrics = teacher_forced_metrics(lm, encoder, probes[stage])
             record({"event": "probe", "step": step, "stage": stage, "elapsed_s": round(elapsed, 1), **metrics})
             advance = (
                 metrics.get(f"acc_{VAR_LOOKUP}", 0) >= cfg.advance_var_lookup
@@ -309,7 +376,8 @@ def train(out: Path, cfg: TrainConfig, resume: bool = True, stop_at: int | None 
                 stage += 1
                 record({"event": "stage", "step": step, "stage": stage, "reason": "probe thresholds met"})
         if step % cfg.checkpoint_every == 0 or step == cfg.max_steps:
-            save_checkpoint(checkpoint_dir, model, optimizer, {"step": step, "stage": stage, "elapsed_s": elapsed})
+            save_checkpoint(checkpoint_dir, lm, optimizer, {"step": step, "stage": stage, "elapsed_s": elapsed})
+    lm.bake()  # the plain model now computes what the composed one did; the final probe below runs it as such
     model.save_pretrained(out)
     tokenizer.save_pretrained(out / TOKENIZER_SUBFOLDER)
     final = teacher_forced_metrics(model, encoder, probes[len(STAGES) - 1])

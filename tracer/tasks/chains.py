@@ -180,21 +180,48 @@ def generate_problem(rng: random.Random, config: ChainsConfig = ChainsConfig()) 
     return Problem(prompt_words=prompt, answer_words=words, answer_roles=roles, gold=gold)
 
 
-def generate_recall(rng: random.Random, min_items: int = 4, max_items: int = 16) -> Problem:
-    """Side task for training only: define variables, then recall a list of them by name."""
+def generate_recall(rng: random.Random, min_items: int = 4, max_items: int = 16,
+                    result_share: float = 0.0) -> Problem:
+    """Side task for training only: define variables, then recall a list of them by name. With `result_share`
+    > 0, that share of the defined names are result names (`r7=3`), so that every step index's name is learnt
+    early, not only once long programs appear in the curriculum."""
     n_defined = rng.randint(max(2, min_items), max_items)
-    names = rng.sample(VARIABLE_NAMES, n_defined)
+    n_results = sum(rng.random() < result_share for _ in range(n_defined))
+    names = rng.sample(VARIABLE_NAMES, n_defined - n_results) + rng.sample(RESULT_NAMES[:8], min(n_results, 8))
+    rng.shuffle(names)
     values = {name: rng.randrange(10) for name in names}
     queries = [rng.choice(names) for _ in range(rng.randint(min_items, max_items))]
     prompt = []
     for i, name in enumerate(names):
-        prompt += [binding(name, values[name]), "," if i < n_defined - 1 else "."]
+        prompt += [binding(name, values[name]), "," if i < len(names) - 1 else "."]
     prompt += ["Q:", "recall", *queries, PROMPT_END]
     words, roles = [], []
     for i, name in enumerate(queries):
         words += [name, str(values[name]), "," if i < len(queries) - 1 else "."]
         roles += [COPY, VAR_LOOKUP, COPY]
     return Problem(prompt_words=prompt, answer_words=words, answer_roles=roles, gold=str(values[queries[-1]]))
+
+
+def generate_statement_recall(rng: random.Random, max_step: int = 8) -> Problem:
+    """Side task for training only: a program of random statements (step indices 1..`max_step`, any order),
+    then restate the statements of a list of step names. It trains the statement look-up of every step index
+    (`r7` -> `r7.x=q r7.op=- r7.y=r3`) from the start, with the same words as `chains`."""
+    indices = rng.sample(range(1, max_step + 1), rng.randint(2, max_step))
+    operands = VARIABLE_NAMES + RESULT_NAMES[:max_step]
+    prompt: list[str] = []
+    statements = {}
+    for k in indices:
+        result = RESULT_NAMES[k - 1]
+        left, right = rng.sample(operands, 2)
+        statements[result] = statement_words(result, left, rng.choice(tuple(OPERATIONS)), right)
+        prompt += [*statements[result], ";"]
+    queries = [RESULT_NAMES[k - 1] for k in rng.choices(indices, k=rng.randint(2, 2 * len(indices)))]
+    prompt += ["Q:", "recall", *queries, PROMPT_END]
+    words, roles = [], []
+    for i, name in enumerate(queries):
+        words += [name, ":", *statements[name], "," if i < len(queries) - 1 else "."]
+        roles += [COPY, COPY, STEP_LOOKUP, STEP_LOOKUP, STEP_LOOKUP, COPY]
+    return Problem(prompt_words=prompt, answer_words=words, answer_roles=roles, gold="0")
 
 
 def heldout_problem(index: int, config: ChainsConfig = ChainsConfig()) -> Problem:
