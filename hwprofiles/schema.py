@@ -75,10 +75,30 @@ class TierSpec:
 
 @dataclass(frozen=True)
 class OverheadSpec:
-    """Framework/launch overheads: 0 in datasheet profiles, filled in by calibration on a real machine."""
+    """Framework/launch overheads: 0 in datasheet profiles, filled in by calibration on a real machine.
+
+    `step_overhead_s` / `layer_overhead_s` are the "streaming" set: measured while the decode streams a model's
+    weights from memory. A CPU profile may also carry the "cached" set (all three optional fields or none):
+    the same fixed costs measured with near-zero weights, which apply when the model's weights fit in the
+    last-level cache of `cache_bytes` (then nothing evicts the ops' code and data between steps);
+    `simulator.costs.overheads_for` chooses.
+    """
 
     step_overhead_s: float = 0.0
     layer_overhead_s: float = 0.0
+    step_overhead_cached_s: float | None = None
+    layer_overhead_cached_s: float | None = None
+    cache_bytes: int | None = None  # the last-level cache the cached set applies to
+
+    def __post_init__(self):
+        given = [v is not None for v in (self.step_overhead_cached_s, self.layer_overhead_cached_s, self.cache_bytes)]
+        if any(given) and not all(given):
+            raise ValueError("OverheadSpec: step_overhead_cached_s, layer_overhead_cached_s and cache_bytes go "
+                             "together (all three or none)")
+
+    @property
+    def has_cached(self) -> bool:
+        return self.cache_bytes is not None
 
 
 @dataclass(frozen=True)
@@ -135,6 +155,8 @@ TIER_CAPACITY_BYTES = (1 * GB, 1000 * TB)
 TIER_BYTES_PER_S = (0.1 * GB, 10 * TB)
 TIER_LATENCY_S = (0.0, 1.0)
 OVERHEAD_S = (0.0, 1.0)
+CACHE_BYTES = (16 * 2**10, 64 * GB)  # a last-level cache: 16 KiB (a tiny core's L2) .. 64 GB
+CACHED_OVERHEAD_FIELDS = ("step_overhead_cached", "layer_overhead_cached", "cache_bytes")
 
 
 # ---------------------------------------------------------------- YAML -> records ----------------------------
@@ -320,9 +342,22 @@ def profile_from_dict(data: Any, file: str) -> HardwareProfile:
     o = top.section("overheads", required=False)
     overheads = OverheadSpec()
     if o is not None:
+        cached = {}
+        present = [key for key in CACHED_OVERHEAD_FIELDS if key in o.data]
+        if present and len(present) < len(CACHED_OVERHEAD_FIELDS):
+            missing = [key for key in CACHED_OVERHEAD_FIELDS if key not in o.data]
+            o.fail(f"{', '.join(present)} without {', '.join(missing)}: the cached overheads need all three of "
+                   f"{', '.join(CACHED_OVERHEAD_FIELDS)}; add `{missing[0]}:` or remove {', '.join(present)}")
+        if present:
+            cached = dict(
+                step_overhead_cached_s=o.quantity("step_overhead_cached", "time", OVERHEAD_S, positive=False),
+                layer_overhead_cached_s=o.quantity("layer_overhead_cached", "time", OVERHEAD_S, positive=False),
+                cache_bytes=round(o.quantity("cache_bytes", "capacity", CACHE_BYTES)),
+            )
         overheads = OverheadSpec(
             step_overhead_s=o.quantity("step_overhead", "time", OVERHEAD_S, positive=False, required=False),
             layer_overhead_s=o.quantity("layer_overhead", "time", OVERHEAD_S, positive=False, required=False),
+            **cached,
         )
         o.done()
     top.done()
@@ -358,8 +393,8 @@ def _parse_tiers(raw: Any, gpu: GPUSpec, file: str) -> tuple[TierSpec, ...]:
 # ---------------------------------------------------------------- records -> YAML ----------------------------
 
 
-def _quantity_dict(si: float, dimension: str, source: str) -> dict:
-    unit = DISPLAY_UNIT[dimension]
+def _quantity_dict(si: float, dimension: str, source: str, unit: str | None = None) -> dict:
+    unit = unit or DISPLAY_UNIT[dimension]
     value = si / UNITS[dimension][unit]
     value = int(value) if dimension == "count" else float(f"{value:.12g}")
     return {"value": value, "unit": unit, "source": source}
@@ -410,6 +445,14 @@ def profile_to_yaml_dict(profile: HardwareProfile, sources: dict[str, str]) -> d
             "layer_overhead": _quantity_dict(o.layer_overhead_s, "time", source("overheads.layer_overhead")),
         },
     }
+    if o.has_cached:
+        data["overheads"].update({
+            "step_overhead_cached": _quantity_dict(o.step_overhead_cached_s, "time",
+                                                   source("overheads.step_overhead_cached")),
+            "layer_overhead_cached": _quantity_dict(o.layer_overhead_cached_s, "time",
+                                                    source("overheads.layer_overhead_cached")),
+            "cache_bytes": _quantity_dict(o.cache_bytes, "capacity", source("overheads.cache_bytes"), unit="MiB"),
+        })
     if profile.extra_tiers:
         data["extra_tiers"] = [
             {

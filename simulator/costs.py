@@ -9,6 +9,9 @@ Roofline per GPU operation (one layer of one step, for a batch of `batch` identi
     bytes  = layer_weight_bytes + batch * (a + q) * kv_bytes_per_token_layer
     time_s = max(flops / achievable_flops_per_s, bytes / achievable_hbm_bytes_per_s) + layer_overhead_s
 
+where the overheads are the profile's streaming or cached set (`overheads_for`: cached when the model's weights
+fit in the profile's last-level cache).
+
 with q = query_tokens (1 when decoding, P at the prefill) and a = attended tokens = hbm_tokens +
 recalled_tokens of the trace row (the new tokens included). `pairs(q, a)` counts causal (query, key) pairs.
 Weights are read once per layer-step whatever the batch (that is what batching buys); KV is per sequence.
@@ -133,14 +136,33 @@ def roofline(flops, hbm_bytes, profile: HardwareProfile, overhead_s: float) -> O
     )
 
 
+@dataclass(frozen=True)
+class Overheads:
+    """The fixed costs charged to one model on one profile, and which of the profile's sets they are."""
+
+    step_s: float  # once per step, with the LM head
+    layer_s: float  # once per layer-step
+    set: str  # "streaming" (the weights come from memory every step) or "cached" (they stay in the cache)
+
+
+def overheads_for(shape: ModelShape, profile: HardwareProfile) -> Overheads:
+    """The profile's cached overheads when it has them and the model's weights fit in its last-level cache
+    (W <= cache_bytes: on a CPU the weights then stay resident between steps and the framework's small ops
+    run as fast as with no weights at all), else the streaming ones (every datasheet GPU profile)."""
+    o = profile.overheads
+    if o.has_cached and shape.weight_bytes <= o.cache_bytes:
+        return Overheads(o.step_overhead_cached_s, o.layer_overhead_cached_s, "cached")
+    return Overheads(o.step_overhead_s, o.layer_overhead_s, "streaming")
+
+
 def layer_times(shape: ModelShape, profile: HardwareProfile, query_tokens, attended_tokens, batch: int = 1) -> OpTimes:
     flops, hbm_bytes = layer_flops_bytes(shape, query_tokens, attended_tokens, batch)
-    return roofline(flops, hbm_bytes, profile, profile.overheads.layer_overhead_s)
+    return roofline(flops, hbm_bytes, profile, overheads_for(shape, profile).layer_s)
 
 
 def head_times(shape: ModelShape, profile: HardwareProfile, batch: int = 1) -> OpTimes:
     flops, hbm_bytes = head_flops_bytes(shape, batch)
-    return roofline(flops, hbm_bytes, profile, profile.overheads.step_overhead_s)
+    return roofline(flops, hbm_bytes, profile, overheads_for(shape, profile).step_s)
 
 
 @dataclass(frozen=True)

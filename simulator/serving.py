@@ -361,7 +361,7 @@ class ServingSim:
         flops = np.sum([w.flops[s] for w, s in rows], axis=0)
         kv_bytes = np.sum([w.kv_read_bytes[s] for w, s in rows], axis=0)
         layer_s = costs.roofline(flops, self.shape.layer_weight_bytes + kv_bytes, self.profile,
-                                 self.profile.overheads.layer_overhead_s).total_s
+                                 costs.overheads_for(self.shape, self.profile).layer_s).total_s
         op_s = [*layer_s.tolist(), float(costs.head_times(self.shape, self.profile, batch=len(batch)).total_s)]
         n_ops = len(op_s)
         recall_s = np.array([w.recall_s[s] for w, s in rows])  # [batch, ops]

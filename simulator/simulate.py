@@ -204,6 +204,7 @@ def _sample_row(run, shape, profile, config, work: Workload, timing: Timing, arr
         "batch": batch,
         "offload_tier": tier_name,
         "engine": engine_used,
+        "overhead_set": costs.overheads_for(shape, profile).set,
         "sample_id": work.sample_id,
         "steps": work.n_steps,
         "prompt_tokens": int(arrays["query_tokens"][0, 0]),

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from thoughtkv.cli import main
 from tracer.calibrate_fit import fit_fixed_plus_linear
@@ -108,6 +109,41 @@ def test_calibrate_quick_writes_a_profile_the_loader_accepts(tmp_path):
     assert set(by_decoder) == {"dynamic-cache", "tiered/full", "tiered/evict", "tiered/hierarchy"}
     assert all(v["warm_layer_overhead_s"] > 0 for v in by_decoder.values())
     assert not profile.link.full_duplex  # the CPU path copies synchronously on the compute thread
+    # The cached overheads: the same decoder's no-weights fit, for models that fit in the last-level cache.
+    from tracer.calibrate import last_level_cache
+
+    llc = last_level_cache()
+    if llc is None:  # no Linux sysfs: all three fields are omitted
+        assert not profile.overheads.has_cached
+        return
+    warm = fits["overhead/tiered/full"]
+    o = profile.overheads
+    assert o.cache_bytes == llc[0]
+    assert o.step_overhead_cached_s == pytest.approx(max(0.0, warm["fixed"]), rel=1e-4, abs=1e-9)
+    assert o.layer_overhead_cached_s == pytest.approx(max(0.0, warm["slope"]), rel=1e-4, abs=1e-9)
+    raw = yaml.safe_load(out.read_text())["overheads"]
+    assert raw["cache_bytes"]["unit"] == "MiB" and "/sys/devices/system/cpu/" in raw["cache_bytes"]["source"]
+    assert "no weights streamed" in raw["step_overhead_cached"]["source"]
+
+
+def test_last_level_cache_reads_the_highest_level_from_sysfs(tmp_path):
+    from tracer.calibrate import last_level_cache
+
+    def index(i, level, kind, size):
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+
+    index(0, 1, "Data", "32K")
+    index(1, 1, "Instruction", "32K")
+    index(2, 2, "Unified", "1024K")
+    assert last_level_cache(tmp_path)[0] == 2**20
+    index(3, 3, "Unified", "32768K")
+    n_bytes, source = last_level_cache(tmp_path)
+    assert n_bytes == 32 * 2**20 and str(tmp_path / "index3" / "size") in source and "level 3" in source
+    assert last_level_cache(tmp_path / "missing") is None
 
 
 @pytest.mark.parametrize(

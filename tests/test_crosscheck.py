@@ -93,6 +93,22 @@ def test_profile_with_overheads_takes_the_policy_decode_path():
     assert same.overheads == base.overheads and "no per-policy" in note
 
 
+def test_profile_with_overheads_keeps_the_cached_set_per_policy():
+    import dataclasses
+
+    from hwprofiles import OverheadSpec, load_profile
+
+    base = load_profile("h200-sxm")
+    by_decoder = {"tiered/evict": {"step_overhead_s": 1e-3, "layer_overhead_s": 5e-4,
+                                   "warm_step_overhead_s": 3e-4, "warm_layer_overhead_s": 4e-4}}
+    profile = dataclasses.replace(base, overheads=OverheadSpec(9e-4, 6e-4, 2e-4, 3e-4, 32 * 2**20),
+                                  provenance={"kind": "measured", "overheads_by_decoder": by_decoder})
+    chosen, _ = profile_with_overheads(profile, "evict")
+    assert chosen.overheads == OverheadSpec(1e-3, 5e-4, 3e-4, 4e-4, 32 * 2**20)
+    no_cache = dataclasses.replace(profile, overheads=OverheadSpec(9e-4, 6e-4))  # e.g. CUDA: stays without one
+    assert not profile_with_overheads(no_cache, "evict")[0].overheads.has_cached
+
+
 def test_random_model_initialised_on_the_device_matches_the_tracer_loader():
     from tracer.calibrate_measured import load_random_on_device
     from tracer.models import load_model

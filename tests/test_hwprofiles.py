@@ -390,3 +390,64 @@ def test_measured_cpu_profile_is_accepted_only_as_link_kind_host(tmp_path, capsy
     path = write_profile(tmp_path, profile_to_yaml_dict(as_gpu, {"*": "measured"}))
     with pytest.raises(ProfileError, match="gpu.hbm_peak_bandwidth: 12.0 GB/s is outside the plausible range"):
         load_profile_file(path)
+
+
+# ---------------------------------------------------------------- cached overheads ---------------------------
+
+
+def _cpu_profile_with_cached():
+    from hwprofiles import OverheadSpec
+
+    return dataclasses.replace(_cpu_profile(), overheads=OverheadSpec(1.3e-3, 7.2e-4, 2.75e-4, 3.9e-4, 32 * 2**20))
+
+
+def test_cached_overheads_round_trip(tmp_path):
+    profile = _cpu_profile_with_cached()
+    data = profile_to_yaml_dict(profile, {"*": "measured", "overheads.cache_bytes": "measured: sysfs index3/size"})
+    assert data["overheads"]["cache_bytes"] == {"value": 32.0, "unit": "MiB", "source": "measured: sysfs index3/size"}
+    loaded = load_profile_file(write_profile(tmp_path, data))
+    assert loaded.overheads.has_cached
+    for name in ("step_overhead_s", "layer_overhead_s", "step_overhead_cached_s", "layer_overhead_cached_s"):
+        assert getattr(loaded.overheads, name) == pytest.approx(getattr(profile.overheads, name), rel=1e-11)
+    assert loaded.overheads.cache_bytes == 32 * 2**20
+
+
+def test_profiles_without_cached_overheads_keep_none():
+    for path in SHIPPED_FILES:
+        o = load_profile_file(path).overheads
+        assert not o.has_cached and o.step_overhead_cached_s is None and o.layer_overhead_cached_s is None
+
+
+@pytest.mark.parametrize("keep", [("step_overhead_cached",), ("cache_bytes",),
+                                  ("step_overhead_cached", "layer_overhead_cached"),
+                                  ("layer_overhead_cached", "cache_bytes")])
+def test_cached_overheads_are_all_three_or_none(tmp_path, keep):
+    data = profile_to_yaml_dict(_cpu_profile_with_cached(), {"*": "measured"})
+    for key in ("step_overhead_cached", "layer_overhead_cached", "cache_bytes"):
+        if key not in keep:
+            del data["overheads"][key]
+    path = write_profile(tmp_path, data)
+    with pytest.raises(ProfileError) as err:
+        load_profile_file(path)
+    message = str(err.value)
+    assert "\n" not in message and "overheads:" in message and "all three" in message
+    missing = [k for k in ("step_overhead_cached", "layer_overhead_cached", "cache_bytes") if k not in keep]
+    assert f"add `{missing[0]}:`" in message
+
+
+def test_cached_overheads_need_units_and_plausible_cache_size(tmp_path):
+    data = profile_to_yaml_dict(_cpu_profile_with_cached(), {"*": "measured"})
+    data["overheads"]["cache_bytes"] = {"value": 32, "unit": "B", "source": "a unit mistake"}
+    with pytest.raises(ProfileError, match="overheads.cache_bytes: 32 B is outside the plausible range"):
+        load_profile_file(write_profile(tmp_path, data))
+    data["overheads"]["cache_bytes"] = {"value": 32, "unit": "us", "source": "wrong dimension"}
+    with pytest.raises(ProfileError, match="overheads.cache_bytes.unit: 'us' is not a capacity unit"):
+        load_profile_file(write_profile(tmp_path, data))
+
+
+def test_overhead_spec_refuses_a_partial_cached_set():
+    from hwprofiles import OverheadSpec
+
+    with pytest.raises(ValueError, match="all three or none"):
+        OverheadSpec(1e-3, 1e-4, step_overhead_cached_s=1e-4)
+    assert not OverheadSpec(1e-3, 1e-4).has_cached

@@ -172,14 +172,17 @@ def scatter_figure(table, path: Path, title: str) -> None:
 
 
 def profile_with_overheads(profile, policy: str):
-    """The calibrated profile with the framework overheads measured for this policy's decode path."""
-    from hwprofiles import OverheadSpec
-
+    """The calibrated profile with the framework overheads measured for this policy's decode path (both sets
+    when the profile has the cached one: the simulator picks by whether the model's weights fit in the cache)."""
     by_decoder = profile.provenance.get("overheads_by_decoder") or {}
     measured = by_decoder.get(f"tiered/{policy}")
     if measured is None:
         return profile, "profile overheads (no per-policy calibration in provenance)"
-    overheads = OverheadSpec(float(measured["step_overhead_s"]), float(measured["layer_overhead_s"]))
+    changes = dict(step_overhead_s=float(measured["step_overhead_s"]), layer_overhead_s=float(measured["layer_overhead_s"]))
+    if profile.overheads.has_cached and "warm_step_overhead_s" in measured:
+        changes.update(step_overhead_cached_s=max(0.0, float(measured["warm_step_overhead_s"])),
+                       layer_overhead_cached_s=max(0.0, float(measured["warm_layer_overhead_s"])))
+    overheads = dataclasses.replace(profile.overheads, **changes)
     return dataclasses.replace(profile, overheads=overheads), f"tiered/{policy}"
 
 

@@ -75,8 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=4, help="tokens per KV block (default: 4)")
     parser.add_argument("--window-tokens", type=int, default=16,
                         help="recent tokens always kept in HBM (default: 16)")
-    parser.add_argument("--recall-k", type=int, default=16,
-                        help="hierarchy: DDR blocks recalled per layer and step (default: 16)")
+    parser.add_argument("--recall-k", type=int, default=24,
+                        help="hierarchy: DDR blocks recalled per layer and step (default: 24)")
     parser.add_argument("--device", default="cpu", help="device to trace on (default: cpu)")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                         help="runs traced at once, one single-threaded process each (default: 2 or the CPU count)")

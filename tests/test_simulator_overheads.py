@@ -1,0 +1,85 @@
+"""The cost model's two overhead sets: a profile's cached overheads apply exactly when the model's weights fit in
+the profile's last-level cache (`simulator.costs.overheads_for`), in both engines, and the results say which."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hwprofiles import OverheadSpec, load_profile
+from simulator import simulate_run
+from simulator.costs import ModelShape, head_times, layer_times, overheads_for
+from simulator.synth import synth_run
+from traces.architectures import get_architecture
+
+STREAMING = (1.3e-3, 7.2e-4)  # step, layer
+CACHED = (2.7e-4, 3.8e-4)
+
+
+def shape_of(model: str, dtype: str = "float32") -> ModelShape:
+    arch = get_architecture(model)
+    weight_bytes = arch.weight_bytes(dtype)
+    return ModelShape(model, arch.n_layers, arch.n_heads, arch.n_kv_heads, arch.head_dim, arch.hidden_size,
+                      arch.vocab_size, dtype, 1024, weight_bytes, arch.n_params())
+
+
+def with_overheads(profile, cache_bytes: int | None):
+    cached = dict(step_overhead_cached_s=CACHED[0], layer_overhead_cached_s=CACHED[1], cache_bytes=cache_bytes) \
+        if cache_bytes is not None else {}
+    return dataclasses.replace(profile, overheads=OverheadSpec(*STREAMING, **cached))
+
+
+@pytest.fixture(scope="module")
+def h200():
+    return load_profile("h200-sxm")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """`tiny` in float32: 86.9 MB of weights, 6 layers."""
+    return synth_run(tmp_path_factory.mktemp("ovh") / "tiny", model="tiny", prompt_tokens=48, decode_steps=6,
+                     policy="full", dtype="float32", access=False)
+
+
+def test_overheads_for_picks_by_weight_bytes_against_the_cache(h200):
+    shape = shape_of("tiny")  # 86,936,064 B
+    assert shape.weight_bytes == 86_936_064
+    cases = [
+        (None, "streaming", STREAMING),  # no cached set: always the streaming one
+        (32 * 2**20, "streaming", STREAMING),  # 87 MB does not fit in 32 MiB
+        (shape.weight_bytes - 1, "streaming", STREAMING),
+        (shape.weight_bytes, "cached", CACHED),  # fits exactly
+        (128 * 2**20, "cached", CACHED),
+    ]
+    for cache_bytes, expected_set, (step_s, layer_s) in cases:
+        chosen = overheads_for(shape, with_overheads(h200, cache_bytes))
+        assert (chosen.set, chosen.step_s, chosen.layer_s) == (expected_set, step_s, layer_s), cache_bytes
+    datasheet = overheads_for(shape, h200)
+    assert (datasheet.set, datasheet.step_s, datasheet.layer_s) == ("streaming", 0.0, 0.0)
+
+
+def test_layer_and_head_times_add_the_chosen_overheads(h200):
+    shape = shape_of("tiny")
+    bare_layer = float(layer_times(shape, h200, 1, 100).total_s)
+    bare_head = float(head_times(shape, h200).total_s)
+    for cache_bytes, (step_s, layer_s) in ((32 * 2**20, STREAMING), (128 * 2**20, CACHED)):
+        profile = with_overheads(h200, cache_bytes)
+        assert float(layer_times(shape, profile, 1, 100).total_s) == pytest.approx(bare_layer + layer_s, rel=1e-12)
+        assert float(head_times(shape, profile).total_s) == pytest.approx(bare_head + step_s, rel=1e-12)
+
+
+@pytest.mark.parametrize("engine", ["des", "fast"])
+@pytest.mark.parametrize("cache_mib, expected_set", [(32, "streaming"), (128, "cached")])
+def test_simulated_steps_pay_the_overheads_of_the_set_that_applies(tiny_run, h200, engine, cache_mib, expected_set):
+    """Closed form: every step's latency = the same step with no overheads + L x layer + step overhead."""
+    n_layers = get_architecture("tiny").n_layers
+    step_s, layer_s = CACHED if expected_set == "cached" else STREAMING
+    bare = simulate_run(tiny_run, h200, engine=engine)
+    result = simulate_run(tiny_run, with_overheads(h200, cache_mib * 2**20), engine=engine)
+    expected = bare.steps["latency_s"].to_numpy() + n_layers * layer_s + step_s
+    assert result.steps["latency_s"].to_numpy() == pytest.approx(expected, rel=1e-12)
+    assert result.steps["overhead_s"].to_numpy() == pytest.approx(n_layers * layer_s + step_s, rel=1e-12)
+    assert result.summary["overhead_set"] == expected_set
+    assert set(result.samples["overhead_set"]) == {expected_set}
+    assert bare.summary["overhead_set"] == "streaming"
