@@ -19,6 +19,7 @@ Weights are read once per layer-step whatever the batch (that is what batching b
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -153,6 +154,24 @@ def overheads_for(shape: ModelShape, profile: HardwareProfile) -> Overheads:
     if o.has_cached and shape.weight_bytes <= o.cache_bytes:
         return Overheads(o.step_overhead_cached_s, o.layer_overhead_cached_s, "cached")
     return Overheads(o.step_overhead_s, o.layer_overhead_s, "streaming")
+
+
+def profile_for_policy(profile: HardwareProfile, policy: str) -> tuple[HardwareProfile, str]:
+    """The profile with the framework overheads calibrated for this policy's decode path, and where they came
+    from. `thoughtkv calibrate` measures every tiered decoder (full / evict / hierarchy: the hierarchy's
+    bookkeeping costs ~40% more per layer on a CPU) and keeps them in provenance.overheads_by_decoder; the
+    profile's own `overheads` are one of them. Datasheet profiles have none: returned unchanged. Both the
+    streaming and the cached set are taken when the profile has the cached one."""
+    by_decoder = profile.provenance.get("overheads_by_decoder") or {}
+    measured = by_decoder.get(f"tiered/{policy}")
+    if measured is None:
+        return profile, "profile overheads (no per-policy calibration in provenance)"
+    changes = dict(step_overhead_s=float(measured["step_overhead_s"]), layer_overhead_s=float(measured["layer_overhead_s"]))
+    if profile.overheads.has_cached and "warm_step_overhead_s" in measured:
+        changes.update(step_overhead_cached_s=max(0.0, float(measured["warm_step_overhead_s"])),
+                       layer_overhead_cached_s=max(0.0, float(measured["warm_layer_overhead_s"])))
+    overheads = dataclasses.replace(profile.overheads, **changes)
+    return dataclasses.replace(profile, overheads=overheads), f"tiered/{policy}"
 
 
 def layer_times(shape: ModelShape, profile: HardwareProfile, query_tokens, attended_tokens, batch: int = 1) -> OpTimes:

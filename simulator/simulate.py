@@ -76,6 +76,7 @@ def simulate_run(
     config = what_if_config(policy, overrides) if projected else traced_config(policy)
     if overlap == "layer-prefetch":
         _check_prefetch(run, config, projected)
+    profile, overhead_source = costs.profile_for_policy(profile, config.policy)
 
     sample_ids = run.sample_ids()
     if not sample_ids:
@@ -118,6 +119,7 @@ def simulate_run(
         row = _sample_row(run, shape, profile, config, work, timing, arrays, overlap, async_offload,
                           "fast" if use_fast else "des", projected, overrides, mass_evicted, mass_not_recalled,
                           offload_tier)
+        row["overhead_source"] = overhead_source  # which calibrated decode path's overheads were charged
         rows.append(row)
         if progress is not None:
             progress(1)

@@ -83,3 +83,24 @@ def test_simulated_steps_pay_the_overheads_of_the_set_that_applies(tiny_run, h20
     assert result.summary["overhead_set"] == expected_set
     assert set(result.samples["overhead_set"]) == {expected_set}
     assert bare.summary["overhead_set"] == "streaming"
+
+
+def test_a_run_is_charged_the_overheads_calibrated_for_its_own_policy(tmp_path):
+    """simulate_run takes the per-policy overheads from provenance: a hierarchy trace on a profile whose
+    hierarchy path costs 1 ms more per layer takes exactly n_layers x 1 ms more per step than on the same
+    profile without per-policy calibration (transfers and everything else equal)."""
+    run_dir = tmp_path / "h"
+    synth_run(run_dir, model="qwen2-1.5b", prompt_tokens=64, decode_steps=8, policy="hierarchy", hbm_budget=0.5,
+              recall_k=2, samples=1, seed=0)
+    base = load_profile("h100-pcie")
+    by_decoder = {"tiered/hierarchy": {"step_overhead_s": base.overheads.step_overhead_s,
+                                       "layer_overhead_s": base.overheads.layer_overhead_s + 1e-3}}
+    calibrated = dataclasses.replace(base, provenance={"kind": "measured", "overheads_by_decoder": by_decoder})
+    plain = simulate_run(run_dir, base)
+    per_policy = simulate_run(run_dir, calibrated)
+    assert plain.samples["overhead_source"].iloc[0].startswith("profile overheads")
+    assert per_policy.samples["overhead_source"].iloc[0] == "tiered/hierarchy"
+    n_layers = get_architecture("qwen2-1.5b").n_layers
+    steps = int(per_policy.samples["steps"].iloc[0])
+    extra = per_policy.samples["total_s"].iloc[0] - plain.samples["total_s"].iloc[0]
+    assert extra == pytest.approx(steps * n_layers * 1e-3, rel=1e-9)

@@ -31,6 +31,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from simulator.costs import profile_for_policy as profile_with_overheads  # noqa: F401 (re-exported)
 from thoughtkv.errors import UserError
 
 POLICIES = ("full", "evict", "hierarchy")
@@ -169,21 +170,6 @@ def scatter_figure(table, path: Path, title: str) -> None:
 
 
 # ---------------------------------------------------------------- simulation --------------------------------
-
-
-def profile_with_overheads(profile, policy: str):
-    """The calibrated profile with the framework overheads measured for this policy's decode path (both sets
-    when the profile has the cached one: the simulator picks by whether the model's weights fit in the cache)."""
-    by_decoder = profile.provenance.get("overheads_by_decoder") or {}
-    measured = by_decoder.get(f"tiered/{policy}")
-    if measured is None:
-        return profile, "profile overheads (no per-policy calibration in provenance)"
-    changes = dict(step_overhead_s=float(measured["step_overhead_s"]), layer_overhead_s=float(measured["layer_overhead_s"]))
-    if profile.overheads.has_cached and "warm_step_overhead_s" in measured:
-        changes.update(step_overhead_cached_s=max(0.0, float(measured["warm_step_overhead_s"])),
-                       layer_overhead_cached_s=max(0.0, float(measured["warm_layer_overhead_s"])))
-    overheads = dataclasses.replace(profile.overheads, **changes)
-    return dataclasses.replace(profile, overheads=overheads), f"tiered/{policy}"
 
 
 def simulate_steps(run_dir: Path, profile, overlap: str, async_offload: bool):
