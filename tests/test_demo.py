@@ -17,7 +17,8 @@ TINY = ["--model", "random:tiny", "--n-samples", "1", "--max-new-tokens", "4", "
 @pytest.fixture(scope="module")
 def demo_out(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "out"
-    assert main(["demo", "--out", str(out), *TINY]) == 0
+    # Two trace processes here (the default is one): the process-pool path is exercised too.
+    assert main(["demo", "--out", str(out), *TINY, "--trace-workers", "2"]) == 0
     return out
 
 
