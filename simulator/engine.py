@@ -250,11 +250,10 @@ def sequence(env: simpy.Environment, hw: Hardware, work: Workload, overlap: str,
              step_end_s: np.ndarray, track: str = "GPU"):
     """The process of one sequence (or one lockstep batch of `work.batch` copies of it).
 
-    Within a step the process keeps its own clock `t` (+ `busy`, compute not yet added to it): waiting for a
-    copy is `t = max(t, end)` and computing is `t += compute`, with no event, because nothing else can observe
-    a GPU it holds. It only yields to bring env.now up to `t` where others can see it: before it issues a copy
-    (channels reserve copies at env.now, in issue order across processes) and at the end of a step (the GPU is
-    released). Times are the same floats as waiting and computing with one timeout each.
+    Within a step the process keeps its own clock `t`: waiting for a copy is `t = max(t, end)` and computing is
+    `t += compute`, with no event, because nothing else can observe a GPU it holds. It only yields to bring
+    env.now up to `t` where others can see it: before it issues a copy (channels reserve copies at env.now, in
+    issue order across processes) and at the end of a step (the GPU is released).
     """
     compute = work.compute_s.tolist()
     recall = work.recall_s.tolist()
@@ -288,60 +287,42 @@ def sequence(env: simpy.Environment, hw: Hardware, work: Workload, overlap: str,
         elif not prefetch and copies == 1 and timeline is None:
             # The common case, kept lean: recall (waited for), compute, offload (async or waited for).
             t = env.now
-            busy = 0.0
             for i in range(first, first + per_step):
                 r = recall[i]
                 if r > 0:
-                    if busy:
-                        t += busy
-                        busy = 0.0
                     now = env.now
                     if t > now:
                         yield timeout(t - now)
                     t = h2d.reserve("h2d", recall_bytes[i], r, recall_overhead_s, "recall")
-                busy += compute[i]
+                t += compute[i]
                 o = offload[i]
                 if o > 0:
-                    t += busy
-                    busy = 0.0
                     now = env.now
                     if t > now:
                         yield timeout(t - now)
                     end = d2h.reserve("d2h", offload_bytes[i], o, offload_overhead_s, "offload")
                     if not async_offload:
                         t = end
-            if busy:
-                t += busy
             if t > env.now:
                 yield timeout(t - env.now)
         else:
             t = env.now
-            busy = 0.0
             for i in range(first, first + per_step):
                 if prefetch:
                     if i == 0 and recall[0] > 0:  # nothing ran before it to hide it behind (t == env.now)
                         t = _copies(h2d, "h2d", copies, recall_bytes[0], recall[0], recall_overhead_s,
                                     timeline and "recall op 0")
                     if pending >= 0:
-                        if busy:
-                            t += busy
-                            busy = 0.0
                         if pending > t:
                             t = pending
                         pending = -1.0
                     nxt = i + 1
                     if nxt < n_ops and recall[nxt] > 0:
-                        if busy:
-                            t += busy
-                            busy = 0.0
                         if t > env.now:
                             yield timeout(t - env.now)
                         pending = _copies(h2d, "h2d", copies, recall_bytes[nxt], recall[nxt], recall_overhead_s,
                                           timeline and f"recall op {nxt}")
                 elif recall[i] > 0:
-                    if busy:
-                        t += busy
-                        busy = 0.0
                     if t > env.now:
                         yield timeout(t - env.now)
                     t = _copies(h2d, "h2d", copies, recall_bytes[i], recall[i], recall_overhead_s,
@@ -353,19 +334,14 @@ def sequence(env: simpy.Environment, hw: Hardware, work: Workload, overlap: str,
                     timeline.span(track, "lm_head" if layer == work.n_layers else f"layer {layer}", start, t,
                                   step=s)
                 else:
-                    busy += compute[i]
+                    t += compute[i]
                 if offload[i] > 0:
-                    if busy:
-                        t += busy
-                        busy = 0.0
                     if t > env.now:
                         yield timeout(t - env.now)
                     end = _copies(d2h, "d2h", copies, offload_bytes[i], offload[i], offload_overhead_s,
                                   timeline and f"offload op {i}")
                     if not async_offload:
                         t = end
-            if busy:
-                t += busy
             if t > env.now:
                 yield timeout(t - env.now)
         hw.gpu.release(gpu)

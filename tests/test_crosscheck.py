@@ -11,13 +11,13 @@ import pandas as pd
 import pytest
 import torch
 
+from simulator.costs import profile_for_policy as profile_with_overheads
 from thoughtkv.cli import main
 from thoughtkv.crosscheck import (
     CrosscheckError,
     RunSpec,
     dominant_term,
     error_stats,
-    profile_with_overheads,
     run_specs,
     step_errors,
     summarise,
@@ -142,7 +142,7 @@ def _crosscheck(out, profile, *extra):
 def test_crosscheck_end_to_end_on_cpu(tmp_path, quick_profile, capsys):
     from hwprofiles import load_profile_file
     from simulator import simulate_run
-    from thoughtkv.crosscheck import profile_with_overheads as with_overheads
+    from simulator.costs import profile_for_policy as with_overheads
 
     out = tmp_path / "cc"
     assert _crosscheck(out, quick_profile, "--datasheet-profile", "h200-sxm") == 0

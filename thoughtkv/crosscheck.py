@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from simulator.costs import profile_for_policy as profile_with_overheads  # noqa: F401 (re-exported)
+from simulator.costs import profile_for_policy
 from thoughtkv.errors import UserError
 
 POLICIES = ("full", "evict", "hierarchy")
@@ -368,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
     sim_frames = []
     for spec in specs:
         run_dir = out / "runs" / f"{spec.label}-rep0"
-        profile, overhead_source = profile_with_overheads(calibrated, spec.policy)
+        profile, overhead_source = profile_for_policy(calibrated, spec.policy)
         variants = [("calibrated", profile)]
         if datasheet is not None:
             variants += [("datasheet", datasheet),
