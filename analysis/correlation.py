@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 
 from analysis.stats import spearman
 from analysis.style import new_figure, series_style, styled
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 
 ATTENTION = "attention"  # tokens.importance
 N_BOOTSTRAP = 10_000

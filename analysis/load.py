@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import stats
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 from traces import TraceFormatError, TraceRun, open_run
 
 SIM_REQUIRED = (

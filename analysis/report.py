@@ -17,8 +17,7 @@ from matplotlib.figure import Figure
 
 from analysis import figures, frames, load, stats, tables
 from analysis.style import save_figure
-from thoughtkv import __version__
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError, __version__
 from traces import TraceRun
 
 REPORT_NAME = "report.md"

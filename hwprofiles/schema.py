@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 
 
 class ProfileError(UserError):

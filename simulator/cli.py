@@ -12,7 +12,7 @@ import argparse
 import os
 from pathlib import Path
 
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 
 
 class SimulateOptionError(UserError):

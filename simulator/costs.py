@@ -203,7 +203,7 @@ def offload_tier(profile: HardwareProfile, name: str = "ddr") -> OffloadTier:
     else:
         tiers = {t.name: t for t in profile.extra_tiers}
         if name not in tiers:
-            from thoughtkv.errors import UserError
+            from thoughtkv_base import UserError
 
             known = ", ".join(["ddr", *tiers])
             raise UserError(f"profile {profile.name} has no memory tier {name!r}; use one of {known}")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 from traces.schema import TIER_DDR, TIER_EVICTED, TIER_HBM
 
 POLICIES = ("full", "evict", "hierarchy")

@@ -50,7 +50,7 @@ from hwprofiles import HardwareProfile, load_profile
 from simulator import costs
 from simulator.engine import OVERLAP_MODES, Channel, Hardware, Timeline
 from simulator.workload import build_workload
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 from traces import open_run
 
 

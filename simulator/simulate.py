@@ -25,7 +25,7 @@ from simulator.engine import OVERLAP_MODES, Timeline, engines_per_channel, run_d
 from simulator.placement import PlacementConfig
 from simulator.whatif import parse_what_if, replay, traced_config, what_if_config
 from simulator.workload import Timing, Workload, build_workload
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 from traces.reader import TraceRun, open_run
 
 ENGINES = ("auto", "des", "fast")

@@ -36,7 +36,7 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 from traces.layout import write_bytes_atomic
 
 

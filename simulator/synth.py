@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 
 SYNTH_TASK = "synthetic"
 

@@ -27,7 +27,7 @@ from hwprofiles import (
     validate_profile_file,
 )
 from thoughtkv.cli import main
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 
 REQUIRED_NAMES = ["a100-80gb-pcie", "h100-pcie", "h100-sxm", "h200-sxm", "gh200-96gb", "gh200-144gb", "b200",
                   "mi300x", "rtx-4090", "l40s", "rtx-5080", "h100-sxm-cxl"]

@@ -18,7 +18,7 @@ from simulator.sweep import (
     run_sweep,
 )
 from thoughtkv.cli import main
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 
 PROFILES = ["h100-pcie", "h200-sxm", "a100-80gb-pcie", "gh200-96gb", "l40s"]
 

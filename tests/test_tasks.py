@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 from tracer.tasks import TASKS, get_task
 from tracer.tasks.answers import answers_equal, extract_final_answer, last_boxed
 from tracer.tasks.chains import (

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig, Qwen2Config
 
 import tracer.attention  # noqa: F401  (registers the "thoughtkv" attention function)
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 from tracer.cache import TieredCache, TierSettings
 from tracer.policies import Budget, EvictPolicy, FullPolicy, HierarchyPolicy, make_policy
 from tracer.recorder import Recorder

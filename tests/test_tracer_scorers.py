@@ -132,7 +132,7 @@ def test_scorer_matches_reference(name, reference):
 
 
 def test_unknown_scorer_is_a_user_error():
-    from thoughtkv.errors import UserError
+    from thoughtkv_base import UserError
 
     with pytest.raises(UserError, match="unknown scorer"):
         get_scorer("lru")

@@ -10,8 +10,7 @@ import argparse
 import importlib
 import sys
 
-from thoughtkv import __version__
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError, __version__
 
 # (name, module, one-line help). Order = order in --help.
 SUBCOMMANDS: list[tuple[str, str, str]] = [
@@ -70,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _not_yet(name: str):
     def run(_args: argparse.Namespace) -> int:
-        from thoughtkv.errors import NotYetImplemented
+        from thoughtkv_base import NotYetImplemented
 
         raise NotYetImplemented(f"`thoughtkv {name}` is not implemented yet in this version")
 

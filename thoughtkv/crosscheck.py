@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from simulator.costs import profile_for_policy
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 
 POLICIES = ("full", "evict", "hierarchy")
 GOAL_MEDIAN, GOAL_P95 = 0.10, 0.25

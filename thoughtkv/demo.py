@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 
 DEFAULT_OUT = "demo-out"
 MARKER = "demo.json"  # marks a directory as a demo's, so a rerun may write into it

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 from tracer.attention import set_pending
 from tracer.policies import FullPolicy, Policy
 from tracer.quant import make_block_store

@@ -48,7 +48,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 
 FULL_DUPLEX_MIN_RATIO = 1.6  # both-directions throughput / one direction, above which the link is full duplex
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
@@ -418,7 +418,7 @@ def provenance(cal: Calibration) -> dict:
     import torch
     import transformers
 
-    from thoughtkv import __version__, git_commit
+    from thoughtkv_base import __version__, git_commit
 
     def rounded(obj):
         if isinstance(obj, float):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 from traces.architectures import DTYPE_BYTES, Architecture, get_architecture
 
 MICRO_DIR = Path(__file__).parent / "assets" / "micro"

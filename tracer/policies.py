@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 
 
 class BadBudget(UserError):

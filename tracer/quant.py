@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 
 DDR_DTYPES = ("same", "int8", "int4")
 BITS = {"int8": 8, "int4": 4}

@@ -10,7 +10,7 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 
 
 class BadTraceConfig(UserError):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 
 
 @dataclass

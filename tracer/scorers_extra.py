@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 from tracer.scorers import SCORERS, Observation, Scorer, _grown
 
 

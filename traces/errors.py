@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 
 
 class TraceFormatError(UserError):

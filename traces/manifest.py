@@ -31,7 +31,7 @@ def make_manifest(
 ) -> dict:
     """A complete run.json dict: fills schema, created (UTC), thoughtkv version + git commit and the access
     encoding; raises TraceFormatError naming the first missing key."""
-    from thoughtkv import __version__, git_commit
+    from thoughtkv_base import __version__, git_commit
 
     manifest = {
         "schema": SCHEMA_VERSION,

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
         index, _, count = args.shard.partition("/")
         if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
-            from thoughtkv.errors import UserError
+            from thoughtkv_base import UserError
 
             raise UserError(f"--shard {args.shard!r}: give I/N with 0 <= I < N, e.g. 0/2")
         shard = (int(index), int(count))
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from thoughtkv.errors import UserError
+    from thoughtkv_base import UserError
 
     try:
         sys.exit(main())

@@ -395,7 +395,7 @@ def export_model(run_dir: Path, assets_dir: Path) -> None:
 
     missing = [name for name in MODEL_FILES if not (run_dir / name).is_file()]
     if missing:
-        from thoughtkv.errors import UserError
+        from thoughtkv_base import UserError
 
         raise UserError(f"{run_dir} lacks {', '.join(missing)}: the training has not finished; rerun train to resume")
     assets_dir.mkdir(parents=True, exist_ok=True)

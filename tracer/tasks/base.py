@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 from tracer.tasks.base import Sample, Task, register_task
 
 VARIABLE_NAMES = tuple("abcdefghijklmnopqstu")  # 20 letters; "r" is kept for results r1, r2, ...

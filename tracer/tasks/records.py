@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from thoughtkv.errors import UserError
+from thoughtkv_base import UserError
 
 
 class DataFileError(UserError):

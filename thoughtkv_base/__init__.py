@@ -1,0 +1,39 @@
+"""The bottom layer: what every thoughtkv package shares and nothing else — the user-error type and the version.
+
+It imports nothing of the project (import-linter checks this), so `traces`, `hwprofiles`, `tracer`,
+`simulator` and `analysis` can all import it without importing the `thoughtkv` command layer on top.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["NotYetImplemented", "UserError", "__version__", "git_commit"]
+
+
+class UserError(Exception):
+    """Bad input or an impossible request: the message names the problem and the fix, in one line.
+
+    Every package derives its own errors from this (e.g. `traces.TraceFormatError`), so the CLI and the
+    property tests can tell "the project refused this input" from a crash.
+    """
+
+    exit_code = 2
+
+
+class NotYetImplemented(UserError):
+    """A subcommand whose issue has not landed yet: it says so and exits 2 instead of pretending."""
+
+
+def git_commit() -> str | None:
+    """The project's git commit when running from a checkout, else None (installed wheel)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
