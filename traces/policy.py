@@ -1,0 +1,287 @@
+"""The placement policy contract: every setting of a tiered-KV run, defaulted and validated once, and the
+target arithmetic as plain functions of (spec, logical length). Torch-free.
+
+One spec travels whole (nanoGPT's `GPTConfig`, kvpress's `ScorerPress.__post_init__`): the tracer builds its
+tiered cache from it, `run.json["policy"]` is `spec.to_manifest()`, the simulator's placement, what-if and synth
+replay it, analysis labels and joins on `spec.key()`. Nothing else re-checks a budget.
+
+Policies:
+- `full`: everything stays in HBM (the reference);
+- `evict`: pure eviction to the HBM budget (StreamingLLM / H2O / TOVA by scorer);
+- `hierarchy`: the lowest-`evict_ratio` share is evicted, what exceeds the HBM budget lives in DDR, and each
+  decode step recalls the top `recall_blocks(L)` DDR blocks for the current query (by `recall_rule`).
+
+Budgets (`hbm_budget`, `recall_budget`) are a fraction of the current logical length (0 < b <= 1) or an absolute
+token count (a whole number > 1). Placement is at block granularity, after attention; the first
+`ceil(sink_tokens / block_size)` blocks and the blocks overlapping the recent window (the last `window_tokens`
+positions, incl. the partial block) are protected: always in HBM. When those protected tokens alone exceed the
+budget, the run keeps more than asked — `protected_excess` says so and the tracer prints and records it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+
+from thoughtkv_base import UserError
+
+POLICIES = ("full", "evict", "hierarchy")
+DDR_DTYPES = ("same", "int8", "int4")
+# How the recalled DDR blocks are chosen. The text is what run.json records (the v1 tracer wrote the quest
+# text verbatim; `from_manifest` reads the name before the colon, and bare names as synth wrote them).
+RECALL_RULES = {
+    "quest": "quest: top-recall_k DDR blocks by max_heads sum_d max(q*kmin, q*kmax), current query",
+    "quest-per-head": "quest-per-head: each KV head recalls its own top-recall_k DDR blocks by "
+    "max_group sum_d max(q*kmin, q*kmax); a block is copied when any head picks it",
+    # Simulator-only rules (computed from recorded masses): the current query's true attention mass (an
+    # oracle the quest bound approximates; needs this layer's query, so no layer prefetch), or the scorer's
+    # scores from earlier steps (known before the step, so prefetch is valid).
+    "query": "query",
+    "score": "score",
+}
+TRACER_RECALL_RULES = ("quest", "quest-per-head")
+
+
+class PolicyError(UserError):
+    """An impossible or malformed placement setting (one line, exit 2)."""
+
+
+def parse_budget(value, what: str = "--hbm-budget") -> float:
+    """A fraction in (0, 1] or a whole token count > 1, from a number or its text; PolicyError otherwise."""
+    if isinstance(value, bool):
+        raise PolicyError(f"{what} {value!r} is not a number; give a fraction in (0, 1] or a token count")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise PolicyError(f"{what} {value!r} is not a number; give a fraction in (0, 1] or a token count") from None
+    if not number > 0 or math.isinf(number) or (number > 1 and number != int(number)):
+        raise PolicyError(f"{what} {value!r} must be a fraction in (0, 1] or a whole token count > 1")
+    return number
+
+
+def budget_tokens(budget: float, logical_len: int) -> int:
+    """A budget in tokens at this logical length: ceil(fraction * L), or the token count itself."""
+    if budget <= 1:
+        return math.ceil(budget * logical_len - 1e-9)
+    return int(budget)
+
+
+def _is_fraction(budget: float) -> bool:
+    return budget <= 1
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    policy: str = "full"
+    hbm_budget: float = 1.0  # fraction of the logical length (<= 1) or tokens (whole number > 1)
+    evict_ratio: float = 0.0  # hierarchy: share of the logical length evicted (lowest scores first)
+    block_size: int = 16  # tokens per KV block: the unit of placement and of every copy
+    sink_tokens: int = 4  # attention sinks: the first positions never leave HBM
+    window_tokens: int = 32  # the recent window never leaves HBM
+    recall_k: int = 4  # hierarchy: DDR blocks recalled per layer and decode step
+    recall_budget: float | None = None  # hierarchy: instead of recall_k, a fraction of L or tokens per step
+    recall_rule: str = "quest"
+    scorer: str = "h2o"
+    promote: bool = False  # a recalled block may take a weaker resident block's place in HBM
+    ddr_dtype: str = "same"  # how DDR stores offloaded blocks: same | int8 | int4
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise the parsed values once, here
+        if self.policy not in POLICIES:
+            raise PolicyError(f"unknown policy {self.policy!r}; use one of {', '.join(POLICIES)}")
+        set_(self, "hbm_budget", parse_budget(self.hbm_budget, "--hbm-budget"))
+        evict = _number(self.evict_ratio, "--evict-ratio")
+        if not 0.0 <= evict < 1.0:
+            raise PolicyError(f"--evict-ratio {self.evict_ratio!r} must be in [0, 1)")
+        set_(self, "evict_ratio", evict)
+        for name, low in (("block_size", 1), ("sink_tokens", 0), ("window_tokens", 0), ("recall_k", 0)):
+            set_(self, name, _whole(getattr(self, name), "--" + name.replace("_", "-"), low))
+        if self.recall_budget is not None:
+            set_(self, "recall_budget", parse_budget(self.recall_budget, "--recall-budget"))
+        rule = str(self.recall_rule).split(":")[0].strip()
+        if rule not in RECALL_RULES:
+            raise PolicyError(f"unknown --recall-rule {self.recall_rule!r}; use one of {', '.join(RECALL_RULES)}")
+        set_(self, "recall_rule", rule)
+        if not isinstance(self.promote, bool):
+            raise PolicyError(f"promote {self.promote!r} must be true or false")
+        if self.ddr_dtype not in DDR_DTYPES:
+            raise PolicyError(f"--ddr-dtype {self.ddr_dtype!r}: use one of {', '.join(DDR_DTYPES)}")
+        if self.ddr_dtype != "same" and self.policy != "hierarchy":
+            raise PolicyError(
+                f"--ddr-dtype {self.ddr_dtype} applies to the hierarchy policy only (got --policy {self.policy})"
+            )
+
+    # -- derived facts -----------------------------------------------------------------------------------
+    @property
+    def uses_ddr(self) -> bool:
+        return self.policy == "hierarchy"
+
+    @property
+    def budget_is_fraction(self) -> bool:
+        return _is_fraction(self.hbm_budget)
+
+    def effective(self) -> PolicySpec:
+        """The settings that act under this policy (the rest reset to their defaults): what run.json records
+        and what two runs are compared on. Evict ignores eviction ratio, recall and DDR settings; full also the
+        budget."""
+        if self.policy == "hierarchy":
+            return self
+        base = dict(recall_k=0, recall_budget=None, evict_ratio=0.0, promote=False, ddr_dtype="same")
+        if self.policy == "full":
+            base["hbm_budget"] = 1.0
+        return replace(self, **base)
+
+    def key(self) -> tuple:
+        """A hashable identity of the effective settings (analysis joins on it; floats exact, never rounded)."""
+        return tuple(getattr(self.effective(), f.name) for f in fields(self))
+
+    def label(self) -> str:
+        """A short human label, e.g. `hierarchy b=0.3 e=0 k=4` or `evict b=512t h2o`."""
+        spec = self.effective()
+        if spec.policy == "full":
+            return "full"
+        budget = f"{spec.hbm_budget:g}" if spec.budget_is_fraction else f"{int(spec.hbm_budget)}t"
+        text = f"{spec.policy} b={budget} {spec.scorer}"
+        if spec.policy == "hierarchy":
+            recall = f"k={spec.recall_k}" if spec.recall_budget is None else f"r={spec.recall_budget:g}"
+            text += f" e={spec.evict_ratio:g} {recall}"
+        return text
+
+    # -- run.json --------------------------------------------------------------------------------------------
+    def to_manifest(self) -> dict:
+        """run.json `policy`: the v1 keys (unchanged for v1 settings), new settings in `params` when set."""
+        spec = self.effective()
+        params = {"promote": spec.promote, "budget_is_fraction": spec.budget_is_fraction, "ddr_dtype": spec.ddr_dtype}
+        if spec.recall_budget is not None:
+            params["recall_budget"] = spec.recall_budget
+        return {
+            "name": spec.policy,
+            "hbm_budget": spec.hbm_budget if spec.budget_is_fraction else int(spec.hbm_budget),
+            "evict_ratio": spec.evict_ratio,
+            "block_size": spec.block_size,
+            "scorer": spec.scorer,
+            "recall_k": spec.recall_k,
+            "recall_rule": RECALL_RULES[spec.recall_rule] if spec.uses_ddr else None,
+            "sink_tokens": spec.sink_tokens,
+            "window_tokens": spec.window_tokens,
+            "params": params,
+        }
+
+    @classmethod
+    def from_manifest(cls, policy: dict) -> PolicySpec:
+        """Read run.json `policy` (v1 as the tracer and synth wrote it): the inverse of `to_manifest`."""
+        params = policy.get("params") or {}
+        name = policy.get("name", "full")
+        if name not in POLICIES:
+            raise PolicyError(f"run.json policy {name!r} is not one of {', '.join(POLICIES)}; re-collect the trace")
+        rule = policy.get("recall_rule") or "quest"
+        return cls(
+            policy=name,
+            hbm_budget=policy.get("hbm_budget") or 1.0,
+            evict_ratio=policy.get("evict_ratio") or 0.0,
+            block_size=policy["block_size"],
+            sink_tokens=policy.get("sink_tokens") or 0,
+            window_tokens=policy.get("window_tokens") or 0,
+            recall_k=policy.get("recall_k") or 0,
+            recall_budget=params.get("recall_budget"),
+            recall_rule=rule,
+            scorer=policy.get("scorer") or "h2o",
+            promote=bool(params.get("promote", False)),
+            ddr_dtype=params.get("ddr_dtype") or "same",
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _number(value, what: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise PolicyError(f"{what} {value!r} is not a number") from None
+    if math.isnan(number):
+        raise PolicyError(f"{what} {value!r} is not a number")
+    return number
+
+
+def _whole(value, what: str, low: int) -> int:
+    number = _number(value, what)
+    if number != int(number) or number < low:
+        raise PolicyError(f"{what} {value!r} must be a whole number >= {low}")
+    return int(number)
+
+
+# ---------------------------------------------------------------- target arithmetic -------------------------
+# Plain functions of (spec, logical length): the tracer (torch) and the simulator (numpy) both call these, so
+# the rule exists once. Block ids are logical: block i holds positions [i * block_size, (i + 1) * block_size).
+
+
+def n_blocks(spec: PolicySpec, logical_len: int) -> int:
+    return -(-logical_len // spec.block_size)
+
+
+def hbm_target_tokens(spec: PolicySpec, logical_len: int) -> int | None:
+    """Tokens the budget allows in HBM at this length; None when there is no limit (full)."""
+    if spec.policy == "full":
+        return None
+    return budget_tokens(spec.hbm_budget, logical_len)
+
+
+def evict_target_blocks(spec: PolicySpec, logical_len: int) -> int:
+    """Blocks that must be evicted by now: floor(evict_ratio * L) tokens, rounded down to whole blocks."""
+    if spec.policy != "hierarchy":
+        return 0
+    return math.floor(spec.evict_ratio * logical_len) // spec.block_size
+
+
+def movable_range(spec: PolicySpec, logical_len: int) -> tuple[int, int]:
+    """Blocks [first, end) that may leave HBM: complete, not a sink block, not overlapping the recent window."""
+    bs = spec.block_size
+    first = -(-spec.sink_tokens // bs)
+    end = min(logical_len // bs, max(0, logical_len - spec.window_tokens) // bs)
+    return first, max(first, end)
+
+
+def protected_tokens(spec: PolicySpec, logical_len: int) -> int:
+    """Tokens that stay in HBM whatever the budget (sink blocks, recent window, the partial block)."""
+    first, end = movable_range(spec, logical_len)
+    return logical_len - (end - first) * spec.block_size
+
+
+def room_blocks(spec: PolicySpec, logical_len: int) -> int | None:
+    """Movable blocks the budget leaves room for in HBM; None when unlimited."""
+    target = hbm_target_tokens(spec, logical_len)
+    if target is None:
+        return None
+    return max(0, target - protected_tokens(spec, logical_len)) // spec.block_size
+
+
+def recall_blocks(spec: PolicySpec, logical_len: int) -> int:
+    """DDR blocks to recall per layer at a decode step of this length: `recall_k`, or the recall budget in
+    tokens (a fraction of L or a count) rounded down to whole blocks, so the recalled tokens never exceed it."""
+    if spec.policy != "hierarchy":
+        return 0
+    if spec.recall_budget is None:
+        return spec.recall_k
+    return budget_tokens(spec.recall_budget, logical_len) // spec.block_size
+
+
+def max_recall_blocks(spec: PolicySpec, max_logical_len: int) -> int:
+    """The most blocks one decode step can recall up to this length (sizes staging slots)."""
+    return max(recall_blocks(spec, max_logical_len), recall_blocks(spec, 1))
+
+
+def protected_excess(spec: PolicySpec, logical_len: int) -> str | None:
+    """One line when the protected tokens alone exceed the HBM budget at this length (the run then keeps more
+    than asked), else None."""
+    target = hbm_target_tokens(spec, logical_len)
+    if target is None:
+        return None
+    protected = protected_tokens(spec, logical_len)
+    if protected <= target:
+        return None
+    return (
+        f"--hbm-budget {spec.hbm_budget:g} allows {target} tokens at length {logical_len}, but the sink "
+        f"({spec.sink_tokens}) and recent window ({spec.window_tokens}) keep {protected} in HBM: the effective "
+        f"budget is {protected / max(logical_len, 1):.1%}; lower --sink-tokens/--window-tokens or raise the budget"
+    )
