@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
 
-from tracer.scorers import SCORERS
-from tracer.scorers_extra import (
+from tracer.scorers import (
+    SCORERS,
     AlsoScore,
     BadScorerOption,
     GradientScorer,

@@ -12,7 +12,7 @@ from thoughtkv_base import UserError
 from tracer.cache import TieredCache, TierSettings
 from tracer.policies import Budget, EvictPolicy, FullPolicy, HierarchyPolicy, make_policy
 from tracer.recorder import Recorder
-from tracer.scorers import get_scorer
+from tracer.scorers import build_scorer
 
 SHAPES = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512)
@@ -55,7 +55,7 @@ def decode(model, cache, tokens: list[int] | None = None, steps: int = STEPS, re
 
 def settings(policy, scorer="h2o", **kw) -> TierSettings:
     base = dict(block_size=4, sink_tokens=4, window_tokens=8, recall_k=0)
-    return TierSettings(policy=policy, scorer=get_scorer(scorer), **{**base, **kw})
+    return TierSettings(policy=policy, scorer=build_scorer(scorer), **{**base, **kw})
 
 
 @pytest.mark.parametrize("arch", list(CONFIGS))

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
 import tracer.attention  # noqa: F401
 from tracer.cache import TieredCache, TierSettings
 from tracer.policies import Budget, FullPolicy, HierarchyPolicy
-from tracer.scorers import SCORERS, get_scorer
+from tracer.scorers import SCORERS, build_scorer
 
 PROMPT_LEN, STEPS, N_LAYERS = 24, 12, 2
 
@@ -52,7 +52,7 @@ def tiered_scores(scorer_name: str, tokens, scorer=None):
     """Scores after the run with nothing moving (budget 100%), so every entry is attended each step."""
     model = tiny_model("sdpa")
     model.set_attn_implementation("thoughtkv")
-    scorer = scorer or get_scorer(scorer_name)
+    scorer = scorer or build_scorer(scorer_name)
     cache = TieredCache(N_LAYERS, TierSettings(policy=HierarchyPolicy(hbm_budget=Budget(1.0)), scorer=scorer,
                                                block_size=4, track_importance=True))
     run(model, cache, tokens)
@@ -101,9 +101,9 @@ def test_scorer_matches_reference(name, reference):
     tokens, attentions, keys = reference
     length = PROMPT_LEN + STEPS - 1
     if name == "random":
-        first, _ = tiered_scores(name, tokens, get_scorer("random", seed=3))
-        again, _ = tiered_scores(name, tokens, get_scorer("random", seed=3))
-        other, _ = tiered_scores(name, tokens, get_scorer("random", seed=4))
+        first, _ = tiered_scores(name, tokens, build_scorer("random", seed=3))
+        again, _ = tiered_scores(name, tokens, build_scorer("random", seed=3))
+        other, _ = tiered_scores(name, tokens, build_scorer("random", seed=4))
         assert np.array_equal(first[0], again[0]) and np.array_equal(first[0], first[1])
         assert not np.allclose(first[0], other[0])
         assert first[0].min() >= 0 and first[0].max() < 1 and len(first[0]) == length
@@ -120,7 +120,7 @@ def test_scorer_matches_reference(name, reference):
             for step in attentions[1:]:
                 summed[: step[layer].shape[1]] += step[layer][-1]
             np.testing.assert_allclose(future[layer].numpy(), summed, atol=1e-5)
-        scorer = get_scorer("oracle")
+        scorer = build_scorer("oracle")
         scorer.future_importance = future
         got, _ = tiered_scores(name, tokens, scorer)
         np.testing.assert_allclose(got[0], future[0].numpy(), atol=1e-6)
@@ -135,4 +135,4 @@ def test_unknown_scorer_is_a_user_error():
     from thoughtkv_base import UserError
 
     with pytest.raises(UserError, match="unknown scorer"):
-        get_scorer("lru")
+        build_scorer("lru")

@@ -177,7 +177,7 @@ class TieredLayer(DynamicLayer):
         positions = self.slot_pos[:n_attended]
         settings = self.settings
         step = self.recorder.step if self.recorder is not None else self.step
-        # AlsoScore (tracer/scorers_extra.py) scores under the full policy too, for its recorded extras.
+        # AlsoScore (tracer/scorers/) scores under the full policy too, for its recorded extras.
         if settings.scorer is not None and (
             not isinstance(settings.policy, FullPolicy) or getattr(settings.scorer, "score_under_full", False)
         ):

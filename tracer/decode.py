@@ -61,7 +61,7 @@ def greedy_decode(
     position_ids = torch.arange(len(prompt_ids), device=device)[None]
     generated: list[int] = []
     stop_reason = "max_new_tokens"
-    # The gradient scorer's backward pass (tracer/scorers_extra.py) runs after each step, untimed; a plain
+    # The gradient scorer's backward pass (tracer/scorers/) runs after each step, untimed; a plain
     # DynamicCache (the untraced reference) has no settings.
     after_step = getattr(getattr(getattr(cache, "settings", None), "scorer", None), "after_step", None)
     started = time.perf_counter()

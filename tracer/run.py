@@ -38,7 +38,7 @@ class TraceConfig:
     device: str | None = None
     dtype: str | None = None
     access: bool = True
-    # Issue 9 (tracer/quant.py, tracer/scorers_extra.py):
+    # Issue 9 (tracer/quant.py, tracer/scorers/):
     ddr_dtype: str = "same"  # hierarchy: DDR stores offloaded blocks as same | int8 | int4
     also_score: str | None = None  # "A,B": scorers computed alongside, recorded in tokens.importance_by_scorer
     grad_window: int = 1  # gradient scorer: next-token losses of the last N positions
@@ -73,7 +73,7 @@ class TraceConfig:
 
     def _validate_extras(self) -> None:
         from tracer.quant import check_ddr_dtype
-        from tracer.scorers_extra import parse_also_score
+        from tracer.scorers import parse_also_score
 
         check_ddr_dtype(self.ddr_dtype)
         if self.ddr_dtype != "same" and self.policy != "hierarchy":
@@ -126,7 +126,7 @@ def hardware_manifest(device) -> dict:
 def make_settings(config: TraceConfig, scorer=None, track_importance: bool = True):
     from tracer.cache import TierSettings
     from tracer.policies import make_policy
-    from tracer.scorers_extra import build_scorer, parse_also_score, with_also_score
+    from tracer.scorers import build_scorer, parse_also_score, with_also_score
 
     if scorer is None:
         options = {"seed": config.seed, "grad_window": config.grad_window, "grad_interval": config.grad_interval}
@@ -213,6 +213,6 @@ def trace_sample(loaded, task, sample, config: TraceConfig, progress: bool = Fal
         "generated_text": text,
     }
     tokens = tokens_table(result)
-    if hasattr(settings.scorer, "importance_by_scorer"):  # --also-score (tracer/scorers_extra.py)
+    if hasattr(settings.scorer, "importance_by_scorer"):  # --also-score (tracer/scorers/)
         tokens["importance_by_scorer"] = settings.scorer.importance_by_scorer(len(tokens["position"]), n_layers)
     return row, recorder.steps_table(), tokens, recorder.access_table()

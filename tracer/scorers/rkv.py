@@ -1,0 +1,32 @@
+"""R-KV: importance minus redundancy, `lam * a / max(a) - (1 - lam) * r`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tracer.scorers.base import Scorer, _extended
+
+
+@dataclass
+class RKVScorer(Scorer):
+    """R-KV: importance minus redundancy, `lam * a / max(a) - (1 - lam) * r`.
+
+    `a` = attention of the last `window` queries (mean over heads), `r` = mean cosine similarity of the entry's
+    key to all attended keys (mean over KV heads). The mean pairwise cosine is computed exactly in O(n) as
+    k̂_i · mean_j(k̂_j) (R-KV thresholds the similarity matrix; this is the unthresholded variant).
+    """
+
+    name: str = "rkv"
+    window: int = 8
+    lam: float = 0.1
+
+    def score(self, obs, previous):
+        scores = _extended(previous, obs.logical_len)
+        attention = obs.weights_mean[-self.window :].mean(0)
+        attention = attention / attention.max().clamp_min(1e-12)
+        unit_keys = torch.nn.functional.normalize(obs.keys.float(), dim=-1)  # [h, n, d]
+        redundancy = (unit_keys * unit_keys.mean(1, keepdim=True)).sum(-1).mean(0)  # [n]
+        scores[obs.positions] = self.lam * attention - (1.0 - self.lam) * redundancy
+        return scores
