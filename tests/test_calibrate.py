@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from thoughtkv.cli import main
-from tracer.calibrate_fit import fit_fixed_plus_linear
+from tracer.calibrate.fit import fit_fixed_plus_linear
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +60,7 @@ def test_fit_rejects_bad_input():
 
 
 def test_copies_of_more_bytes_take_longer():
-    from tracer.calibrate_bench import Timing, copy_sweep
+    from tracer.calibrate.bench import Timing, copy_sweep
 
     timing = Timing(torch.device("cpu"), repeats=5, warmup=1, clock=time.thread_time)
     series = copy_sweep("h2d", [64 * 2**10, 16 * 2**20], timing)
@@ -69,8 +69,8 @@ def test_copies_of_more_bytes_take_longer():
 
 
 def test_overhead_grows_with_layers():
-    from tracer.calibrate_bench import Timing
-    from tracer.calibrate_overhead import overhead_sweep
+    from tracer.calibrate.bench import Timing
+    from tracer.calibrate.overhead import overhead_sweep
 
     timing = Timing(torch.device("cpu"), warmup=2, clock=time.thread_time)
     series = overhead_sweep([1, 6], torch.float32, n_steps=9, timing=timing)

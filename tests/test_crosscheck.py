@@ -110,7 +110,7 @@ def test_profile_with_overheads_keeps_the_cached_set_per_policy():
 
 
 def test_random_model_initialised_on_the_device_matches_the_tracer_loader():
-    from tracer.calibrate_measured import load_random_on_device
+    from tracer.calibrate.measured import load_random_on_device
     from tracer.models import load_model
 
     on_device = load_random_on_device("random:tiny", torch.device("cpu"), None, seed=0)

@@ -4,7 +4,7 @@
     thoughtkv crosscheck --model tiny --device cpu --out runs/crosscheck
 
 For each configuration (policy x HBM budget; `full` once) the tracer decodes the same sample `--repeats` times
-with step timing (tracer.calibrate_measured); the simulator replays the first repeat's trace on the calibrated
+with step timing (tracer.calibrate.measured); the simulator replays the first repeat's trace on the calibrated
 profile, with the framework overheads calibrated for that policy's decode path, and on the datasheet profile
 of the same GPU when one exists (as is, and with the calibrated overheads added). The measured time of a step
 is the median (or, for a profile calibrated with `--statistic min`, the minimum) over the repeats: the decodes
@@ -298,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from tracer.calibrate_measured import load_for_crosscheck, measured_run
+    from tracer.calibrate.measured import load_for_crosscheck, measured_run
     from tracer.run import TraceConfig
 
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

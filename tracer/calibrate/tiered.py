@@ -3,7 +3,7 @@
 A measured run pays, besides the model's arithmetic, the tiered cache's bookkeeping on every layer: recall
 bounds, attention weights handed back, scoring, placement, recording. `tiered_decoder_factory(policy, ...)`
 steps a (near-zero-work) model exactly as `tracer.decode.greedy_decode` does, with the same cache settings,
-so that `calibrate_overhead.overhead_sweep` measures that bookkeeping as per-step and per-layer overhead.
+so that `tracer.calibrate.overhead.overhead_sweep` measures that bookkeeping as per-step and per-layer overhead.
 """
 
 from __future__ import annotations

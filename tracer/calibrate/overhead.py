@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from tracer.calibrate_bench import STATISTICS, ModelWeights, Series, Timing
+from tracer.calibrate.bench import STATISTICS, ModelWeights, Series, Timing
 
 # A Qwen2 whose every matrix is a few KB: arithmetic and memory traffic are negligible next to dispatch.
 NEAR_ZERO_SHAPES = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,

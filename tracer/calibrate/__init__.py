@@ -16,7 +16,7 @@ Each profile field is measured so that it means exactly what the simulator's cos
 - `gpu.matmul_*`: peak = a large GEMM in the compute dtype (bf16 on CUDA, fp32 on the CPU); efficiency = the
   model's own linear layers on 256 tokens at once (a prefill's GEMMs) / peak.
 - `overheads`: the framework's fixed cost per step and per layer from decode steps of near-zero-work models
-  with 1..8 layers (`tracer.calibrate_overhead`) whose layers stream the model's real weights (so the caches
+  with 1..8 layers (`tracer.calibrate.overhead`) whose layers stream the model's real weights (so the caches
   are as cold as in a real step), minus those weights' read time; for each decoder in OVERHEAD_DECODERS:
   transformers' DynamicCache loop and the tracer's tiered cache under each policy (its bookkeeping costs
   2-3x the bare loop per layer on a CPU). The profile's `overheads` are those of `--overhead-decoder` (default
@@ -132,9 +132,9 @@ def measure(
     import numpy as np
     import torch
 
-    from tracer import calibrate_bench as bench
-    from tracer.calibrate_fit import fit_fixed_plus_linear
-    from tracer.calibrate_overhead import overhead_sweep
+    from tracer.calibrate import bench
+    from tracer.calibrate.fit import fit_fixed_plus_linear
+    from tracer.calibrate.overhead import overhead_sweep
     from traces.architectures import get_architecture
 
     torch.set_num_threads(threads)
@@ -197,11 +197,11 @@ OVERHEAD_DECODERS = ("dynamic-cache", "tiered/full", "tiered/evict", "tiered/hie
 def decoder_factory(name: str):
     """A decode-loop factory for the overhead benchmark: transformers' DynamicCache or the tracer's tiered
     cache with one policy (budget 0.5, recall_k 4, block 16: the tracer's defaults for these runs)."""
-    from tracer.calibrate_overhead import dynamic_cache_decoder
+    from tracer.calibrate.overhead import dynamic_cache_decoder
 
     if name == "dynamic-cache":
         return dynamic_cache_decoder
-    from tracer.calibrate_tiered import tiered_decoder_factory
+    from tracer.calibrate.tiered import tiered_decoder_factory
 
     return tiered_decoder_factory(name.removeprefix("tiered/"))
 

@@ -1,6 +1,6 @@
 """Microbenchmarks of the machine at hand, one function per term of the simulator's cost model.
 
-Each returns raw timings (sizes and seconds) so that `tracer.calibrate_fit` fits them and the profile
+Each returns raw timings (sizes and seconds) so that `tracer.calibrate.fit` fits them and the profile
 records both. The same code runs on CUDA and on the CPU:
 
 | cost-model term            | CUDA                                        | CPU (the "GPU" is the host)          |
