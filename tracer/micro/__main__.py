@@ -18,6 +18,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch CPU threads; use 1 on a busy machine (spinning threads waste CPU there)")
     p.add_argument("--kv-heads", type=int, default=3, help="KV heads for the 6 query heads (6 = no GQA)")
     p.add_argument("--no-resume", action="store_true", help="start over even if DIR/checkpoint exists")
+    p.add_argument("--task", default="chains", help="curriculum: chains (from scratch) or chains_long")
+    p.add_argument("--init-from", default="", help="model directory to fine-tune from (e.g. tracer/assets/micro)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (the final one is lr/10)")
+    p.add_argument("--warmup-steps", type=int, default=200)
     p = sub.add_parser("export", help="copy a finished run's model, tokenizer and log into tracer/assets/micro")
     p.add_argument("run_dir", type=Path)
     p.add_argument("--to", type=Path, default=None, help="default: the package's tracer/assets/micro")
@@ -36,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         from tracer.micro.train import TrainConfig, train
 
         train(args.out, TrainConfig(seed=args.seed, max_steps=args.max_steps, threads=args.threads,
-                                      kv_heads=args.kv_heads), resume=not args.no_resume)
+                                    kv_heads=args.kv_heads, task=args.task, init_from=args.init_from,
+                                    batch_size=args.batch_size, lr=args.lr, final_lr=args.lr / 10,
+                                    warmup_steps=args.warmup_steps), resume=not args.no_resume)
     elif args.command == "export":
         from tracer.micro.train import export_model
         from tracer.models import MICRO_DIR

@@ -34,6 +34,7 @@ from tracer.tasks.chains import (
     generate_statement_recall,
     heldout_problem,
 )
+from tracer.tasks.chains_long import LONG_CONFIG, heldout_long_problem
 
 IGNORE = -100
 N_HELDOUT_GUARD = 2000  # training rejects any problem whose prompt equals one of the first held-out prompts
@@ -54,6 +55,29 @@ STAGES = (
     Stage(ChainsConfig(5, 10, 3, 8), recall_share=0.3),
     Stage(replace(EVAL_CONFIG, old_result_share=0.5), recall_share=0.15),  # old results are learnt last
 )
+# `chains_long` (issue 14): fine-tuned from the shipped `chains` model, which already does every look-up; what is
+# new is the ten-phrase filler cycle after each step (and when it ends) and look-ups ~500 tokens back. Stage 0
+# teaches the cycle on short programs (cheap batches), stage 1 stretches the programs, stage 2 is the held-out
+# distribution with old-result look-ups raised as in `chains`. The recall side tasks stay at 10% so that the
+# look-ups learnt before are kept.
+LONG_STAGES = (
+    Stage(ChainsConfig(3, 8, 2, 4, fillers_per_step=10), recall_share=0.1),
+    Stage(ChainsConfig(6, 12, 4, 8, fillers_per_step=10), recall_share=0.1),
+    Stage(replace(LONG_CONFIG, old_result_share=0.5), recall_share=0.1),
+)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    stages: tuple[Stage, ...]
+    eval_config: ChainsConfig  # the held-out distribution: the last stage's probe uses it
+    heldout: object  # index -> held-out Problem; training rejects any problem equal to one of them
+
+
+RECIPES = {  # task -> its curriculum; a plain dict, built here once
+    "chains": Recipe(STAGES, EVAL_CONFIG, heldout_problem),
+    "chains_long": Recipe(LONG_STAGES, LONG_CONFIG, heldout_long_problem),
+}
 RECALL_RESULT_SHARE = 0.3  # share of result names (`r7=3`) among the variable-recall side task's names
 
 
@@ -78,6 +102,20 @@ class TrainConfig:
     threads: int = 2
     kv_heads: int = 3  # 6 query heads share 3 KV heads (GQA, as in the Qwen2 / R1-distill models)
     composed_embeddings: bool = True
+    task: str = "chains"  # a key of RECIPES
+    init_from: str = ""  # a model directory to fine-tune from (weights only; a fresh optimizer), "" = scratch
+
+    def __post_init__(self) -> None:
+        from thoughtkv_base import UserError
+
+        if self.task not in RECIPES:
+            raise UserError(f"train --task {self.task!r}: known tasks are {', '.join(RECIPES)}")
+        if self.init_from and not (Path(self.init_from) / "model.safetensors").is_file():
+            raise UserError(f"train --init-from {self.init_from}: no model.safetensors there; give a model directory")
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        return RECIPES[self.task].stages
 
 
 def model_config(vocab_size: int, pad_id: int, bos_id: int, eos_id: int, kv_heads: int = 3) -> Qwen2Config:
@@ -199,13 +237,13 @@ def training_batch(step: int, stage: int, cfg: TrainConfig, heldout_prompts: set
         use_stage = stage
         if stage > 0 and rng.random() < cfg.earlier_stage_share:
             use_stage = rng.randrange(stage)
-        if rng.random() < STAGES[use_stage].recall_share:
+        if rng.random() < cfg.stages[use_stage].recall_share:
             if rng.random() < 0.5:
                 problems.append(generate_recall(rng, result_share=RECALL_RESULT_SHARE))
             else:
                 problems.append(generate_statement_recall(rng))
             continue
-        problem = generate_problem(rng, STAGES[use_stage].chains)
+        problem = generate_problem(rng, cfg.stages[use_stage].chains)
         if problem.prompt not in heldout_prompts:
             problems.append(problem)
     return problems
@@ -240,9 +278,11 @@ def teacher_forced_metrics(model, encoder: Encoder, problems: list[Problem], bat
     return metrics
 
 
-def probe_set(stage: int, size: int) -> list[Problem]:
-    config = EVAL_CONFIG if stage == len(STAGES) - 1 else STAGES[stage].chains
-    return [generate_problem(random.Random(f"chains/probe/{stage}/{i}"), config) for i in range(size)]
+def probe_set(stage: int, size: int, task: str = "chains") -> list[Problem]:
+    recipe = RECIPES[task]
+    config = recipe.eval_config if stage == len(recipe.stages) - 1 else recipe.stages[stage].chains
+    prefix = "chains" if task == "chains" else task  # `chains` keeps its original probe seeds
+    return [generate_problem(random.Random(f"{prefix}/probe/{stage}/{i}"), config) for i in range(size)]
 
 
 def save_checkpoint(directory: Path, lm: MicroLM, optimizer, state: dict) -> None:
@@ -312,7 +352,8 @@ def train(out: Path, cfg: TrainConfig, resume: bool = True, stop_at: int | None 
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr, betas=(0.9, 0.98),
     )
-    heldout_prompts = {heldout_problem(i).prompt for i in range(N_HELDOUT_GUARD)}
+    stages = cfg.stages
+    heldout_prompts = {RECIPES[cfg.task].heldout(i).prompt for i in range(N_HELDOUT_GUARD)}
     log_path = out / "train_log.jsonl"
     checkpoint_dir = out / "checkpoint"
     step, stage, elapsed_before = 0, 0, 0.0
@@ -322,10 +363,13 @@ def train(out: Path, cfg: TrainConfig, resume: bool = True, stop_at: int | None 
         print(f"resumed from {checkpoint_dir} at step {step}, stage {stage}", flush=True)
         _truncate_log(log_path, step)
     else:
+        if cfg.init_from:  # fine-tune: the exported model is plain (baked), so parts start at zero = same function
+            model.load_state_dict(load_file(str(Path(cfg.init_from) / "model.safetensors")), strict=False)
+            model.tie_weights()
         log_path.write_text(json.dumps({"event": "config", **asdict(cfg), "n_params": model.num_parameters(),
-                                        "stages": [asdict(s) for s in STAGES]}) + "\n")
+                                        "stages": [asdict(s) for s in stages]}) + "\n")
     tokenizer.save_pretrained(out / TOKENIZER_SUBFOLDER)
-    probes = {s: probe_set(s, cfg.probe_size) for s in range(len(STAGES))}
+    probes = {s: probe_set(s, cfg.probe_size, cfg.task) for s in range(len(stages))}
     log = log_path.open("a")
 
     def record(entry: dict) -> None:
@@ -341,8 +385,8 @@ def train(out: Path, cfg: TrainConfig, resume: bool = True, stop_at: int | None 
             save_checkpoint(checkpoint_dir, lm, optimizer, {"step": step, "stage": stage, "elapsed_s": elapsed})
             log.close()
             return
-        if step >= decay_start_step(cfg) and stage < len(STAGES) - 1:
-            stage = len(STAGES) - 1
+        if step >= decay_start_step(cfg) and stage < len(stages) - 1:
+            stage = len(stages) - 1
             record({"event": "stage", "step": step, "stage": stage, "reason": "decay phase"})
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -372,7 +416,7 @@ def train(out: Path, cfg: TrainConfig, resume: bool = True, stop_at: int | None 
                 metrics.get(f"acc_{VAR_LOOKUP}", 0) >= cfg.advance_var_lookup
                 and metrics["sequence_exact"] >= cfg.advance_sequence_exact
             )
-            if advance and stage < len(STAGES) - 1:
+            if advance and stage < len(stages) - 1:
                 stage += 1
                 record({"event": "stage", "step": step, "stage": stage, "reason": "probe thresholds met"})
         if step % cfg.checkpoint_every == 0 or step == cfg.max_steps:
@@ -380,7 +424,7 @@ def train(out: Path, cfg: TrainConfig, resume: bool = True, stop_at: int | None 
     lm.bake()  # the plain model now computes what the composed one did; the final probe below runs it as such
     model.save_pretrained(out)
     tokenizer.save_pretrained(out / TOKENIZER_SUBFOLDER)
-    final = teacher_forced_metrics(model, encoder, probes[len(STAGES) - 1])
+    final = teacher_forced_metrics(model, encoder, probes[len(stages) - 1])
     record({"event": "done", "step": step, "elapsed_s": round(elapsed_before + time.perf_counter() - started, 1),
             **final})
     log.close()
