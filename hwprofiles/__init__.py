@@ -19,6 +19,7 @@ from hwprofiles.loader import (
 from hwprofiles.schema import (
     LINK_KINDS,
     TIER_KINDS,
+    CopyCurve,
     GPUSpec,
     HardwareProfile,
     HostSpec,
@@ -26,11 +27,13 @@ from hwprofiles.schema import (
     OverheadSpec,
     ProfileError,
     TierSpec,
+    TransferSpec,
     profile_from_dict,
     profile_to_yaml_dict,
 )
 
 __all__ = [
+    "CopyCurve", "TransferSpec",
     "GPUSpec", "HardwareProfile", "HostSpec", "LINK_KINDS", "LinkSpec", "MEASURED_DIR", "OverheadSpec",
     "PROFILES_DIR", "ProfileError", "TIER_KINDS", "TierSpec", "list_profiles", "load_profile",
     "load_profile_file", "profile_from_dict", "profile_to_yaml_dict", "search_dirs", "validate_profile_file",

@@ -102,6 +102,41 @@ class OverheadSpec:
 
 
 @dataclass(frozen=True)
+class CopyCurve:
+    """Measured time of one copy against its size (one direction, pinned or pageable host memory).
+
+    Points are strictly increasing in bytes; `simulator.mechanisms.curve_time_s` interpolates linearly between
+    them and extends the first / last segment beyond them (so a curve that is a line is that line everywhere).
+    """
+
+    bytes: tuple[float, ...]
+    seconds: tuple[float, ...]
+
+
+COPY_CURVE_KEYS = ("h2d_pinned", "d2h_pinned", "h2d_pageable", "d2h_pageable")
+
+
+@dataclass(frozen=True)
+class TransferSpec:
+    """Parameters of the transfer mechanisms other than per-copy DMA (`simulator/mechanisms.py`); all optional.
+
+    A mechanism that needs a field the profile lacks is refused on that profile with a one-line error.
+    """
+
+    sm_copy_h2d_bytes_per_s: float | None = None  # a copy kernel on a few SMs, achievable
+    sm_copy_d2h_bytes_per_s: float | None = None
+    sm_copy_sm_share: float | None = None  # fraction of the GPU's SMs the copy kernel occupies while it runs
+    sm_copy_overhead_s: float | None = None  # launch cost of one copy kernel
+    zero_copy_bytes_per_s: float | None = None  # a kernel reading host memory over the link (no staging)
+    zero_copy_latency_s: float | None = None  # added once per kernel that reads host memory
+    host_attention_flops_per_s: float | None = None  # achievable CPU FLOP/s for attention over DDR blocks
+    copy_curves: tuple[tuple[str, CopyCurve], ...] = ()  # (key in COPY_CURVE_KEYS, curve)
+
+    def curve(self, key: str) -> CopyCurve | None:
+        return dict(self.copy_curves).get(key)
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     name: str
     description: str
@@ -110,6 +145,7 @@ class HardwareProfile:
     link: LinkSpec
     extra_tiers: tuple[TierSpec, ...] = ()
     overheads: OverheadSpec = field(default_factory=OverheadSpec)
+    transfer: TransferSpec = field(default_factory=TransferSpec)
     provenance: dict = field(default_factory=lambda: {"kind": "datasheet"})
     path: str = ""
 
@@ -360,9 +396,77 @@ def profile_from_dict(data: Any, file: str) -> HardwareProfile:
             **cached,
         )
         o.done()
+    transfer = _parse_transfer(top.section("transfer", required=False), link, host)
     top.done()
     return HardwareProfile(name=name, description=description, gpu=gpu, host=host, link=link,
-                           extra_tiers=extra_tiers, overheads=overheads, provenance=dict(provenance), path=file)
+                           extra_tiers=extra_tiers, overheads=overheads, transfer=transfer,
+                           provenance=dict(provenance), path=file)
+
+
+# The optional `transfer:` section: (YAML key, TransferSpec field, dimension, limits).
+TRANSFER_FIELDS = (
+    ("sm_copy_h2d_bandwidth", "sm_copy_h2d_bytes_per_s", "bandwidth", LINK_BYTES_PER_S),
+    ("sm_copy_d2h_bandwidth", "sm_copy_d2h_bytes_per_s", "bandwidth", LINK_BYTES_PER_S),
+    ("sm_copy_sm_share", "sm_copy_sm_share", "ratio", (0.0, 0.5)),
+    ("sm_copy_overhead", "sm_copy_overhead_s", "time", TRANSFER_OVERHEAD_S),
+    ("zero_copy_bandwidth", "zero_copy_bytes_per_s", "bandwidth", LINK_BYTES_PER_S),
+    ("zero_copy_latency", "zero_copy_latency_s", "time", TRANSFER_OVERHEAD_S),
+    ("host_attention_flops", "host_attention_flops_per_s", "flops", CPU_DEVICE_FLOPS_PER_S),
+)
+COPY_CURVE_POINTS = (2, 256)
+COPY_CURVE_BYTES = (1.0, 1e12)
+
+
+def _parse_transfer(t: _Section | None, link: LinkSpec, host: HostSpec) -> TransferSpec:
+    if t is None:
+        return TransferSpec()
+    values = {}
+    for key, attr, dimension, limits in TRANSFER_FIELDS:
+        if key in t.data:
+            positive = dimension not in ("time",)
+            values[attr] = t.quantity(key, dimension, limits, positive=positive)
+    for direction in ("h2d", "d2h"):  # a kernel moves bytes over the same wire as the DMA engines
+        rate = values.get(f"sm_copy_{direction}_bytes_per_s")
+        peak = getattr(link, f"{direction}_peak_bytes_per_s")
+        if rate is not None and rate > peak:
+            t.fail(f"sm_copy_{direction}_bandwidth ({rate / GB:g} GB/s) exceeds link.{direction}_peak_bandwidth "
+                   f"({peak / GB:g} GB/s); a copy kernel cannot beat the wire")
+    zero = values.get("zero_copy_bytes_per_s")
+    if zero is not None and zero > link.h2d_peak_bytes_per_s:
+        t.fail(f"zero_copy_bandwidth ({zero / GB:g} GB/s) exceeds link.h2d_peak_bandwidth "
+               f"({link.h2d_peak_bytes_per_s / GB:g} GB/s); reads over the link cannot beat it")
+    curves = []
+    raw_curves = t.section("copy_curve", required=False)
+    if raw_curves is not None:
+        for key in COPY_CURVE_KEYS:
+            if key in raw_curves.data:
+                curves.append((key, _parse_curve(raw_curves.section(key))))
+        raw_curves.done()
+    t.done()
+    return TransferSpec(**values, copy_curves=tuple(curves))
+
+
+def _parse_curve(c: _Section) -> CopyCurve:
+    """`{bytes: [...], time: [...], time_unit: us, source: ...}` -> a CopyCurve in bytes and seconds."""
+    sizes, times = c._get("bytes"), c._get("time")
+    unit = c.text("time_unit", tuple(UNITS["time"]))
+    source = c.text("source")
+    del source  # required (every number cites where it comes from) but not kept in the record
+    low, high = COPY_CURVE_POINTS
+    if not isinstance(sizes, list) or not isinstance(times, list) or len(sizes) != len(times) \
+            or not low <= len(sizes) <= high:
+        c.fail(f"bytes and time must be lists of the same length ({low}..{high} points)")
+    numbers = [v for v in sizes + times if not isinstance(v, bool) and isinstance(v, int | float)]
+    if len(numbers) != 2 * len(sizes) or not all(math.isfinite(v) for v in numbers):
+        c.fail("bytes and time must hold finite numbers only")
+    seconds = [float(v) * UNITS["time"][unit] for v in times]
+    if any(b <= a for a, b in zip(sizes, sizes[1:])) or not COPY_CURVE_BYTES[0] <= sizes[0] \
+            or sizes[-1] > COPY_CURVE_BYTES[1]:
+        c.fail("bytes must be strictly increasing, from >= 1 B to <= 1 TB")
+    if any(s <= 0 for s in seconds) or any(b < a for a, b in zip(seconds, seconds[1:])):
+        c.fail("time must be positive and never decrease with size (a larger copy is not faster)")
+    c.done()
+    return CopyCurve(tuple(float(v) for v in sizes), tuple(seconds))
 
 
 def _parse_tiers(raw: Any, gpu: GPUSpec, file: str) -> tuple[TierSpec, ...]:
@@ -453,6 +557,9 @@ def profile_to_yaml_dict(profile: HardwareProfile, sources: dict[str, str]) -> d
                                                     source("overheads.layer_overhead_cached")),
             "cache_bytes": _quantity_dict(o.cache_bytes, "capacity", source("overheads.cache_bytes"), unit="MiB"),
         })
+    transfer = _transfer_dict(profile.transfer, source)
+    if transfer:
+        data["transfer"] = transfer
     if profile.extra_tiers:
         data["extra_tiers"] = [
             {
@@ -464,4 +571,21 @@ def profile_to_yaml_dict(profile: HardwareProfile, sources: dict[str, str]) -> d
             }
             for i, t in enumerate(profile.extra_tiers)
         ]
+    return data
+
+
+def _transfer_dict(spec: TransferSpec, source) -> dict:
+    """The optional `transfer:` section (only the fields the profile has)."""
+    data = {}
+    for key, attr, dimension, _limits in TRANSFER_FIELDS:
+        value = getattr(spec, attr)
+        if value is not None:
+            data[key] = _quantity_dict(value, dimension, source(f"transfer.{key}"))
+    if spec.copy_curves:
+        data["copy_curve"] = {
+            key: {"bytes": [int(b) if float(b).is_integer() else b for b in curve.bytes],
+                  "time": [float(f"{t * 1e6:.9g}") for t in curve.seconds], "time_unit": "us",
+                  "source": source(f"transfer.copy_curve.{key}")}
+            for key, curve in spec.copy_curves
+        }
     return data
