@@ -584,7 +584,7 @@ def _transfer_dict(spec: TransferSpec, source) -> dict:
     if spec.copy_curves:
         data["copy_curve"] = {
             key: {"bytes": [int(b) if float(b).is_integer() else b for b in curve.bytes],
-                  "time": [float(f"{t * 1e6:.9g}") for t in curve.seconds], "time_unit": "us",
+                  "time": list(curve.seconds), "time_unit": "s",  # seconds: the curve round-trips exactly
                   "source": source(f"transfer.copy_curve.{key}")}
             for key, curve in spec.copy_curves
         }
