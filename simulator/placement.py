@@ -2,7 +2,9 @@
 
 One implementation serves two users: `traces synth` (fills the block-movement columns of a synthetic trace
 from the access model's masses) and the what-if replay (re-places the masses recorded in access.parquet under
-another budget / block size / recall_k / scorer). It mirrors the tracer's policies (tracer/policies.py):
+another budget / block size / recall_k / scorer). Its settings and target arithmetic are the policy contract's
+(`traces/policy.py`: `PolicySpec`, `movable_range`, `room_blocks`, ...), the very functions the tracer's cache
+calls, and `tests/test_placement_matches_tracer.py` replays traced runs and checks every block's tier:
 
 - `full`: every block stays in HBM.
 - `evict`: after attention, keep the highest-scored movable blocks that fit the budget in HBM, drop the
@@ -13,33 +15,31 @@ another budget / block size / recall_k / scorer). It mirrors the tracer's polici
   `promote`, a recalled block can take a resident block's place (promoted), and a resident block that no
   longer fits is copied to DDR (offloaded).
 
-Movable blocks are the complete blocks outside the sink (first `sink_tokens`) and the recent window (last
-`window_tokens`); the others are always in HBM. The budget (a fraction of the logical length <= 1, or a token
-count > 1) minus those protected tokens, rounded down to blocks, is the room for movable blocks: exactly
-tracer/cache.py `_place`. Scorers see only the blocks that were attended (HBM + recalled); blocks not
+Movable blocks, protected tokens and the room the budget leaves are `traces.policy`'s. Scorers see only the blocks that were attended (HBM + recalled); blocks not
 attended keep their score. A step's masses on every block (attended or not) are what the
 accuracy-risk proxy needs: mass on evicted blocks, and mass on DDR blocks that were not recalled.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from thoughtkv_base import UserError
+from traces.policy import PolicySpec, evict_target_blocks, movable_range, recall_blocks, room_blocks
 from traces.schema import TIER_DDR, TIER_EVICTED, TIER_HBM
 
-POLICIES = ("full", "evict", "hierarchy")
-# How the recalled DDR blocks are chosen: by the current query's attention ("query": what a recall that scores
-# DDR keys with the new query does; it needs this layer's query, so layer-prefetch cannot run it), or by the
-# scorer's scores from earlier steps ("score": known before the step starts, so prefetch is valid).
-RECALL_RULES = ("query", "score")
+# Recall rules computable from recorded masses (traces/policy.py RECALL_RULES): "query" ranks DDR blocks by the
+# current query's true attention mass (the oracle the tracer's quest bound approximates; it needs this layer's
+# query, so layer-prefetch cannot run it), "score" by the scorer's scores from earlier steps (known before the
+# step starts, so prefetch is valid). The tracer's key-bound rules ("quest", "quest-per-head") need keys: a
+# replay of the run's own settings takes the recalls it recorded, anything else falls back to "query".
+MASS_RECALL_RULES = ("query", "score")
 
 
 class PlacementError(UserError):
-    """An impossible placement configuration (one line, exit 2)."""
+    """An impossible placement request (one line, exit 2)."""
 
 
 # ---------------------------------------------------------------- scorers (from masses only) ------------------
@@ -117,53 +117,6 @@ def get_scorer(name: str, **params):
         ) from None
 
 
-# ---------------------------------------------------------------- configuration -------------------------------
-
-
-@dataclass(frozen=True)
-class PlacementConfig:
-    policy: str = "full"
-    hbm_budget: float = 1.0  # fraction of logical length (<= 1) or tokens (> 1)
-    evict_ratio: float = 0.0
-    block_size: int = 16
-    recall_k: int = 0
-    scorer: str = "h2o"
-    recall_rule: str = "query"
-    sink_tokens: int = 0
-    window_tokens: int = 0
-    promote: bool = True  # a recalled block may take a resident block's place in HBM
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise PlacementError(f"unknown policy {self.policy!r}; use one of {', '.join(POLICIES)}")
-        if not self.hbm_budget > 0 or (self.hbm_budget > 1 and self.hbm_budget != int(self.hbm_budget)):
-            raise PlacementError(f"hbm budget {self.hbm_budget} must be a fraction in (0, 1] or a whole token count")
-        if not 0.0 <= self.evict_ratio < 1.0:
-            raise PlacementError(f"evict ratio {self.evict_ratio} must be in [0, 1)")
-        if self.block_size <= 0 or self.recall_k < 0 or self.sink_tokens < 0 or self.window_tokens < 0:
-            raise PlacementError("block size must be > 0 and recall_k, sink and window tokens >= 0")
-        if self.recall_rule not in RECALL_RULES:
-            raise PlacementError(f"unknown recall rule {self.recall_rule!r}; use one of {', '.join(RECALL_RULES)}")
-        if self.scorer not in SCORERS:
-            get_scorer(self.scorer)
-
-    def hbm_target_tokens(self, logical_len: int) -> int:
-        """The budget in tokens (tracer/policies.py Budget.tokens)."""
-        if self.hbm_budget <= 1:
-            return math.ceil(self.hbm_budget * logical_len - 1e-9)
-        return int(self.hbm_budget)
-
-    def evict_target_blocks(self, logical_len: int) -> int:
-        """Blocks that must be evicted by now: floor(evict_ratio * logical_len) tokens, rounded down."""
-        return math.floor(self.evict_ratio * logical_len) // self.block_size
-
-    def movable_range(self, logical_len: int) -> tuple[int, int]:
-        """Blocks [first, end) that may leave HBM: not a sink block, not in the recent window, complete."""
-        sink_blocks = -(-self.sink_tokens // self.block_size)
-        end = min(logical_len // self.block_size, max(0, logical_len - self.window_tokens) // self.block_size)
-        return sink_blocks, max(sink_blocks, end)
-
-
 # ---------------------------------------------------------------- one step ------------------------------------
 
 
@@ -188,10 +141,15 @@ class StepPlacement:
 
 
 class Placement:
-    """The placement state of one sequence: a tier and a score for every (layer, block)."""
+    """The placement state of one sequence: a tier and a score for every (layer, block).
 
-    def __init__(self, config: PlacementConfig, n_layers: int, scorer=None):
+    `recorded_recalls` (optional, [step][layer] -> block ids): the recalls a traced run made, replayed as they
+    were (a replay of the run's own settings with a key-bound recall rule); otherwise the spec's rule decides.
+    """
+
+    def __init__(self, config: PolicySpec, n_layers: int, scorer=None, recorded_recalls=None):
         self.config = config
+        self.recorded_recalls = recorded_recalls
         self.n_layers = n_layers
         self.scorer = scorer if scorer is not None else get_scorer(config.scorer)
         self.tier = np.zeros((n_layers, 0), dtype=np.int8)
@@ -213,7 +171,7 @@ class Placement:
         tokens[-1] = logical_len - (n_blocks - 1) * cfg.block_size
         in_hbm, in_ddr, evicted = tier == TIER_HBM, tier == TIER_DDR, tier == TIER_EVICTED
 
-        recalled = self._choose_recall(in_ddr, mass)
+        recalled = self._choose_recall(step, logical_len, in_ddr, mass)
         attended = in_hbm | recalled
         mass_recalled = np.where(recalled, mass, 0.0).sum(1)
         result = StepPlacement(
@@ -243,12 +201,16 @@ class Placement:
             }
         return result
 
-    def _choose_recall(self, in_ddr: np.ndarray, mass: np.ndarray) -> np.ndarray:
-        k = self.config.recall_k
+    def _choose_recall(self, step: int, logical_len: int, in_ddr: np.ndarray, mass: np.ndarray) -> np.ndarray:
         recalled = np.zeros_like(in_ddr)
-        if self.config.policy != "hierarchy" or k == 0 or not in_ddr.any():
+        if self.recorded_recalls is not None:
+            for layer, ids in enumerate(self.recorded_recalls[step]):
+                recalled[layer, np.asarray(ids, dtype=np.int64)] = True
+            return recalled & in_ddr
+        k = recall_blocks(self.config, logical_len)
+        if k == 0 or not in_ddr.any():
             return recalled
-        key = mass if self.config.recall_rule == "query" else self.score
+        key = self.score if self.config.recall_rule == "score" else mass
         priority = np.where(in_ddr, key, -np.inf)
         order = np.argsort(-priority, axis=1, kind="stable")[:, :k]
         rows = np.arange(self.n_layers)[:, None]
@@ -260,19 +222,18 @@ class Placement:
         best movable blocks in HBM and offload (hierarchy) or evict (evict) the other resident ones."""
         cfg = self.config
         none = np.zeros_like(recalled)
-        first, end = cfg.movable_range(logical_len)
+        first, end = movable_range(cfg, logical_len)
         if cfg.policy == "full" or end <= first:
             return none, none, none
         tier, score = self.tier[:, first:end], self.score[:, first:end]  # views: writes go to the state
-        protected_tokens = logical_len - (end - first) * cfg.block_size
-        room = max(0, cfg.hbm_target_tokens(logical_len) - protected_tokens) // cfg.block_size
+        room = room_blocks(cfg, logical_len)
         was_hbm = tier == TIER_HBM
         recalled = recalled[:, first:end]
 
         evict_now = np.zeros_like(was_hbm)
         if cfg.policy == "hierarchy":
             alive = tier != TIER_EVICTED
-            need = np.minimum(cfg.evict_target_blocks(logical_len) - (~alive).sum(1), alive.sum(1))
+            need = np.minimum(evict_target_blocks(cfg, logical_len) - (~alive).sum(1), alive.sum(1))
             if need.max() > 0:
                 evict_now = alive & (_rank(np.where(alive, score, np.inf)) < need[:, None])
                 tier[evict_now] = TIER_EVICTED

@@ -22,10 +22,10 @@ from hwprofiles import HardwareProfile, load_profile
 from simulator import costs, fastpath
 from simulator.costs import ModelShape
 from simulator.engine import OVERLAP_MODES, Timeline, engines_per_channel, run_des
-from simulator.placement import PlacementConfig
-from simulator.whatif import parse_what_if, replay, traced_config, what_if_config
+from simulator.whatif import parse_what_if, replay, replays_own_recalls, traced_config, what_if_config
 from simulator.workload import Timing, Workload, build_workload
 from thoughtkv_base import UserError
+from traces.policy import PolicySpec
 from traces.reader import TraceRun, open_run
 
 ENGINES = ("auto", "des", "fast")
@@ -87,8 +87,9 @@ def simulate_run(
         arrays = _arrays(frame, shape.n_layers)
         mass_evicted = mass_not_recalled = None
         if projected:
+            recorded = recorded_recalls(run, sample_id, shape.n_layers) if replays_own_recalls(policy, config) else None
             played = replay(run.access(sample_id), arrays["logical_len"][:, 0], shape.n_layers,
-                            int(policy["block_size"]), config, shape.kv_bytes_per_token_layer)
+                            int(policy["block_size"]), config, shape.kv_bytes_per_token_layer, recorded)
             kvpl = shape.kv_bytes_per_token_layer
             arrays.update(
                 hbm_tokens=played.hbm_tokens, recalled_tokens=played.recalled_tokens,
@@ -132,6 +133,13 @@ def simulate_run(
     return SimResult(samples=samples, steps=steps, summary=summarise(samples))
 
 
+def recorded_recalls(run: TraceRun, sample_id: str, n_layers: int) -> list[list]:
+    """[step][layer] -> the block ids the tracer recalled (a replay of the run's own key-bound recall rule)."""
+    frame = run.steps(sample_id, columns=["step", "layer", "recalled_block_ids"]).sort_values(["step", "layer"])
+    ids = frame["recalled_block_ids"].tolist()
+    return [ids[s : s + n_layers] for s in range(0, len(ids), n_layers)]
+
+
 def check_options(overlap: str, batch: int, engine: str) -> None:
     if overlap not in OVERLAP_MODES:
         raise SimulationError(f"unknown overlap mode {overlap!r}; use one of {', '.join(OVERLAP_MODES)}")
@@ -141,7 +149,7 @@ def check_options(overlap: str, batch: int, engine: str) -> None:
         raise SimulationError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
 
 
-def _check_prefetch(run: TraceRun, config: PlacementConfig, projected: bool) -> None:
+def _check_prefetch(run: TraceRun, config: PolicySpec, projected: bool) -> None:
     """layer-prefetch issues a recall before the layer's query exists: only a recall set known in advance."""
     if config.policy != "hierarchy" or config.recall_k == 0 or config.recall_rule == "score":
         return

@@ -21,19 +21,12 @@ class SynthError(UserError):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from traces.policy import add_policy_arguments
+
     parser.add_argument("--model", required=True, help="architecture name from traces.architectures (e.g. qwen2-7b)")
     parser.add_argument("--prompt-tokens", type=int, required=True, help="prompt length P (the prefill, step 0)")
     parser.add_argument("--decode-steps", type=int, required=True, help="decode steps N after the prefill")
-    parser.add_argument("--policy", choices=("full", "evict", "hierarchy"), default="full")
-    parser.add_argument("--hbm-budget", type=float, default=1.0, help="fraction (<= 1) or token count (> 1)")
-    parser.add_argument("--evict-ratio", type=float, default=0.0, help="hierarchy: share of tokens to evict")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--recall-k", type=int, default=0, help="hierarchy: DDR blocks recalled per layer-step")
-    parser.add_argument("--recall-rule", choices=("query", "score"), default="query",
-                        help="recall by the current query's attention, or by earlier scores (allows prefetch)")
-    parser.add_argument("--scorer", default="h2o", help="h2o, tova, recency, random or oracle")
-    parser.add_argument("--sink-tokens", type=int, default=4)
-    parser.add_argument("--window-tokens", type=int, default=32)
+    add_policy_arguments(parser, skip=("ddr_dtype",))
     parser.add_argument("--samples", type=int, default=1, help="number of sequences (each its own seed)")
     parser.add_argument("--dtype", default="bfloat16", help="KV and weight dtype (bfloat16, float16, float32, float8)")
     parser.add_argument("--seed", type=int, default=0)
@@ -42,53 +35,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+
+    from traces.policy import spec_from_args
+
+    spec = synth_spec(spec_from_args(args))
     path = synth_run(
         args.out, model=args.model, prompt_tokens=args.prompt_tokens, decode_steps=args.decode_steps,
-        policy=args.policy, hbm_budget=args.hbm_budget, evict_ratio=args.evict_ratio, block_size=args.block_size,
-        recall_k=args.recall_k, recall_rule=args.recall_rule, scorer=args.scorer, sink_tokens=args.sink_tokens,
-        window_tokens=args.window_tokens, samples=args.samples, dtype=args.dtype, seed=args.seed,
-        access=not args.no_access, progress=True,
+        spec=spec, samples=args.samples, dtype=args.dtype, seed=args.seed, access=not args.no_access, progress=True,
     )
     print(f"wrote {path}")
     return 0
 
 
+def synth_spec(spec):
+    """A synthetic trace has masses but no keys: a key-bound recall rule (quest) is played as the query-mass
+    ranking it approximates, and run.json records that; a scorer must be computable from masses."""
+    import sys
+    from dataclasses import replace
+
+    from simulator.placement import MASS_RECALL_RULES, SCORERS
+    from traces.policy import recall_warning
+
+    if spec.scorer not in SCORERS:
+        raise SynthError(f"--scorer {spec.scorer}: synthetic traces have masses only; use one of {', '.join(SCORERS)}")
+    if spec.recall_rule not in MASS_RECALL_RULES:
+        spec = replace(spec, recall_rule="query")
+    warning = recall_warning(spec)
+    if warning:
+        print(warning, file=sys.stderr)
+    return spec
+
+
 def synth_run(
-    out: str | Path, *, model: str, prompt_tokens: int, decode_steps: int, policy: str = "full",
-    hbm_budget: float = 1.0, evict_ratio: float = 0.0, block_size: int = 16, recall_k: int = 0,
-    recall_rule: str = "query", scorer: str = "h2o", sink_tokens: int = 4, window_tokens: int = 32,
+    out: str | Path, *, model: str, prompt_tokens: int, decode_steps: int, spec=None,
     samples: int = 1, dtype: str = "bfloat16", seed: int = 0, access: bool = True, progress: bool = False,
-    access_params: dict | None = None,
+    access_params: dict | None = None, **policy,
 ) -> Path:
-    """Write (or resume) a synthetic run; returns its directory."""
+    """Write (or resume) a synthetic run; returns its directory. The placement is `spec` (a
+    `traces.policy.PolicySpec`) or built from `policy` keyword arguments (its fields)."""
     from tqdm import tqdm
 
-    from simulator.placement import PlacementConfig
     from traces.architectures import get_architecture
     from traces.manifest import load_manifest, make_manifest, model_manifest
+    from traces.policy import PolicySpec
     from traces.writer import TraceWriter
 
     if prompt_tokens < 1 or decode_steps < 0 or samples < 1:
         raise SynthError("--prompt-tokens must be >= 1, --decode-steps >= 0 and --samples >= 1")
     arch = get_architecture(model)
-    config = PlacementConfig(
-        policy=policy, hbm_budget=hbm_budget, evict_ratio=evict_ratio if policy == "hierarchy" else 0.0,
-        block_size=block_size, recall_k=recall_k if policy == "hierarchy" else 0, scorer=scorer,
-        recall_rule=recall_rule, sink_tokens=sink_tokens, window_tokens=window_tokens,
-    )
+    if spec is None:
+        spec = synth_spec(PolicySpec(**policy))
+    config = spec.effective()
     sample_ids = [f"synth/{i:04d}" for i in range(samples)]
     manifest = make_manifest(
         kind="synthetic",
         model=model_manifest(arch, dtype=dtype, random_weights=True),
         task={"name": SYNTH_TASK, "source": "simulator.synth (traces.access_model)", "split": "none",
               "sample_ids": sample_ids},
-        policy={
-            "name": policy, "hbm_budget": config.hbm_budget, "evict_ratio": config.evict_ratio,
-            "block_size": block_size, "scorer": scorer, "recall_k": config.recall_k,
-            "recall_rule": config.recall_rule if policy == "hierarchy" else None,
-            "sink_tokens": sink_tokens, "window_tokens": window_tokens,
-            "params": {"promote": policy == "hierarchy", "budget_is_fraction": hbm_budget <= 1},
-        },
+        policy=config.to_manifest(),
         hardware={"device": "none (synthetic)", "torch": None, "cuda": None, "transformers": None},
         seed=seed,
         access=access,

@@ -15,18 +15,17 @@ import numpy as np
 import pandas as pd
 
 from simulator.placement import (
-    RECALL_RULES,
     SCORERS,
     OracleScorer,
     Placement,
-    PlacementConfig,
     PlacementError,
     future_mass,
     get_scorer,
     merge_blocks,
 )
+from traces.policy import PolicyError, PolicySpec
 
-# --what-if keys -> PlacementConfig fields
+# --what-if keys -> PolicySpec fields (values are validated by PolicySpec itself, once)
 WHAT_IF_KEYS = {
     "policy": "policy",
     "budget": "hbm_budget",
@@ -36,14 +35,13 @@ WHAT_IF_KEYS = {
     "block": "block_size",
     "block_size": "block_size",
     "recall_k": "recall_k",
+    "recall_budget": "recall_budget",
     "scorer": "scorer",
     "recall_rule": "recall_rule",
     "sink": "sink_tokens",
     "window": "window_tokens",
     "promote": "promote",
 }
-FLOAT_FIELDS = ("hbm_budget", "evict_ratio")
-INT_FIELDS = ("block_size", "recall_k", "sink_tokens", "window_tokens")
 
 
 class WhatIfError(PlacementError):
@@ -51,7 +49,8 @@ class WhatIfError(PlacementError):
 
 
 def parse_what_if(text: str | dict | None) -> dict:
-    """"budget=0.3,block=32" (or a dict) -> {PlacementConfig field: value}."""
+    """"budget=0.3,block=32" (or a dict) -> {PolicySpec field: value}; each key at most once, values checked
+    by `PolicySpec` (on a default spec, so a bad value fails here, before any work)."""
     if text is None:
         return {}
     items = text.items() if isinstance(text, dict) else _pairs(str(text))
@@ -60,17 +59,22 @@ def parse_what_if(text: str | dict | None) -> dict:
         field = WHAT_IF_KEYS.get(str(key).strip())
         if field is None:
             raise WhatIfError(f"--what-if: unknown key {key!r}; use {', '.join(sorted(set(WHAT_IF_KEYS)))}")
-        try:
-            if field in FLOAT_FIELDS:
-                out[field] = float(value)
-            elif field in INT_FIELDS:
-                out[field] = int(value)
-            elif field == "promote":
-                out[field] = _flag(value)
-            else:
-                out[field] = str(value).strip()
-        except ValueError:
-            raise WhatIfError(f"--what-if: {key}={value!r} is not a number") from None
+        if field in out:
+            raise WhatIfError(f"--what-if: {key!r} is given twice (or with its synonym); give each setting once")
+        if field == "promote":
+            try:
+                value = _flag(value)
+            except ValueError:
+                raise WhatIfError(f"--what-if: promote={value!r} must be on or off") from None
+        elif isinstance(value, str):
+            value = value.strip()
+        out[field] = value
+    try:
+        PolicySpec(policy="hierarchy", **{k: v for k, v in out.items() if k != "policy"})
+        if "policy" in out:
+            PolicySpec(policy=out["policy"])
+    except PolicyError as error:
+        raise WhatIfError(f"--what-if: {error}") from None
     return out
 
 
@@ -91,39 +95,37 @@ def _pairs(text: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def traced_config(policy: dict) -> PlacementConfig:
-    """The run's own placement (run.json `policy`), as far as it can be replayed from masses."""
-    name = policy.get("name", "full")
-    name = name if name in ("full", "evict", "hierarchy") else "hierarchy"
-    rule = policy.get("recall_rule")
-    return PlacementConfig(
-        policy=name,
-        hbm_budget=float(policy.get("hbm_budget") or 1.0),
-        evict_ratio=float(policy.get("evict_ratio") or 0.0),
-        block_size=int(policy["block_size"]),
-        recall_k=int(policy.get("recall_k") or 0),
-        scorer=policy.get("scorer") if policy.get("scorer") in SCORERS else "h2o",
-        recall_rule=rule if rule in RECALL_RULES else "query",
-        sink_tokens=int(policy.get("sink_tokens") or 0),
-        window_tokens=int(policy.get("window_tokens") or 0),
-        promote=bool((policy.get("params") or {}).get("promote", True)),
-    )
+def traced_config(policy: dict) -> PolicySpec:
+    """The run's own placement (run.json `policy`); a scorer that needs keys is replayed as h2o (what-if
+    refuses that unless told which mass scorer to use)."""
+    spec = PolicySpec.from_manifest(policy)
+    return spec if spec.scorer in SCORERS else replace(spec, scorer="h2o")
 
 
-def what_if_config(policy: dict, overrides: dict) -> PlacementConfig:
+def what_if_config(policy: dict, overrides: dict) -> PolicySpec:
     base_scorer = policy.get("scorer")
     if "scorer" not in overrides and base_scorer not in SCORERS and policy.get("name") != "full":
         raise WhatIfError(
             f"--what-if: the traced scorer {base_scorer!r} needs keys, not masses; add scorer=NAME "
             f"({', '.join(SCORERS)})"
         )
-    config = replace(traced_config(policy), **overrides)
+    try:
+        config = replace(traced_config(policy), **overrides)
+    except PolicyError as error:
+        raise WhatIfError(f"--what-if: {error}") from None
     traced_block = int(policy["block_size"])
     if config.block_size % traced_block:
         raise WhatIfError(
             f"--what-if: block={config.block_size} must be a multiple of the traced block size {traced_block}"
         )
     return config
+
+
+def replays_own_recalls(policy: dict, config: PolicySpec) -> bool:
+    """True when `config` is the run's own placement with a key-bound recall rule: the recalls the tracer made
+    are then replayed as recorded (masses cannot reproduce a bound computed from keys)."""
+    traced = PolicySpec.from_manifest(policy)
+    return config.uses_ddr and config.recall_rule not in ("query", "score") and config.effective() == traced.effective()
 
 
 @dataclass
@@ -140,8 +142,9 @@ class Replay:
 
 
 def replay(access: pd.DataFrame, logical_len: np.ndarray, n_layers: int, traced_block_size: int,
-           config: PlacementConfig, kv_bytes_per_token_layer: float) -> Replay:
-    """Re-place one sample. `access`: its rows (step, layer, block_mass); `logical_len`: [n_steps]."""
+           config: PolicySpec, kv_bytes_per_token_layer: float, recorded_recalls=None) -> Replay:
+    """Re-place one sample. `access`: its rows (step, layer, block_mass); `logical_len`: [n_steps];
+    `recorded_recalls`: [step][layer] -> block ids, replayed as recorded (see `replays_own_recalls`)."""
     n_steps = len(logical_len)
     access = access.sort_values(["step", "layer"], kind="stable")
     if len(access) != n_steps * n_layers:
@@ -156,7 +159,7 @@ def replay(access: pd.DataFrame, logical_len: np.ndarray, n_layers: int, traced_
     scorer = get_scorer(config.scorer)
     if isinstance(scorer, OracleScorer):
         scorer.future = future_mass(masses)
-    placement = Placement(config, n_layers, scorer)
+    placement = Placement(config, n_layers, scorer, recorded_recalls)
     block_bytes = round(config.block_size * kv_bytes_per_token_layer)
     out = {name: np.zeros((n_steps, n_layers)) for name in Replay.__dataclass_fields__}
     for s in range(n_steps):

@@ -9,9 +9,10 @@ import pandas as pd
 import pytest
 
 from simulator import simulate_run
-from simulator.placement import SCORERS, Placement, PlacementConfig, merge_blocks
+from simulator.placement import SCORERS, Placement, merge_blocks
 from thoughtkv.cli import main
 from traces.access_model import AccessModel
+from traces.policy import PolicySpec, hbm_target_tokens, movable_range
 from traces.reader import open_run
 from traces.schema import TIER_DDR, TIER_EVICTED, TIER_HBM
 
@@ -161,7 +162,7 @@ def test_fast_equals_des_on_synthetic_traces(synth_dir, tmp_path):
 @pytest.mark.parametrize("policy", ["evict", "hierarchy"])
 def test_placement_invariants(scorer, policy):
     n_layers, bs = 3, 8
-    config = PlacementConfig(policy=policy, hbm_budget=0.3, evict_ratio=0.2, block_size=bs, recall_k=2,
+    config = PolicySpec(policy=policy, hbm_budget=0.3, evict_ratio=0.2, block_size=bs, recall_k=2,
                              scorer=scorer, sink_tokens=4, window_tokens=8)
     model = AccessModel(n_layers=n_layers, block_size=bs, seed=1)
     masses = [model.masses(s, 50 + s) for s in range(40)]
@@ -181,9 +182,9 @@ def test_placement_invariants(scorer, policy):
         total = placed.mass_hbm + placed.mass_ddr + placed.mass_evicted + placed.mass_not_recalled
         np.testing.assert_allclose(total, 1.0, rtol=1e-9)
         tier = placement.tier
-        first, end = config.movable_range(logical)
+        first, end = movable_range(config, logical)
         protected_tokens = logical - (end - first) * bs
-        room = max(0, config.hbm_target_tokens(logical) - protected_tokens) // bs
+        room = max(0, hbm_target_tokens(config, logical) - protected_tokens) // bs
         assert ((tier[:, first:end] == TIER_HBM).sum(1) <= room).all()  # movable residents fit the budget
         assert (tier[:, :first] == TIER_HBM).all() and (tier[:, end:] == TIER_HBM).all()  # sink, window
         if policy == "evict":

@@ -285,3 +285,54 @@ def protected_excess(spec: PolicySpec, logical_len: int) -> str | None:
         f"({spec.sink_tokens}) and recent window ({spec.window_tokens}) keep {protected} in HBM: the effective "
         f"budget is {protected / max(logical_len, 1):.1%}; lower --sink-tokens/--window-tokens or raise the budget"
     )
+
+
+def recall_warning(spec: PolicySpec) -> str | None:
+    """One line when a hierarchy recalls nothing: attention to its DDR blocks is then silently dropped, as if
+    they were evicted (what the v1 `traces synth` default did)."""
+    if spec.uses_ddr and spec.recall_k == 0 and spec.recall_budget is None:
+        return ("warning: hierarchy with --recall-k 0 recalls nothing: the attention its DDR blocks would get is "
+                "dropped, as with eviction; set --recall-k or --recall-budget")
+    return None
+
+
+# ---------------------------------------------------------------- command-line flags -------------------------
+# Generated from the fields, so every command spells a setting the same way and keeps the one default above.
+FLAG_HELP = {
+    "policy": "full | evict | hierarchy",
+    "hbm_budget": "HBM budget: a fraction of the logical length in (0, 1] or a whole token count > 1",
+    "evict_ratio": "hierarchy: share of the logical length evicted, lowest scores first, in [0, 1)",
+    "block_size": "tokens per KV block, the unit of placement and of every copy (1 = per token)",
+    "sink_tokens": "first positions that never leave HBM (attention sinks)",
+    "window_tokens": "most recent positions that never leave HBM",
+    "recall_k": "hierarchy: DDR blocks recalled per layer and decode step",
+    "recall_budget": "hierarchy: recall per step a fraction of the context (<= 1) or a token count (> 1), in "
+    "whole blocks, instead of --recall-k",
+    "recall_rule": "hierarchy: how recalled blocks are chosen: " + ", ".join(RECALL_RULES)
+    + " (quest*: key bounds, in the tracer; query/score: from recorded masses, in the simulator)",
+    "scorer": "block importance: h2o | tova | snapkv | keynorm | rkv | recency | random | oracle | vatp | gradient "
+    "(the simulator computes h2o, tova, recency, random, oracle from masses)",
+    "promote": "hierarchy: a recalled block that outscores a resident one takes its HBM place",
+    "ddr_dtype": "hierarchy: how DDR stores offloaded blocks: same | int8 | int4",
+}
+
+
+def add_policy_arguments(parser, skip: tuple[str, ...] = ()) -> None:
+    """Add `--policy`, `--hbm-budget`, ... (one per PolicySpec field, defaults shown from the spec)."""
+    defaults = PolicySpec()
+    for f in fields(PolicySpec):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if f.name == "promote":
+            parser.add_argument(flag, action="store_true", default=None, help=FLAG_HELP[f.name])
+        else:
+            parser.add_argument(flag, default=None, metavar=f.name.upper(),
+                                help=f"{FLAG_HELP[f.name]} (default: {default})")
+
+
+def spec_from_args(args, **overrides) -> PolicySpec:
+    """The PolicySpec the flags of `add_policy_arguments` describe (unset flags keep the spec's defaults)."""
+    given = {f.name: getattr(args, f.name) for f in fields(PolicySpec) if getattr(args, f.name, None) is not None}
+    return PolicySpec(**{**given, **overrides})
