@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from traces.stats import accuracy_line
+from traces.stats import accuracy_line, run_traffic, traffic_line
 
 
 def add_arguments(parser: argparse.ArgumentParser):
@@ -68,6 +68,7 @@ def info_lines(trace) -> list[str]:
             f"  wall={samples['wall_s'].sum():.1f} s",
             f"steps       {len(steps):,} (step, layer) rows  H2D={int(steps['bytes_h2d'].sum()):,} bytes  "
             f"D2H={int(steps['bytes_d2h'].sum()):,} bytes",
+            f"traffic     {traffic_line(run_traffic(trace))}",
         ]
     return lines
 
