@@ -62,6 +62,14 @@ def run_accuracy_line(run_dir) -> str:
     return accuracy_line(int(scored.sum()), len(scored))
 
 
+def run_traffic_line(run_dir) -> str:
+    """What the run moved over the link (decode steps; traces.stats.traffic_summary), with qwen2-7b pricing."""
+    from traces import open_run
+    from traces.stats import run_traffic, traffic_line
+
+    return traffic_line(run_traffic(open_run(run_dir)))
+
+
 def run(args: argparse.Namespace) -> int:
     from tracer.run import run_trace
 
@@ -70,4 +78,5 @@ def run(args: argparse.Namespace) -> int:
     out = run_trace(config, progress=not args.quiet)
     print(f"trace written to {out}")
     print(f"accuracy: {run_accuracy_line(out)}")
+    print(f"traffic: {run_traffic_line(out)}")
     return 0
