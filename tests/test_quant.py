@@ -135,15 +135,15 @@ def _logit_gap_at_full_recall(ddr_dtype: str, steps: int = 48):
 
     from tracer.cache import TieredCache, TierSettings
     from tracer.decode import use_tiered_attention
-    from tracer.policies import make_policy
     from tracer.recorder import Recorder
+    from traces.policy import PolicySpec
 
     model = _tiny_model()
     use_tiered_attention(model)
     tokens = torch.randint(0, 96, (40 + steps,), generator=torch.Generator().manual_seed(1))
     settings = TierSettings(
-        policy=make_policy("hierarchy", 0.25), scorer=H2OScorer(), block_size=4, sink_tokens=4, window_tokens=8,
-        recall_k=1000, promote=False, ddr_dtype=ddr_dtype,
+        spec=PolicySpec(policy="hierarchy", hbm_budget=0.25, block_size=4, sink_tokens=4, window_tokens=8,
+                        recall_k=1000, promote=False, ddr_dtype=ddr_dtype), scorer=H2OScorer(),
     )
     recorder = Recorder()
     tiered, reference = TieredCache(2, settings, recorder), DynamicCache()

@@ -221,11 +221,11 @@ def test_vatp_places_blocks_as_its_scores_say(tmp_path):
     """vatp as the policy's scorer (evict at 100%: scored every step, nothing dropped) equals the reference."""
     from tracer.cache import TieredCache, TierSettings
     from tracer.decode import greedy_decode, use_tiered_attention
-    from tracer.policies import make_policy
+    from traces.policy import PolicySpec
 
     model = tiny_model()
     use_tiered_attention(model)
-    settings = TierSettings(policy=make_policy("evict", 1.0), scorer=VATPScorer(), block_size=4)
+    settings = TierSettings(spec=PolicySpec(policy="evict", hbm_budget=1.0, block_size=4), scorer=VATPScorer())
     prompt = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(5)).tolist()
     result = greedy_decode(model, prompt, TieredCache(2, settings), max_new_tokens=12, eos_ids=set())
     fed = (result.prompt_ids + result.generated_ids)[:-1]

@@ -10,9 +10,9 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Mistra
 import tracer.attention  # noqa: F401  (registers the "thoughtkv" attention function)
 from thoughtkv_base import UserError
 from tracer.cache import TieredCache, TierSettings
-from tracer.policies import Budget, EvictPolicy, FullPolicy, HierarchyPolicy, make_policy
 from tracer.recorder import Recorder
 from tracer.scorers import build_scorer
+from traces.policy import PolicySpec, budget_tokens, parse_budget
 
 SHAPES = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512)
@@ -53,18 +53,25 @@ def decode(model, cache, tokens: list[int] | None = None, steps: int = STEPS, re
     return torch.stack(logits_out), fed
 
 
-def settings(policy, scorer="h2o", **kw) -> TierSettings:
+def settings(policy: dict, scorer="h2o", **kw) -> TierSettings:
     base = dict(block_size=4, sink_tokens=4, window_tokens=8, recall_k=0)
-    return TierSettings(policy=policy, scorer=build_scorer(scorer), **{**base, **kw})
+    return TierSettings(spec=PolicySpec(**policy, **{**base, **kw}), scorer=build_scorer(scorer))
+
+
+FULL = {"policy": "full"}
+
+
+def hierarchy(budget, **kw) -> dict:
+    return {"policy": "hierarchy", "hbm_budget": budget, **kw}
 
 
 @pytest.mark.parametrize("arch", list(CONFIGS))
 @pytest.mark.parametrize(
     "policy,extra",
     [
-        (FullPolicy(), {}),
-        (HierarchyPolicy(hbm_budget=Budget(0.3)), {"recall_k": 10_000}),
-        (HierarchyPolicy(hbm_budget=Budget(16)), {"recall_k": 10_000, "promote": True, "block_size": 1}),
+        (FULL, {}),
+        (hierarchy(0.3), {"recall_k": 10_000}),
+        (hierarchy(16), {"recall_k": 10_000, "promote": True, "block_size": 1}),
     ],
     ids=["full", "hierarchy-recall-all", "hierarchy-promote-per-token"],
 )
@@ -77,7 +84,7 @@ def test_logits_equal_dynamic_cache(arch, policy, extra):
     assert (got - reference).abs().max().item() <= 1e-5
     layer = cache.layers[0]
     assert layer.logical_len == PROMPT_LEN + STEPS - 1  # the last token is never fed
-    if not isinstance(policy, FullPolicy):  # data really lived in DDR: the test is not vacuous
+    if policy != FULL:  # data really lived in DDR: the test is not vacuous
         assert layer.n_ddr_blocks > 0 and layer.n_hbm < layer.logical_len
 
 
@@ -86,7 +93,7 @@ def test_generate_with_tiered_cache_matches_dynamic_cache():
     ids = prompt_ids()
     expected = model.generate(ids, max_new_tokens=40, do_sample=False, cache=DynamicCache(config=model.config))
     model.set_attn_implementation("thoughtkv")
-    cache = TieredCache(2, settings(HierarchyPolicy(hbm_budget=Budget(0.25)), recall_k=10_000))
+    cache = TieredCache(2, settings(hierarchy(0.25), recall_k=10_000))
     got = model.generate(ids, max_new_tokens=40, do_sample=False, cache=cache)
     assert torch.equal(got, expected)
     assert cache.layers[1].n_ddr_blocks > 0
@@ -100,7 +107,7 @@ def test_evict_equals_eager_with_evicted_set_masked(scorer, block_size, budget):
     model = tiny_model("qwen2")
     model.set_attn_implementation("thoughtkv")
     recorder = Recorder()
-    policy = EvictPolicy(hbm_budget=Budget.parse(budget))
+    policy = {"policy": "evict", "hbm_budget": budget}
     cache = TieredCache(2, settings(policy, scorer=scorer, block_size=block_size), recorder)
     got, tokens = decode(model, cache, recorder=recorder)
     rows = recorder.columns
@@ -135,7 +142,7 @@ def test_bytes_equal_blocks_moved_and_ddr_holds_the_true_kv():
     model.set_attn_implementation("thoughtkv")
     recorder = Recorder()
     block_size = 4
-    cache = TieredCache(2, settings(HierarchyPolicy(hbm_budget=Budget(0.3), evict_ratio=0.1), recall_k=3), recorder)
+    cache = TieredCache(2, settings(hierarchy(0.3, evict_ratio=0.1), recall_k=3), recorder)
     decode(model, cache, tokens, recorder=recorder)
     rows = recorder.columns
     block_bytes = 2 * 2 * block_size * 16 * 4  # K+V, 2 KV heads, block, head_dim 16, fp32
@@ -166,23 +173,23 @@ def test_bytes_equal_blocks_moved_and_ddr_holds_the_true_kv():
 
 
 def test_budget_parsing_and_errors():
-    assert Budget.parse("0.25").tokens(100) == 25
-    assert Budget.parse("0.3").tokens(10) == 3
-    assert Budget.parse("512").tokens(100) == 512 and not Budget.parse("512").is_fraction
-    assert Budget.parse("1").tokens(77) == 77
+    assert budget_tokens(parse_budget("0.25"), 100) == 25
+    assert budget_tokens(parse_budget("0.3"), 10) == 3
+    assert budget_tokens(parse_budget("512"), 100) == 512 and not PolicySpec(hbm_budget="512").budget_is_fraction
+    assert budget_tokens(parse_budget("1"), 77) == 77
     for bad in ("0", "-0.5", "1.5", "abc", "inf", "nan"):
         with pytest.raises(UserError):
-            Budget.parse(bad)
+            parse_budget(bad)
     with pytest.raises(UserError):
-        make_policy("lru")
+        PolicySpec(policy="lru")
     with pytest.raises(UserError):
-        make_policy("hierarchy", 0.5, evict_ratio=1.2)
+        PolicySpec(policy="hierarchy", hbm_budget=0.5, evict_ratio=1.2)
 
 
 def test_batch_above_one_is_refused_with_a_clear_error():
     model = tiny_model("qwen2")
     model.set_attn_implementation("thoughtkv")
-    cache = TieredCache(2, settings(FullPolicy()))
+    cache = TieredCache(2, settings(FULL))
     with pytest.raises(UserError, match="batch size 1"):
         model(input_ids=torch.ones(2, 5, dtype=torch.long), cache=cache, use_cache=True)
 
@@ -195,7 +202,91 @@ def test_nonfinite_logits_stop_the_sample_without_emitting_a_token():
     with torch.no_grad():
         model.lm_head.weight[7] = float("nan")
     recorder = Recorder()
-    cache = TieredCache(2, settings(FullPolicy()), recorder)
+    cache = TieredCache(2, settings(FULL), recorder)
     result = greedy_decode(model, prompt_ids()[0].tolist(), cache, 8, set(), recorder)
     assert result.stop_reason == "nonfinite" and result.generated_ids == []
     assert recorder.columns["step"] == [0, 0]  # the prefill ran (one row per layer) and nothing after
+
+
+# -- the policy contract's recall settings ------------------------------------------------------------------
+
+
+def test_recall_budget_recalls_whole_blocks_of_a_fraction_of_the_length():
+    model = tiny_model("qwen2")
+    model.set_attn_implementation("thoughtkv")
+    recorder = Recorder()
+    cache = TieredCache(2, settings(hierarchy(0.3, recall_budget=0.2), recall_k=0), recorder)
+    decode(model, cache, recorder=recorder)
+    rows = recorder.columns
+    checked = 0
+    for row in range(len(rows["step"])):
+        if rows["query_tokens"][row] != 1:
+            continue  # recall runs at decode steps
+        length = rows["logical_len"][row]
+        expected_blocks = min((-(-2 * length // 10)) // 4, rows["ddr_blocks"][row])  # ceil(0.2 L) tokens, whole blocks
+        assert len(rows["recalled_block_ids"][row]) == expected_blocks
+        checked += expected_blocks > 1
+    assert checked > 10  # the budget really grew with the length
+
+
+def test_attend_hides_keys_per_kv_head_like_a_softmax_over_the_visible_ones():
+    from tracer.attention import attend
+
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(1, 4, 1, 8, generator=generator)  # 4 query heads, 2 KV heads (groups of 2)
+    key, value = torch.randn(1, 2, 10, 8, generator=generator), torch.randn(1, 2, 10, 8, generator=generator)
+    hidden = torch.zeros(2, 10, dtype=torch.bool)
+    hidden[0, 6:8], hidden[1, 8:10] = True, True
+    output, mean, _ = attend(query, key, value, 0.5, 9, hidden)
+    for head in range(4):
+        kv = head // 2
+        visible = ~hidden[kv]
+        weights = torch.softmax(query[0, head, 0] @ key[0, kv, visible].T * 0.5, -1)
+        torch.testing.assert_close(output[0, 0, head], weights @ value[0, kv, visible])
+    assert torch.all(mean[0, 6:10] < 1) and mean[0].sum().item() == pytest.approx(1.0)
+    assert (mean[0, 6:8] > 0).all() and (mean[0, 8:10] > 0).all()  # hidden for one KV head only
+
+
+def test_quest_per_head_with_one_kv_head_is_quest_and_each_head_attends_its_own_k():
+    config = Qwen2Config(**{**SHAPES, "num_key_value_heads": 1})
+    torch.manual_seed(0)
+    mqa = AutoModelForCausalLM.from_config(config, attn_implementation="thoughtkv", dtype=torch.float32).eval()
+    quest, tokens = decode(mqa, TieredCache(2, settings(hierarchy(0.3), recall_k=2)))
+    per_head, _ = decode(mqa, TieredCache(2, settings(hierarchy(0.3), recall_k=2, recall_rule="quest-per-head")), tokens)
+    assert torch.equal(quest, per_head)  # one KV head: its own top-k is the shared top-k
+
+    model = tiny_model("qwen2")
+    model.set_attn_implementation("thoughtkv")
+    recorder = Recorder()
+    cache = TieredCache(2, settings(hierarchy(0.3), recall_k=2, recall_rule="quest-per-head"), recorder)
+    seen_union_above_k = False
+    original = cache.layers[0].recall
+
+    def checked_recall(query):
+        keys, values = original(query)
+        layer = cache.layers[0]
+        if layer.recalled_ids is not None:
+            n = layer.recalled_ids.numel()
+            assert min(2, layer.n_ddr_blocks) <= n <= min(4, layer.n_ddr_blocks)
+            staged = ~layer.hidden_keys[:, layer.n_hbm :]  # [Hkv, recalled slots]: what each head may read
+            assert staged.sum(1).tolist() == [min(2, layer.n_ddr_blocks) * 4] * 2
+            nonlocal seen_union_above_k
+            seen_union_above_k |= n > 2
+        return keys, values
+
+    cache.layers[0].recall = checked_recall
+    decode(model, cache, tokens, recorder=recorder)
+    assert seen_union_above_k  # the heads disagreed at least once: the union really moved more blocks
+    rows = recorder.columns
+    assert sum(rows["bytes_h2d"]) == sum(len(ids) for ids in rows["recalled_block_ids"]) * 2 * 2 * 4 * 16 * 4
+
+
+def test_protected_excess_is_reported_at_the_worst_length():
+    from tracer.run import protected_excess_note
+
+    spec = PolicySpec(policy="evict", hbm_budget=0.3, block_size=16, sink_tokens=4, window_tokens=32)
+    # L=100: blocks [1, 4) movable (48 tokens), so 52 protected > the 30 allowed; L=1000: 56 protected <= 300.
+    note = protected_excess_note(spec, [100, 1000])
+    assert note["logical_len"] == 100 and note["effective_hbm_fraction"] == pytest.approx(0.52)
+    assert "0.3" in note["warning"] and "52" in note["warning"]
+    assert protected_excess_note(spec, [1000]) is None

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
 
 import tracer.attention  # noqa: F401
 from tracer.cache import TieredCache, TierSettings
-from tracer.policies import Budget, FullPolicy, HierarchyPolicy
 from tracer.scorers import SCORERS, build_scorer
+from traces.policy import PolicySpec
 
 PROMPT_LEN, STEPS, N_LAYERS = 24, 12, 2
 
@@ -53,8 +53,8 @@ def tiered_scores(scorer_name: str, tokens, scorer=None):
     model = tiny_model("sdpa")
     model.set_attn_implementation("thoughtkv")
     scorer = scorer or build_scorer(scorer_name)
-    cache = TieredCache(N_LAYERS, TierSettings(policy=HierarchyPolicy(hbm_budget=Budget(1.0)), scorer=scorer,
-                                               block_size=4, track_importance=True))
+    cache = TieredCache(N_LAYERS, TierSettings(spec=PolicySpec(policy="hierarchy", hbm_budget=1.0, block_size=4),
+                                               scorer=scorer, track_importance=True))
     run(model, cache, tokens)
     length = PROMPT_LEN + STEPS - 1
     return [layer.token_scores[:length].numpy() for layer in cache.layers], cache
@@ -112,7 +112,7 @@ def test_scorer_matches_reference(name, reference):
         # The future importance is what a full pass measures: attention received summed over decode steps.
         full = tiny_model("sdpa")
         full.set_attn_implementation("thoughtkv")
-        teacher = TieredCache(N_LAYERS, TierSettings(policy=FullPolicy(), block_size=4, track_importance=True))
+        teacher = TieredCache(N_LAYERS, TierSettings(spec=PolicySpec(block_size=4), track_importance=True))
         run(full, teacher, tokens)
         future = [layer.importance[:length].clone() for layer in teacher.layers]
         for layer in range(N_LAYERS):

@@ -248,7 +248,7 @@ def normalise_model(spec: str) -> str:
 
 def check_args(args: argparse.Namespace) -> None:
     """Everything that needs no torch, before anything is written."""
-    from tracer.policies import Budget
+    from traces.policy import parse_budget
 
     if "oracle" == args.scorer:
         raise CrosscheckError("--scorer oracle runs an untimed teacher pass first; pick another scorer")
@@ -258,7 +258,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.threads is not None and args.threads < 1:
         raise CrosscheckError(f"--threads {args.threads}: must be >= 1")
     for budget in args.hbm_budget:
-        Budget.parse(budget)
+        parse_budget(budget)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise CrosscheckError(f"--out {out}: exists and is not a directory")

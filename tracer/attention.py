@@ -28,9 +28,12 @@ def set_pending(layer) -> None:
 
 
 def attend(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, new_start: int
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, new_start: int,
+    hidden_keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax attention for batch 1 with GQA; the `lq` new tokens sit at key columns [new_start, new_start+lq).
+    `hidden_keys` ([Hkv, n_keys] bool, decode only): key columns a KV head's queries must not attend (the
+    per-head recall rule's blocks picked by other heads).
 
     Returns the output [1, lq, Hq, d] and the weights [lq, n] reduced over query heads (mean, max), float32.
     """
@@ -45,6 +48,8 @@ def attend(
         mask[:, new_start : new_start + lq] = future
         logits = logits.view(1, n_kv_heads, group, lq, n_keys).masked_fill(mask, float("-inf"))
         logits = logits.view(1, n_kv_heads, group * lq, n_keys)
+    if hidden_keys is not None:
+        logits = logits.masked_fill(hidden_keys[None, :, None, :], float("-inf"))
     weights = torch.softmax(logits, dim=-1, dtype=torch.float32)
     output = torch.matmul(weights.to(value.dtype), value)
     output = output.view(1, n_heads, lq, head_dim).transpose(1, 2)
@@ -62,7 +67,7 @@ def tiered_attention_forward(module, query, key, value, attention_mask, scaling=
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     key, value = layer.recall(query)
-    output, weights_mean, weights_max = attend(query, key, value, scaling, layer.new_start)
+    output, weights_mean, weights_max = attend(query, key, value, scaling, layer.new_start, layer.hidden_keys)
     layer.after_attention(weights_mean, weights_max)
     return output, None
 

@@ -9,35 +9,51 @@ Correct by construction:
   HBM. Callers pass true `position_ids` (the decode loop does; `generate` derives them from its attention
   mask), so RoPE never sees the shrunken stored length.
 
-Recall rule ("quest"): at each decode step, per layer, every DDR block gets the upper bound
-`max over query heads of sum_d max(q_d * kmin_d, q_d * kmax_d)` of its attention logit for the *current*
-query (kmin/kmax: elementwise key bounds of the block, kept on the device); the top `recall_k` blocks are
-copied to HBM staging slots and attended. With `promote` (off by default: it ranks blocks every step),
-recalled blocks then compete with the movable HBM
-blocks for the HBM budget by score (a swap with the weakest HBM block when they score higher).
+Recall rules (`PolicySpec.recall_rule`, traces/policy.py), at each decode step, per layer, for the *current*
+query; the number of blocks is `recall_blocks(spec, logical_len)` (`recall_k`, or `--recall-budget`):
+- "quest": every DDR block gets the upper bound `max over query heads of sum_d max(q_d * kmin_d, q_d * kmax_d)`
+  of its attention logit (kmin/kmax: elementwise key bounds of the block, kept on the device); the top blocks
+  are copied to HBM staging slots and every head attends them.
+- "quest-per-head": each KV head ranks the DDR blocks by the same bound maximised over its own query group
+  only and picks its own top blocks. A block is copied once when any head picks it (the union is what moves,
+  and what bytes_h2d / recalled_block_ids record), and each KV head attends only the recalled blocks *it*
+  picked, plus HBM: the other heads' picks are masked out of its softmax (`hidden_keys`). Per-head masking
+  rather than "union for everyone" because the union would let a head read blocks its own bound did not
+  select, so the rule's accuracy would not be the per-head rule's; the mask is one [Hkv, n_keys] boolean
+  added to the logits, no second attention path.
+With `promote` (off by default: it ranks blocks every step), recalled blocks then compete with the movable
+HBM blocks for the HBM budget by score (a swap with the weakest HBM block when they score higher).
 
-Placement after attention (block granularity; sink blocks and the recent window, incl. the partial block,
-are protected): 1) evict the lowest-scored blocks until `evict_tokens` (rounded down to blocks) are evicted;
-2) if the movable HBM blocks exceed the budget's room, keep the highest-scored ones and move the rest to DDR
+Placement after attention, with every target from the policy contract (traces/policy.py: `movable_range`,
+`protected_tokens`, `evict_target_blocks`, `room_blocks`; block granularity, sink blocks and the recent window
+incl. the partial block protected): 1) evict the lowest-scored blocks until `evict_target_blocks` are evicted;
+2) if the movable HBM blocks exceed `room_blocks`, keep the highest-scored ones and move the rest to DDR
 (hierarchy) or drop them (evict).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from thoughtkv_base import UserError
 from tracer.attention import set_pending
-from tracer.policies import FullPolicy, Policy
 from tracer.quant import make_block_store
 from tracer.scorers import Observation, Scorer
+from traces.policy import (
+    PolicySpec,
+    evict_target_blocks,
+    hbm_target_tokens,
+    movable_range,
+    n_blocks,
+    protected_tokens,
+    recall_blocks,
+    room_blocks,
+)
 from traces.schema import TIER_DDR, TIER_EVICTED, TIER_HBM
-
-RECALL_RULE = "quest: top-recall_k DDR blocks by max_heads sum_d max(q*kmin, q*kmax), current query"
 
 
 class UnsupportedBatch(UserError):
@@ -46,28 +62,26 @@ class UnsupportedBatch(UserError):
 
 @dataclass
 class TierSettings:
-    policy: Policy
+    """The placement spec (every placement setting, validated by `PolicySpec`) plus what only the tracer needs."""
+
+    spec: PolicySpec = field(default_factory=PolicySpec)
     scorer: Scorer | None = None  # None: no scoring (fine for the full policy)
-    block_size: int = 16
-    sink_tokens: int = 4
-    window_tokens: int = 32
-    recall_k: int = 0
-    promote: bool = False
     track_importance: bool = False  # accumulate per-token attention over decode steps (tokens table, oracle)
-    ddr_dtype: str = "same"  # same | int8 | int4: how DDR stores offloaded blocks (tracer/quant.py)
 
 
 class TieredLayer(DynamicLayer):
     def __init__(self, layer_idx: int, settings: TierSettings, recorder=None):
         super().__init__()
         self.layer_idx, self.settings, self.recorder = layer_idx, settings, recorder
-        self.block_size = settings.block_size
+        self.spec = settings.spec
+        self.block_size = settings.spec.block_size
         self.logical_len = 0
         self.n_hbm = 0  # stored HBM entries: slots [0, n_hbm) of the buffers
         self.n_recalled = 0  # staging slots [n_hbm, n_hbm + n_recalled) filled this step
         self.new_start = 0
         self.n_ddr_blocks = self.n_evicted_blocks = 0
         self.ddr_ids = torch.zeros(0, dtype=torch.long)  # sorted ids of the blocks whose home is DDR
+        self.recalled_ids = self.hidden_keys = None
         self.step = 0
 
     # -- storage -----------------------------------------------------------------------------------------
@@ -84,7 +98,7 @@ class TieredLayer(DynamicLayer):
         self.token_scores = torch.zeros(0, dtype=torch.float32, device=self.device)
         self.importance = torch.zeros(0, dtype=torch.float32, device=self.device)
         self.importance_max = torch.zeros(0, dtype=torch.float32, device=self.device)
-        self.ddr = make_block_store(self.settings.ddr_dtype, n_kv_heads, self.block_size, head_dim, self.dtype, self.device)
+        self.ddr = make_block_store(self.spec.ddr_dtype, n_kv_heads, self.block_size, head_dim, self.dtype, self.device)
         self.token_bytes = 2 * n_kv_heads * head_dim * self.keys_buf.element_size()  # K+V of one token
         self.is_initialized = True
 
@@ -117,8 +131,7 @@ class TieredLayer(DynamicLayer):
         if key_states.shape[0] != 1:
             raise UnsupportedBatch("the tiered cache supports batch size 1 only; decode one sample at a time")
         n_new = key_states.shape[-2]
-        staging = self.settings.recall_k * self.block_size
-        self._ensure_capacity(self.n_hbm + n_new + staging, self.logical_len + n_new)
+        self._ensure_capacity(self.n_hbm + n_new + self._staging_slots(self.logical_len + n_new), self.logical_len + n_new)
         start, end = self.n_hbm, self.n_hbm + n_new
         self.keys_buf[:, :, start:end] = key_states
         self.values_buf[:, :, start:end] = value_states
@@ -142,16 +155,22 @@ class TieredLayer(DynamicLayer):
         raise UserError("the tiered cache cannot be cropped (no assisted/speculative decoding)")
 
     # -- recall (before attention) ---------------------------------------------------------------------------
+    def _staging_slots(self, logical_len: int) -> int:
+        """Staging slots one decode step can fill: the recall count (times the KV heads for the per-head rule,
+        whose union can reach that), never more than the blocks there are."""
+        per_step = recall_blocks(self.spec, logical_len)
+        if self.spec.recall_rule == "quest-per-head":
+            per_step *= self.n_kv_heads
+        return min(per_step, n_blocks(self.spec, logical_len)) * self.block_size
+
     def recall(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy the top-`recall_k` DDR blocks for this query into staging slots; return K/V to attend."""
+        """Copy this step's DDR blocks for this query into staging slots; return K/V to attend."""
         self.recalled_ids = None
+        self.hidden_keys = None  # quest-per-head: [Hkv, n_keys] True where a head must not attend
         self.bytes_h2d = 0
-        k = self.settings.recall_k
+        k = recall_blocks(self.spec, self.logical_len)
         if k > 0 and self.n_ddr_blocks > 0 and query.shape[-2] == 1:
-            ddr_ids = self.ddr_ids
-            if ddr_ids.numel() > k:
-                bounds = self._logit_upper_bounds(query, ddr_ids)
-                ddr_ids = ddr_ids[bounds.topk(k).indices].sort().values
+            ddr_ids, head_picks = self._choose_recall(query, k)
             keys, values, self.bytes_h2d = self.ddr.get(ddr_ids)
             n = ddr_ids.numel() * self.block_size
             start, end = self.n_hbm, self.n_hbm + n
@@ -160,16 +179,36 @@ class TieredLayer(DynamicLayer):
             offsets = torch.arange(self.block_size, device=self.device)
             self.slot_pos[start:end] = (ddr_ids[:, None] * self.block_size + offsets).reshape(-1)
             self.recalled_ids, self.n_recalled = ddr_ids, n
+            if head_picks is not None:
+                hidden = torch.zeros(self.n_kv_heads, end, dtype=torch.bool, device=self.device)
+                hidden[:, start:end] = ~head_picks.t().repeat_interleave(self.block_size, dim=1)
+                self.hidden_keys = hidden
         end = self.n_hbm + self.n_recalled
         return self.keys_buf[:, :, :end], self.values_buf[:, :, :end]
 
+    def _choose_recall(self, query: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(sorted block ids to copy, per-head picks [n, Hkv] bool or None when every head attends them all)."""
+        ddr_ids = self.ddr_ids
+        bounds = self._logit_upper_bounds(query, ddr_ids)  # [m, Hkv, group]
+        if self.spec.recall_rule == "quest":
+            if ddr_ids.numel() > k:
+                ddr_ids = ddr_ids[bounds.flatten(1).amax(1).topk(k).indices].sort().values
+            return ddr_ids, None
+        per_head = bounds.amax(2)  # [m, Hkv]: each KV head's bound over its own query group
+        picks = torch.ones_like(per_head, dtype=torch.bool)
+        if ddr_ids.numel() > k:
+            picks.zero_()
+            picks.scatter_(0, per_head.topk(k, dim=0).indices, True)
+        union = picks.any(1)
+        return ddr_ids[union], picks[union]  # ddr_ids is sorted, so the union stays sorted
+
     def _logit_upper_bounds(self, query: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """Quest bound of every block's logit per (KV head, query head of its group): [m, Hkv, group]."""
         group = query.shape[1] // self.n_kv_heads
         q = query[0, :, 0, :].reshape(1, self.n_kv_heads, group, self.head_dim)
         key_min = self.ddr.key_min[block_ids].unsqueeze(2)  # [m, Hkv, 1, d]
         key_max = self.ddr.key_max[block_ids].unsqueeze(2)
-        bound = torch.maximum(q * key_min, q * key_max).sum(-1)  # [m, Hkv, group]
-        return bound.flatten(1).amax(1)
+        return torch.maximum(q * key_min, q * key_max).sum(-1)
 
     # -- after attention: score, record, place ---------------------------------------------------------------
     def after_attention(self, weights_mean: torch.Tensor, weights_max: torch.Tensor) -> None:
@@ -179,7 +218,7 @@ class TieredLayer(DynamicLayer):
         step = self.recorder.step if self.recorder is not None else self.step
         # AlsoScore (tracer/scorers/) scores under the full policy too, for its recorded extras.
         if settings.scorer is not None and (
-            not isinstance(settings.policy, FullPolicy) or getattr(settings.scorer, "score_under_full", False)
+            self.spec.policy != "full" or getattr(settings.scorer, "score_under_full", False)
         ):
             observation = Observation(
                 self.layer_idx, step, self.logical_len, positions, weights_mean, weights_max,
@@ -205,41 +244,39 @@ class TieredLayer(DynamicLayer):
 
     def _occupancy(self, last_weights: torch.Tensor, positions: torch.Tensor) -> dict:
         """Tier sizes and attention masses at attention time (after recall, before placement)."""
-        n_blocks = math.ceil(self.logical_len / self.block_size)
+        blocks = n_blocks(self.spec, self.logical_len)
         # One small device->host copy per layer and step: block masses, then (if any recall) the DDR mass.
-        block_mass = torch.zeros(n_blocks + 1, dtype=torch.float32, device=self.device)
+        block_mass = torch.zeros(blocks + 1, dtype=torch.float32, device=self.device)
         block_mass.index_add_(0, positions // self.block_size, last_weights)
         if self.n_recalled:
-            block_mass[n_blocks] = last_weights[self.n_hbm :].sum()
+            block_mass[blocks] = last_weights[self.n_hbm :].sum()
         host = block_mass.cpu().numpy()
-        mass_ddr = float(host[n_blocks])
-        mass_hbm = float(host[:n_blocks].sum()) - mass_ddr  # softmax mass sums to 1 over HBM + recalled
+        mass_ddr = float(host[blocks])
+        mass_hbm = float(host[:blocks].sum()) - mass_ddr  # softmax mass sums to 1 over HBM + recalled
         ddr_tokens = self.n_ddr_blocks * self.block_size
         return dict(
             hbm_tokens=self.n_hbm, ddr_tokens=ddr_tokens,
             evicted_tokens=self.n_evicted_blocks * self.block_size, recalled_tokens=self.n_recalled,
-            hbm_blocks=n_blocks - self.n_ddr_blocks - self.n_evicted_blocks, ddr_blocks=self.n_ddr_blocks,
+            hbm_blocks=blocks - self.n_ddr_blocks - self.n_evicted_blocks, ddr_blocks=self.n_ddr_blocks,
             evicted_blocks=self.n_evicted_blocks,
             hbm_kv_bytes=(self.n_hbm + self.n_recalled) * self.token_bytes,
             ddr_kv_bytes=self.n_ddr_blocks * self.ddr.block_bytes(),
-            mass_hbm=mass_hbm, mass_ddr=mass_ddr, block_mass=host[:n_blocks],
+            mass_hbm=mass_hbm, mass_ddr=mass_ddr, block_mass=host[:blocks],
         )
 
     def _place(self) -> tuple[list[int], list[int], list[int], int]:
         """Apply the policy's targets; returns (promoted, offloaded, evicted) block ids and bytes copied D2H."""
-        targets = self.settings.policy.targets(self.logical_len)
-        if targets.hbm_tokens is None and targets.evict_tokens == 0:
+        spec, length, bs = self.spec, self.logical_len, self.block_size
+        evict_target = evict_target_blocks(spec, length)
+        if hbm_target_tokens(spec, length) is None and evict_target == 0:
             return [], [], [], 0
-        bs = self.block_size
-        sink_blocks = math.ceil(self.settings.sink_tokens / bs)
-        movable_end = min(self.logical_len // bs, max(0, self.logical_len - self.settings.window_tokens) // bs)
+        sink_blocks, movable_end = movable_range(spec, length)
         if movable_end <= sink_blocks:
             return [], [], [], 0
-        protected_tokens = self.logical_len - (movable_end - sink_blocks) * bs  # always resident in HBM
-        movable_hbm_blocks = (self.n_hbm - protected_tokens) // bs
-        need_evict = max(0, targets.evict_tokens // bs - self.n_evicted_blocks)
-        room = None if targets.hbm_tokens is None else max(0, targets.hbm_tokens - protected_tokens) // bs
-        has_recalled = self.n_recalled > 0 and self.settings.promote
+        movable_hbm_blocks = (self.n_hbm - protected_tokens(spec, length)) // bs
+        need_evict = max(0, evict_target - self.n_evicted_blocks)
+        room = room_blocks(spec, length)
+        has_recalled = self.n_recalled > 0 and spec.promote
         if need_evict == 0 and (room is None or movable_hbm_blocks <= room) and not has_recalled:
             return [], [], [], 0
 
@@ -257,7 +294,7 @@ class TieredLayer(DynamicLayer):
             evict_now[victims] = True
             tier[victims] = TIER_EVICTED
         candidates = tier == TIER_HBM
-        if self.settings.promote:
+        if spec.promote:
             candidates |= recalled & (tier == TIER_DDR)
         keep = candidates.clone()
         if room is not None and int(candidates.sum()) > room:
@@ -266,10 +303,10 @@ class TieredLayer(DynamicLayer):
         demoted = candidates & ~keep & was_hbm
         promoted = keep & (tier == TIER_DDR)
         tier[promoted] = TIER_HBM
-        tier[demoted] = TIER_DDR if targets.uses_ddr else TIER_EVICTED
-        if not targets.uses_ddr:
+        tier[demoted] = TIER_DDR if spec.uses_ddr else TIER_EVICTED
+        if not spec.uses_ddr:
             evict_now |= demoted
-        offloaded = demoted if targets.uses_ddr else torch.zeros_like(demoted)
+        offloaded = demoted if spec.uses_ddr else torch.zeros_like(demoted)
 
         ids = torch.arange(sink_blocks, movable_end, device=self.device)
         offloaded_ids, promoted_ids, evicted_ids = ids[offloaded], ids[promoted], ids[evict_now]
@@ -306,8 +343,8 @@ class TieredLayer(DynamicLayer):
     # -- end of sample -------------------------------------------------------------------------------------
     def final_tiers(self) -> torch.Tensor:
         """TIER_* code of every logical position."""
-        n_blocks = math.ceil(self.logical_len / self.block_size)
-        return self.block_tier[:n_blocks].repeat_interleave(self.block_size)[: self.logical_len]
+        blocks = n_blocks(self.spec, self.logical_len)
+        return self.block_tier[:blocks].repeat_interleave(self.block_size)[: self.logical_len]
 
 
 class TieredCache(Cache):

@@ -21,6 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (1 = per token)")
     parser.add_argument("--scorer", default="h2o", help="h2o | tova | snapkv | keynorm | rkv | recency | random | oracle | vatp | gradient")
     parser.add_argument("--recall-k", type=int, default=4, help="hierarchy: DDR blocks recalled per layer and step")
+    parser.add_argument("--recall-budget", default=None,
+                        help="hierarchy: recall per layer and step a fraction of the logical length or a token count "
+                        "(whole blocks; replaces --recall-k)")
+    parser.add_argument("--recall-rule", default="quest", help="hierarchy: quest | quest-per-head (each KV head its own top blocks)")
     parser.add_argument("--sink-tokens", type=int, default=4)
     parser.add_argument("--window-tokens", type=int, default=32)
     parser.add_argument("--promote", action="store_true", help="hierarchy: recalled blocks that outscore HBM blocks stay in HBM (swap)")
@@ -45,7 +49,8 @@ def config_from_args(args: argparse.Namespace):
     return TraceConfig(
         model=args.model, task=args.task, out=args.out, n_samples=args.n_samples, data_file=args.data_file,
         policy=args.policy, hbm_budget=args.hbm_budget, evict_ratio=args.evict_ratio, block_size=args.block_size,
-        scorer=args.scorer, recall_k=args.recall_k, max_new_tokens=args.max_new_tokens,
+        scorer=args.scorer, recall_k=args.recall_k, recall_budget=args.recall_budget, recall_rule=args.recall_rule,
+        max_new_tokens=args.max_new_tokens,
         sink_tokens=args.sink_tokens, window_tokens=args.window_tokens, promote=args.promote,
         seed=args.seed, device=args.device, dtype=args.dtype, access=not args.no_access,
         ddr_dtype=args.ddr_dtype, also_score=args.also_score, grad_window=args.grad_window,

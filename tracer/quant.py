@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from thoughtkv_base import UserError
+from traces.policy import DDR_DTYPES
 
-DDR_DTYPES = ("same", "int8", "int4")
 BITS = {"int8": 8, "int4": 4}
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import platform
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,8 @@ class TraceConfig:
     block_size: int = 16
     scorer: str = "h2o"
     recall_k: int = 4
+    recall_budget: str | float | None = None  # hierarchy: per step, a fraction of L or tokens (instead of recall_k)
+    recall_rule: str = "quest"  # quest | quest-per-head (traces.policy.TRACER_RECALL_RULES)
     max_new_tokens: int = 256
     sink_tokens: int = 4
     window_tokens: int = 32
@@ -44,23 +47,36 @@ class TraceConfig:
     grad_window: int = 1  # gradient scorer: next-token losses of the last N positions
     grad_interval: int = 1  # gradient scorer: one backward pass every N decode steps
 
+    @property
+    def spec(self):
+        """The placement settings as the one policy contract (traces/policy.py validates them on construction)."""
+        from traces.policy import PolicySpec
+
+        return PolicySpec(
+            policy=self.policy, hbm_budget=self.hbm_budget, evict_ratio=self.evict_ratio, block_size=self.block_size,
+            sink_tokens=self.sink_tokens, window_tokens=self.window_tokens, recall_k=self.recall_k,
+            recall_budget=self.recall_budget, recall_rule=self.recall_rule, scorer=self.scorer,
+            promote=self.promote, ddr_dtype=self.ddr_dtype,
+        ).effective()
+
     def validate(self) -> None:
         """Every check that needs no model; raises a one-line UserError."""
-        from tracer.policies import make_policy
         from tracer.scorers import SCORERS
         from tracer.tasks import get_task
+        from traces.policy import TRACER_RECALL_RULES
 
-        make_policy(self.policy, self.hbm_budget, self.evict_ratio)
+        spec = self.spec
+        if spec.recall_rule not in TRACER_RECALL_RULES:
+            raise BadTraceConfig(
+                f"--recall-rule {spec.recall_rule} is simulator-only; the tracer recalls by {' or '.join(TRACER_RECALL_RULES)}"
+            )
         if self.scorer not in SCORERS:
             raise BadTraceConfig(f"unknown scorer {self.scorer!r}; use one of {', '.join(SCORERS)}")
         get_task(self.task)
         self._validate_extras()
-        for name in ("n_samples", "block_size", "max_new_tokens"):
+        for name in ("n_samples", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise BadTraceConfig(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
-        for name in ("recall_k", "sink_tokens", "window_tokens"):
-            if getattr(self, name) < 0:
-                raise BadTraceConfig(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})")
         if self.data_file is not None and not Path(self.data_file).is_file():
             raise BadTraceConfig(f"--data-file {self.data_file}: no such file")
         out = Path(self.out)
@@ -70,14 +86,9 @@ class TraceConfig:
         if parent is None or not parent.is_dir():
             raise BadTraceConfig(f"--out {out}: no existing parent directory")
 
-
     def _validate_extras(self) -> None:
-        from tracer.quant import check_ddr_dtype
         from tracer.scorers import parse_also_score
 
-        check_ddr_dtype(self.ddr_dtype)
-        if self.ddr_dtype != "same" and self.policy != "hierarchy":
-            raise BadTraceConfig(f"--ddr-dtype {self.ddr_dtype} applies to the hierarchy policy only (got --policy {self.policy})")
         extras = parse_also_score(self.also_score)
         if extras and self.scorer == "oracle" and self.policy != "full":
             raise BadTraceConfig("--also-score cannot be combined with --scorer oracle; run them separately")
@@ -88,26 +99,19 @@ class TraceConfig:
                 raise BadTraceConfig(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
 
 
-def policy_manifest(config: TraceConfig) -> dict:
-    from tracer.cache import RECALL_RULE
-    from tracer.policies import make_policy
+def protected_excess_note(spec, lengths) -> dict | None:
+    """Where the sink + recent window alone exceed the HBM budget (traces.policy.protected_excess) at any of
+    these logical lengths: the worst one (the highest effective HBM fraction) with its warning line, else None."""
+    from traces.policy import protected_excess, protected_tokens
 
-    policy = make_policy(config.policy, config.hbm_budget, config.evict_ratio)
-    budget = getattr(policy, "hbm_budget", None)
-    uses_ddr = config.policy == "hierarchy"
-    return {
-        "name": config.policy,
-        "hbm_budget": budget.describe() if budget is not None else 1.0,
-        "evict_ratio": config.evict_ratio if uses_ddr else 0.0,
-        "block_size": config.block_size,
-        "scorer": config.scorer,
-        "recall_k": config.recall_k if uses_ddr else 0,
-        "recall_rule": RECALL_RULE if uses_ddr else None,
-        "sink_tokens": config.sink_tokens,
-        "window_tokens": config.window_tokens,
-        "params": {"promote": config.promote if uses_ddr else False, "budget_is_fraction": bool(budget is None or budget.is_fraction),
-                   "ddr_dtype": config.ddr_dtype if uses_ddr else "same"},
-    }
+    worst = None
+    for length in sorted(set(lengths)):
+        line = protected_excess(spec, length)
+        if line is not None:
+            fraction = protected_tokens(spec, length) / length
+            if worst is None or fraction > worst["effective_hbm_fraction"]:
+                worst = {"logical_len": length, "effective_hbm_fraction": fraction, "warning": line}
+    return worst
 
 
 def hardware_manifest(device) -> dict:
@@ -125,7 +129,6 @@ def hardware_manifest(device) -> dict:
 
 def make_settings(config: TraceConfig, scorer=None, track_importance: bool = True):
     from tracer.cache import TierSettings
-    from tracer.policies import make_policy
     from tracer.scorers import build_scorer, parse_also_score, with_also_score
 
     if scorer is None:
@@ -134,18 +137,14 @@ def make_settings(config: TraceConfig, scorer=None, track_importance: bool = Tru
         # Under the full policy nothing is placed, so only the --also-score extras need scoring.
         extras = parse_also_score(config.also_score)
         scorer = with_also_score(None if config.policy == "full" and extras else primary, extras, **options)
-    return TierSettings(
-        policy=make_policy(config.policy, config.hbm_budget, config.evict_ratio), scorer=scorer,
-        block_size=config.block_size, sink_tokens=config.sink_tokens, window_tokens=config.window_tokens,
-        recall_k=config.recall_k if config.policy == "hierarchy" else 0, promote=config.promote,
-        track_importance=track_importance, ddr_dtype=config.ddr_dtype if config.policy == "hierarchy" else "same",
-    )
+    return TierSettings(spec=config.spec, scorer=scorer, track_importance=track_importance)
 
 
 def run_trace(config: TraceConfig, progress: bool = True, loaded=None) -> Path:
     """Trace `config.n_samples` samples into `config.out`; samples already committed there are skipped."""
     from tqdm.auto import tqdm
 
+    from tracer.decode import encode_prompt
     from tracer.models import load_model
     from tracer.tasks import get_task
     from traces import TraceWriter, make_manifest
@@ -154,16 +153,24 @@ def run_trace(config: TraceConfig, progress: bool = True, loaded=None) -> Path:
     task = get_task(config.task)
     samples = task.load(config.n_samples, config.data_file, config.seed)
     loaded = loaded or load_model(config.model, config.device, config.dtype, seed=config.seed)
+    spec = config.spec
+    tracer_extra = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("out",)}
+    # The shortest and longest lengths a sample can have: the sink and window are a larger share at the first.
+    prompt_lengths = [len(encode_prompt(loaded.tokenizer, s.prompt, task.use_chat_template)) for s in samples]
+    excess = protected_excess_note(spec, [*prompt_lengths, *(n + config.max_new_tokens for n in prompt_lengths)])
+    if excess is not None:
+        print(f"warning: {excess['warning']}", file=sys.stderr)
+        tracer_extra["protected_excess"] = excess
     manifest = make_manifest(
         kind="traced",
         model=loaded.manifest,
         task={"name": task.name, "source": config.data_file or task.source, "split": task.split,
               "sample_ids": [s.sample_id for s in samples]},
-        policy=policy_manifest(config),
+        policy=spec.to_manifest(),
         hardware=hardware_manifest(loaded.model.device),
         seed=config.seed,
         access=config.access,
-        extra={"tracer": {k: v for k, v in dataclasses.asdict(config).items() if k not in ("out",)}},
+        extra={"tracer": tracer_extra},
     )
     writer = TraceWriter(config.out, manifest, resume=True)
     todo = [s for s in samples if s.sample_id not in writer.done_sample_ids()]
@@ -190,7 +197,8 @@ def trace_sample(loaded, task, sample, config: TraceConfig, progress: bool = Fal
     n_layers = model.config.num_hidden_layers
     settings = make_settings(config)
     if config.scorer == "oracle" and config.policy != "full":
-        teacher = TieredCache(n_layers, make_settings(dataclasses.replace(config, policy="full"), scorer=settings.scorer))
+        teacher_config = dataclasses.replace(config, policy="full", ddr_dtype="same")
+        teacher = TieredCache(n_layers, make_settings(teacher_config, scorer=settings.scorer))
         greedy_decode(model, prompt_ids, teacher, config.max_new_tokens, eos_ids)
         settings.scorer.future_importance = [layer.importance[: layer.logical_len].clone() for layer in teacher.layers]
     recorder = Recorder(record_access=config.access)
