@@ -22,6 +22,7 @@ demo: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports  # the layer contracts in .importlinter
 
 test: setup lint
 	$(PY) -m pytest tests
