@@ -15,6 +15,7 @@ import pandas as pd
 from analysis import stats
 from thoughtkv_base import UserError
 from traces import TraceFormatError, TraceRun, open_run
+from traces.stats import run_traffic
 
 SIM_REQUIRED = (
     "run_dir", "profile", "policy", "hbm_budget", "evict_ratio", "steps", "total_s", "ms_per_token",
@@ -214,6 +215,7 @@ def run_row(run: TraceRun) -> dict:
         "ci_low": ci_low,
         "ci_high": ci_high,
         "evicted_frac": evicted_fraction(run),
+        **run_traffic(run),  # issue 14: what the run moved over the link (traces.stats.traffic_summary)
     }
 
 

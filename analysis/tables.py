@@ -11,27 +11,63 @@ import pandas as pd
 
 from analysis import stats
 from analysis.frames import focus_method, method_order, pooled_accuracy
+from traces.stats import REFERENCE_ARCHITECTURE
+
+# Traffic columns of a run row (`analysis.load.run_row`, from traces.stats.traffic_summary) and the weight that
+# pools them over runs of one method and budget: fractions per decode layer-step, bytes per decode step, so a
+# pooled value is what traffic_summary would give on the runs' steps tables put together.
+TRAFFIC_WEIGHTS = {
+    "attended_frac": "decode_layer_steps",
+    "recalled_tokens_per_layer_step": "decode_layer_steps",
+    "recalled_frac": "decode_layer_steps",
+    "h2d_bytes_per_token": "decode_steps",
+    "d2h_bytes_per_token": "decode_steps",
+    "h2d_bytes_per_token_ref": "decode_steps",
+    "d2h_bytes_per_token_ref": "decode_steps",
+}
 
 # -- numbers -----------------------------------------------------------------------------------------------
 
 
+def _pooled_traffic(accuracy: pd.DataFrame) -> pd.DataFrame:
+    """(method, hbm_budget) -> each traffic column, weighted as TRAFFIC_WEIGHTS says; NaN where runs lack it."""
+    keys = accuracy[["method", "hbm_budget"]].drop_duplicates()
+    for column, weight in TRAFFIC_WEIGHTS.items():
+        if column not in accuracy or weight not in accuracy:
+            keys[column] = np.nan
+            continue
+        w = accuracy[weight].astype("float64")
+        part = accuracy.assign(_xw=accuracy[column].astype("float64") * w, _w=w.where(accuracy[column].notna(), 0.0))
+        grouped = part.groupby(["method", "hbm_budget"], as_index=False)[["_xw", "_w"]].sum()
+        grouped[column] = grouped["_xw"] / grouped["_w"].where(grouped["_w"] > 0)
+        keys = keys.merge(grouped[["method", "hbm_budget", column]], on=["method", "hbm_budget"], how="left")
+    return keys
+
+
+CAPACITY_COLUMNS = ["method", "hbm_budget", "evicted_frac", "accuracy", "ci_low", "ci_high", "n", *TRAFFIC_WEIGHTS]
+
+
 def capacity_accuracy_table(accuracy: pd.DataFrame) -> pd.DataFrame:
-    """The seed's shape: method, HBM budget, evicted share, accuracy with 95% Wilson CI, n.
+    """The seed's shape: method, HBM budget, evicted share, accuracy with 95% Wilson CI, n — and what each
+    method moved to get there (issue 14): attended share of the context, recalled tokens per layer-step,
+    H2D / D2H bytes per generated token for the run's model and priced at `REFERENCE_ARCHITECTURE`.
 
     `accuracy` is `frames.accuracy_frame(runs)`. Runs of the same method and budget are pooled; the evicted
-    share is the n-weighted mean of the runs' measured share of KV entries evicted by the end of decoding.
+    share is the n-weighted mean of the runs' measured share of KV entries evicted by the end of decoding; the
+    traffic columns are pooled per decode (layer-)step (TRAFFIC_WEIGHTS), NaN for runs that lack them.
     """
     if accuracy.empty:
-        return pd.DataFrame(columns=["method", "hbm_budget", "evicted_frac", "accuracy", "ci_low", "ci_high", "n"])
+        return pd.DataFrame(columns=CAPACITY_COLUMNS)
     pooled = pooled_accuracy(accuracy)
     weighted = accuracy.assign(_w=accuracy["evicted_frac"] * accuracy["n_scored"])
     evicted = weighted.groupby(["method", "hbm_budget"], as_index=False)[["_w", "n_scored"]].sum()
     evicted["evicted_frac"] = evicted["_w"] / evicted["n_scored"]
     table = pooled.merge(evicted[["method", "hbm_budget", "evicted_frac"]], on=["method", "hbm_budget"])
+    table = table.merge(_pooled_traffic(accuracy), on=["method", "hbm_budget"], how="left")
     order = {m: i for i, m in enumerate(method_order(table))}
     table = table.assign(_order=table["method"].map(order)).sort_values(["_order", "hbm_budget"], ascending=[True, False])
     table = table.rename(columns={"n_scored": "n"})
-    return table[["method", "hbm_budget", "evicted_frac", "accuracy", "ci_low", "ci_high", "n"]].reset_index(drop=True)
+    return table[CAPACITY_COLUMNS].reset_index(drop=True)
 
 
 def latency_table(latency: pd.DataFrame, hbm_budget: float, stall_method: str | None = None) -> pd.DataFrame:
@@ -76,6 +112,16 @@ def _percent(value: float, digits: int = 1) -> str:
     return "-" if pd.isna(value) else f"{100 * value:.{digits}f}%"
 
 
+def _bytes(value: float) -> str:
+    """Bytes with an SI prefix, 3 significant digits: '57.3 kB'; '-' when unknown."""
+    if pd.isna(value):
+        return "-"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(value) >= size:
+            return f"{value / size:.3g} {unit}"
+    return f"{value:.3g} B"
+
+
 def display_capacity_accuracy(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({
         "method": table["method"],
@@ -86,6 +132,20 @@ def display_capacity_accuracy(table: pd.DataFrame) -> pd.DataFrame:
             for a, lo, hi in zip(table["accuracy"], table["ci_low"], table["ci_high"])
         ],
         "n": table["n"].astype(int),
+        "attended %": [_percent(v) for v in table.get("attended_frac", pd.Series(np.nan, index=table.index))],
+        "recalled tokens/layer-step": [
+            "-" if pd.isna(v) else f"{v:.1f}"
+            for v in table.get("recalled_tokens_per_layer_step", pd.Series(np.nan, index=table.index))
+        ],
+        "recalled % of context": [_percent(v) for v in table.get("recalled_frac", pd.Series(np.nan, index=table.index))],
+        "H2D/token": [_bytes(v) for v in table.get("h2d_bytes_per_token", pd.Series(np.nan, index=table.index))],
+        "D2H/token": [_bytes(v) for v in table.get("d2h_bytes_per_token", pd.Series(np.nan, index=table.index))],
+        f"H2D/token @{REFERENCE_ARCHITECTURE}": [
+            _bytes(v) for v in table.get("h2d_bytes_per_token_ref", pd.Series(np.nan, index=table.index))
+        ],
+        f"D2H/token @{REFERENCE_ARCHITECTURE}": [
+            _bytes(v) for v in table.get("d2h_bytes_per_token_ref", pd.Series(np.nan, index=table.index))
+        ],
     })
 
 

@@ -94,3 +94,21 @@ def test_prefill_and_empty_tables_are_not_counted(recalling):
     assert traffic_line(traffic) == "no decode steps"
     with pytest.raises(ValueError):
         traffic_summary(steps, 0)
+
+
+def test_accuracy_table_carries_the_traffic_pooled_like_one_steps_table(recalling, no_recall):
+    import pandas as pd
+
+    from analysis import frames, load, tables
+
+    runs = [recalling, no_recall]
+    table = tables.capacity_accuracy_table(frames.accuracy_frame(load.run_table(runs)))
+    # Both runs are "hierarchy, evict 0%" at 30%: pooled into one row, as if their steps were one table.
+    row = table[table["method"] != frames.FULL_LABEL].iloc[0]
+    together = pd.concat([r.steps().assign(sample_id=lambda f, i=i: f"{i}:" + f["sample_id"]) for i, r in enumerate(runs)])
+    expected = traffic_summary(together, recalling.manifest["model"]["kv_bytes_per_token"])
+    for column in tables.TRAFFIC_WEIGHTS:
+        assert row[column] == pytest.approx(expected[column], rel=1e-12), column
+    shown = tables.display_capacity_accuracy(table)
+    assert shown.loc[0, "attended %"] == f"{100 * expected['attended_frac']:.1f}%"
+    assert "H2D/token @qwen2-7b" in shown.columns
