@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from thoughtkv_base import UserError
+from traces.layout import write_atomic
 
 DEFAULT_OUT = "demo-out"
 MARKER = "demo.json"  # marks a directory as a demo's, so a rerun may write into it
@@ -269,7 +270,8 @@ def simulate_all(cells: list[Cell], run_dirs: dict[str, Path], sim_dir: Path, wo
             results[label].append(frame)
             remaining[label] -= 1
             if remaining[label] == 0:
-                _write_parquet_atomic(pd.concat(results.pop(label), ignore_index=True), files[label])
+                frame = pd.concat(results.pop(label), ignore_index=True)
+                write_atomic(files[label], lambda temp, frame=frame: frame.to_parquet(temp, index=False))
             bar.update()
     return list(files.values())
 
@@ -304,12 +306,6 @@ def what_if_of(run_dir: Path) -> dict:
     return {"policy": policy["name"], "budget": policy["hbm_budget"], "evict": policy["evict_ratio"],
             "block": policy["block_size"], "recall_k": policy["recall_k"], "scorer": policy["scorer"],
             "sink": policy["sink_tokens"], "window": policy["window_tokens"]}
-
-
-def _write_parquet_atomic(frame, path: Path) -> None:
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    frame.to_parquet(temp, index=False)
-    os.replace(temp, path)
 
 
 # -- 4. summary -----------------------------------------------------------------------------------------------

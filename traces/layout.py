@@ -11,6 +11,7 @@ the file. Temp files start with "." so that pandas/pyarrow datasets and `*.parqu
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote, unquote
 
@@ -77,7 +78,21 @@ def commit_file(temp: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, write: Callable[[Path], object], check: Callable[[Path], object] | None = None) -> None:
+    """The project's one atomic writer: `write(temp)` fills a dot-named temp file next to `path` (globs skip
+    it), `check(temp)` may refuse it by raising, then fsync + rename. On any error the temp file is removed and
+    `path` keeps its old content (or stays absent)."""
+    path = Path(path)
     temp = temp_path_for(path)
-    temp.write_bytes(data)
-    commit_file(temp, path)
+    try:
+        write(temp)
+        if check is not None:
+            check(temp)
+        commit_file(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    write_atomic(path, lambda temp: temp.write_bytes(data))

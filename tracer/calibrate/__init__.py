@@ -466,23 +466,23 @@ def provenance(cal: Calibration) -> dict:
 
 
 def write_profile(profile, sources: dict, out: Path) -> None:
-    """Writes the YAML atomically, after reading it back through the loader, so that a profile the simulator
-    would refuse is never left behind (the loader wants the file stem to be the profile name, hence the
-    same-named file in a private temporary directory next to `out`)."""
-    import tempfile
-
+    """Writes the YAML atomically (`traces.layout.write_atomic`), after reading it back through the schema, so
+    that a profile the simulator would refuse is never left behind."""
     import yaml
 
-    from hwprofiles import load_profile_file, profile_to_yaml_dict
+    from hwprofiles import ProfileError, profile_from_dict, profile_to_yaml_dict
+    from traces.layout import write_atomic
 
     text = "# Measured hardware profile written by `thoughtkv calibrate`; rerun it to refresh.\n"
     text += yaml.safe_dump(profile_to_yaml_dict(profile, sources), sort_keys=False, width=120)
+
+    def read_back(temp: Path) -> None:
+        written = profile_from_dict(yaml.safe_load(temp.read_text(encoding="utf-8")), str(out))
+        if written.name != out.stem:
+            raise ProfileError(f"{out}: the profile is named {written.name!r}; name the file {written.name}.yaml")
+
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".calibrate-") as temp_dir:
-        temp = Path(temp_dir) / out.name
-        temp.write_text(text, encoding="utf-8")
-        load_profile_file(temp)
-        os.replace(temp, out)
+    write_atomic(out, lambda temp: temp.write_text(text, encoding="utf-8"), check=read_back)
 
 
 # ---------------------------------------------------------------- CLI ----------------------------------------

@@ -12,11 +12,12 @@ cache, so that column is one full-cache run.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from traces.layout import write_atomic
 
 BUDGETS = (1.0, 0.7, 0.5, 0.3, 0.2)
 KEY_BUDGET = 0.3
@@ -192,9 +193,7 @@ def write_markdown(path: Path, runs: Path) -> None:
         lines += ["", "Share of a decode step's attention (mean over heads) held by the top 20% of attended tokens,",
                   "full cache, first 50 problems: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares.items()) + ".",
                   "", f"Mean generated tokens (full cache): {full.mean_generated_tokens:.0f}."]
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # shards write side by side: replace atomically
-    temporary.write_text("\n".join(lines) + "\n")
-    os.replace(temporary, path)
+    write_atomic(path, lambda temp: temp.write_text("\n".join(lines) + "\n"))  # shards write side by side
 
 
 def effect_lines(full: CellResult, runs: Path) -> list[str]:
