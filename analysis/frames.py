@@ -23,14 +23,14 @@ POLICY_KEYS = ["model", "policy", "hbm_budget", "evict_ratio", "block_size", "sc
 # -- methods ---------------------------------------------------------------------------------------------
 
 
-def is_full_cache(policy: str, hbm_budget: float) -> bool:
+def is_full_cache(policy: str) -> bool:
     """The full-cache reference: the `full` policy (a budget of 1.0 under another policy is still that policy)."""
     return str(policy) in FULL_POLICIES
 
 
-def method_label(policy: str, evict_ratio: float, scorer: str | None, hbm_budget: float, show_scorer: bool) -> str:
+def method_label(policy: str, evict_ratio: float, scorer: str | None, show_scorer: bool) -> str:
     """The name of a method in legends and tables: the policy family without its HBM budget (that is the x axis)."""
-    if is_full_cache(policy, hbm_budget):
+    if is_full_cache(policy):
         return FULL_LABEL
     if str(policy) in EVICTION_POLICIES:
         label = "pure eviction"
@@ -46,13 +46,13 @@ def method_label(policy: str, evict_ratio: float, scorer: str | None, hbm_budget
 def add_method(frame: pd.DataFrame, show_scorer: bool | None = None) -> pd.DataFrame:
     """Copy of `frame` with `method` and `is_full` columns; scorers are named only when there are several."""
     frame = frame.copy()
-    frame["is_full"] = [is_full_cache(p, b) for p, b in zip(frame["policy"], frame["hbm_budget"])]
+    frame["is_full"] = [is_full_cache(p) for p in frame["policy"]]
     scorer = frame["scorer"] if "scorer" in frame else pd.Series(None, index=frame.index, dtype=object)
     if show_scorer is None:  # the full cache has no scorer; it does not count
         show_scorer = scorer[~frame["is_full"]].dropna().nunique() > 1
     frame["method"] = [
-        method_label(p, r, s, b, show_scorer)
-        for p, r, s, b in zip(frame["policy"], frame["evict_ratio"], scorer, frame["hbm_budget"])
+        method_label(p, r, s, show_scorer)
+        for p, r, s in zip(frame["policy"], frame["evict_ratio"], scorer)
     ]
     if "model" in frame and frame["model"].nunique() > 1:  # never pool two models into one line
         frame["method"] = frame["model"].astype(str) + ": " + frame["method"]

@@ -266,7 +266,7 @@ def simulate_all(cells: list[Cell], run_dirs: dict[str, Path], sim_dir: Path, wo
     results: dict[str, list] = {cell.label: [] for cell in stale}
     remaining = {cell.label: sum(1 for t in tasks if t[0] == cell.label) for cell in stale}
     with tqdm(total=len(tasks), desc="simulate", unit="sim") as bar:
-        for (label, *_), frame in _map_tasks(simulate_one, tasks, workers):
+        for (label, *_), frame in _map_tasks(simulate_one, tasks, workers, key=lambda task: task[1:]):
             results[label].append(frame)
             remaining[label] -= 1
             if remaining[label] == 0:
@@ -276,23 +276,23 @@ def simulate_all(cells: list[Cell], run_dirs: dict[str, Path], sim_dir: Path, wo
     return list(files.values())
 
 
-def simulate_one(label: str, run_dir: str, profile: str, what_if: dict | None):
+def simulate_one(run_dir: str, profile: str, what_if: dict | None):
     from simulator import simulate_run
 
     return simulate_run(run_dir, profile, what_if=what_if).samples
 
 
-def _map_tasks(function, tasks: list[tuple], workers: int):
-    """(task, function(*task)) as tasks finish: in this process, or in a spawn pool of `workers` processes."""
+def _map_tasks(function, tasks: list[tuple], workers: int, key=lambda task: task):
+    """(task, function(*key(task))) as tasks finish: in this process, or in a spawn pool of `workers` processes."""
     if workers == 1 or len(tasks) < 2:
         for task in tasks:
-            yield task, function(*task)
+            yield task, function(*key(task))
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(function, *task): task for task in tasks}
+        futures = {pool.submit(function, *key(task)): task for task in tasks}
         for future in as_completed(futures):
             yield futures[future], future.result()
 
