@@ -11,17 +11,10 @@ import pandas as pd
 import pytest
 import torch
 
+from analysis.crosscheck import CrosscheckError, dominant_term, error_stats, step_errors, summarise
 from simulator.costs import profile_for_policy as profile_with_overheads
 from thoughtkv.cli import main
-from thoughtkv.crosscheck import (
-    CrosscheckError,
-    RunSpec,
-    dominant_term,
-    error_stats,
-    run_specs,
-    step_errors,
-    summarise,
-)
+from thoughtkv.crosscheck import RunSpec, run_specs
 
 
 @pytest.fixture(autouse=True)
