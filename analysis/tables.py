@@ -11,7 +11,7 @@ import pandas as pd
 
 from analysis import stats
 from analysis.frames import focus_method, method_order, pooled_accuracy
-from traces.stats import REFERENCE_ARCHITECTURE
+from traces.stats import REFERENCE_ARCHITECTURE, bytes_text
 
 # Traffic columns of a run row (`analysis.load.run_row`, from traces.stats.traffic_summary) and the weight that
 # pools them over runs of one method and budget: fractions per decode layer-step, bytes per decode step, so a
@@ -113,13 +113,7 @@ def _percent(value: float, digits: int = 1) -> str:
 
 
 def _bytes(value: float) -> str:
-    """Bytes with an SI prefix, 3 significant digits: '57.3 kB'; '-' when unknown."""
-    if pd.isna(value):
-        return "-"
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(value) >= size:
-            return f"{value / size:.3g} {unit}"
-    return f"{value:.3g} B"
+    return "-" if pd.isna(value) else bytes_text(value)
 
 
 def display_capacity_accuracy(table: pd.DataFrame) -> pd.DataFrame:

@@ -103,7 +103,8 @@ def run_traffic(trace) -> dict[str, float]:
     return traffic_summary(trace.steps(columns=TRAFFIC_COLUMNS), int(trace.manifest["model"]["kv_bytes_per_token"]))
 
 
-def _bytes_text(value: float) -> str:
+def bytes_text(value: float) -> str:
+    """Bytes with an SI prefix, 3 significant digits: '57.3 kB'."""
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if abs(value) >= size:
             return f"{value / size:.3g} {unit}"
@@ -118,8 +119,8 @@ def traffic_line(traffic: dict[str, float]) -> str:
     return (
         f"attended {traffic['attended_frac']:.1%} of the context (HBM {traffic['hbm_frac']:.1%} + recalled "
         f"{traffic['recalled_frac']:.1%} = {traffic['recalled_tokens_per_layer_step']:.1f} tokens/layer-step); "
-        f"H2D {_bytes_text(traffic['h2d_bytes_per_token'])}/token, D2H {_bytes_text(traffic['d2h_bytes_per_token'])}"
-        f"/token; priced at {REFERENCE_ARCHITECTURE} bf16: H2D {_bytes_text(traffic['h2d_bytes_per_token_ref'])}"
-        f"/token, D2H {_bytes_text(traffic['d2h_bytes_per_token_ref'])}/token "
+        f"H2D {bytes_text(traffic['h2d_bytes_per_token'])}/token, D2H {bytes_text(traffic['d2h_bytes_per_token'])}"
+        f"/token; priced at {REFERENCE_ARCHITECTURE} bf16: H2D {bytes_text(traffic['h2d_bytes_per_token_ref'])}"
+        f"/token, D2H {bytes_text(traffic['d2h_bytes_per_token_ref'])}/token "
         f"(decode steps only, n={traffic['decode_steps']:,})"
     )

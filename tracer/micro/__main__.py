@@ -33,6 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cells", choices=["key", "all", "quant"], default="all",
                    help="key: full and the 30%% budget only; quant: hierarchy e=0 at 30%% with same/int8/int4 DDR")
     p.add_argument("--shard", default="0/1", help="I/N: run every N-th cell from the I-th (N processes side by side)")
+    p = sub.add_parser("table-long", help="capacity-accuracy-traffic table on chains_long (resumable)")
+    p.add_argument("--out", type=Path, default=Path("docs"), help="folder for capacity_accuracy_long.md")
+    p.add_argument("--runs", type=Path, default=Path("build/micro_long_table"), help="one trace run per cell")
+    p.add_argument("--n-samples", type=int, default=200)
+    p.add_argument("--cells", choices=["key", "all"], default="all", help="key: full and the 30%% column only")
+    p.add_argument("--shard", default="0/1", help="I/N: run every N-th cell from the I-th")
+    p.add_argument("--model", default=None, help="default: the bundled tracer/assets/micro_long")
+    p.add_argument("--full-n-samples", type=int, default=500, help="problems of the full-cache cell (at least n)")
     p = sub.add_parser("samples", help="regenerate the shipped sample traces in traces/samples/")
     p.add_argument("--out", type=Path, default=None, help="default: the repository's traces/samples")
     p.add_argument("--n-samples", type=int, default=20)
@@ -52,18 +60,30 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "table":
         from tracer.micro.table import run_table
 
-        index, _, count = args.shard.partition("/")
-        if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
-            from thoughtkv_base import UserError
-
-            raise UserError(f"--shard {args.shard!r}: give I/N with 0 <= I < N, e.g. 0/2")
-        shard = (int(index), int(count))
+        shard = _shard(args.shard)
         print(f"wrote {run_table(args.out, args.runs, args.n_samples, args.cells, shard=shard)}")
+    elif args.command == "table-long":
+        from tracer.micro.table_long import MODEL_DIR, run_table
+
+        shard = _shard(args.shard)
+        model = args.model or str(MODEL_DIR)
+        written = run_table(args.out, args.runs, args.n_samples, args.cells, shard=shard, model=model,
+                            full_n_samples=args.full_n_samples)
+        print(f"wrote {written}")
     elif args.command == "samples":
         from tracer.micro.samples import write_samples
 
         print(f"wrote {write_samples(args.out, args.n_samples)}")
     return 0
+
+
+def _shard(text: str) -> tuple[int, int]:
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        from thoughtkv_base import UserError
+
+        raise UserError(f"--shard {text!r}: give I/N with 0 <= I < N, e.g. 0/2")
+    return int(index), int(count)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,164 @@
+"""The capacity–accuracy–traffic table on the long workload (issue 14, part 4), through the tracer's Python API:
+
+    python -m tracer.micro table-long --out docs/ [--runs build/micro_long_table] [--n-samples 200]
+                                      [--cells key|all] [--shard I/N]
+
+Model: the bundled long-workload micro model (`tracer/assets/micro_long`); task `chains_long` (~547 tokens,
+look-ups up to ~490 tokens back). Cells: HBM budget 10/20/30/50% × recall budget ≤ 5/10/20% of the context per
+layer-step (`recall_budget`, rounded down to whole blocks) × evict 0 / 0.1, plus pure eviction (recency =
+StreamingLLM, H2O, TOVA) at each budget and the full cache. Every cell is one `thoughtkv trace` run in its own
+directory under `--runs`, so the table resumes where it stopped; the Markdown is rewritten after every cell from
+whatever runs exist, each row with its n and its traffic (traces.stats.traffic_summary, decode steps).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+HBM_BUDGETS = (0.5, 0.3, 0.2, 0.1)
+RECALL_BUDGETS = (0.05, 0.1, 0.2)  # recalled tokens per layer-step, as a share of the current context
+EVICT_RATIOS = (0.0, 0.1)
+EVICTION_SCORERS = ("recency", "h2o", "tova")
+KEY_BUDGET = 0.3
+# ~547-token sequences: blocks of 4 (a 5% recall budget is then ~6 blocks), 4 sinks, a 16-token window.
+BLOCK_SIZE, SINK_TOKENS, WINDOW_TOKENS = 4, 4, 16
+HIERARCHY_SCORER = "h2o"
+MAX_NEW_TOKENS = 600  # the longest chain of thought of the 500 held-out problems is 481 tokens
+FULL_N_SAMPLES = 500  # the full-cache cell doubles as the model's quality check (>= 95% on 500)
+MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "micro_long"
+TASK = "chains_long"
+
+
+@dataclass(frozen=True)
+class Cell:
+    policy: str  # full | evict | hierarchy
+    hbm_budget: float = 1.0
+    scorer: str = "h2o"
+    evict_ratio: float = 0.0
+    recall_budget: float | None = None
+
+    @property
+    def name(self) -> str:
+        if self.policy == "full":
+            return "full"
+        if self.policy == "evict":
+            return f"evict-{self.scorer}-b{round(self.hbm_budget * 100)}"
+        return (f"hier-e{round(self.evict_ratio * 100)}-r{round(self.recall_budget * 100)}"
+                f"-b{round(self.hbm_budget * 100)}")
+
+    @property
+    def label(self) -> str:
+        if self.policy == "full":
+            return "full cache"
+        if self.policy == "evict":
+            return f"evict {self.scorer}"
+        return f"hierarchy e={self.evict_ratio:g}, recall ≤ {self.recall_budget:.0%}"
+
+
+def column(budget: float) -> list[Cell]:
+    """Every non-full cell at one HBM budget: pure eviction first, then the hierarchy by evict and recall."""
+    return [Cell("evict", budget, scorer) for scorer in EVICTION_SCORERS] + [
+        Cell("hierarchy", budget, HIERARCHY_SCORER, evict, recall)
+        for evict in EVICT_RATIOS for recall in RECALL_BUDGETS
+    ]
+
+
+def cells(which: str) -> list[Cell]:
+    """`key`: full and the 30% column; `all`: those first, then the other budgets."""
+    key = [Cell("full"), *column(KEY_BUDGET)]
+    if which == "key":
+        return key
+    return key + [cell for budget in HBM_BUDGETS if budget != KEY_BUDGET for cell in column(budget)]
+
+
+def trace_config(cell: Cell, runs: Path, n_samples: int, model: str = str(MODEL_DIR),
+                 full_n_samples: int = FULL_N_SAMPLES):
+    from tracer.run import TraceConfig
+
+    common = dict(model=model, task=TASK, out=str(runs / cell.name), n_samples=n_samples, block_size=BLOCK_SIZE,
+                  sink_tokens=SINK_TOKENS, window_tokens=WINDOW_TOKENS, max_new_tokens=MAX_NEW_TOKENS, seed=0,
+                  access=False)  # the table needs the steps table only; access rows would double the run's size
+    if cell.policy == "full":
+        return TraceConfig(**{**common, "n_samples": max(n_samples, full_n_samples)}, policy="full")
+    if cell.policy == "evict":
+        return TraceConfig(**common, policy="evict", scorer=cell.scorer, hbm_budget=cell.hbm_budget)
+    return TraceConfig(**common, policy="hierarchy", scorer=cell.scorer, hbm_budget=cell.hbm_budget,
+                       evict_ratio=cell.evict_ratio, recall_budget=cell.recall_budget)
+
+
+def run_table(out_dir: Path, runs: Path, n_samples: int, which: str, progress: bool = True,
+              shard: tuple[int, int] = (0, 1), model: str = str(MODEL_DIR),
+              full_n_samples: int = FULL_N_SAMPLES) -> Path:
+    """Trace the cells (shard (i, n): every n-th cell from the i-th, for n processes side by side)."""
+    from tqdm.auto import tqdm
+
+    from tracer.run import run_trace
+
+    runs.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    index, count = shard
+    target = out_dir / "capacity_accuracy_long.md"
+    for cell in tqdm(cells(which)[index::count], desc="capacity-accuracy cells", unit="cell", disable=not progress):
+        run_trace(trace_config(cell, runs, n_samples, model, full_n_samples), progress=progress)
+        write_markdown(target, runs)  # after every cell: a partial table is kept, each row with its n
+    return target
+
+
+def cell_row(cell: Cell, runs: Path) -> list[str] | None:
+    """One table row (None when the cell has not run): accuracy [CI] n, then its traffic."""
+    from traces.reader import open_run
+    from traces.stats import bytes_text, run_traffic, wilson_interval
+
+    run_dir = runs / cell.name
+    if not (run_dir / "run.json").is_file():
+        return None
+    trace = open_run(run_dir)
+    scored = trace.samples()["correct"].dropna()
+    if scored.empty:
+        return None
+    n, correct = len(scored), int(scored.sum())
+    low, high = wilson_interval(correct, n)
+    t = run_traffic(trace)
+    return [
+        "100%" if cell.policy == "full" else f"{cell.hbm_budget:.0%}", cell.label,
+        f"{100 * correct / n:.1f} [{100 * low:.1f}, {100 * high:.1f}]", str(n),
+        f"{100 * t['hbm_frac']:.1f}%", f"{100 * t['attended_frac']:.1f}%",
+        f"{t['recalled_tokens_per_layer_step']:.1f} ({100 * t['recalled_frac']:.1f}%)",
+        bytes_text(t["h2d_bytes_per_token"]), bytes_text(t["d2h_bytes_per_token"]),
+        bytes_text(t["h2d_bytes_per_token_ref"]), bytes_text(t["d2h_bytes_per_token_ref"]),
+    ]
+
+
+HEADER = ("HBM budget", "method", "accuracy % [95% CI]", "n", "HBM % (attention)", "attended %",
+          "recalled tokens/layer-step (% of context)", "H2D/token", "D2H/token", "H2D/token @qwen2-7b",
+          "D2H/token @qwen2-7b")
+
+
+def write_markdown(path: Path, runs: Path) -> None:
+    rows = [row for cell in cells("all") if (row := cell_row(cell, runs)) is not None]
+    missing = len(cells("all")) - len(rows)
+    lines = [
+        "# Capacity, accuracy and traffic on the long workload (`chains_long`, bundled `micro_long` model)",
+        "",
+        "Regenerate: `python -m tracer.micro table-long --out docs/ --cells all` (resumes; one `thoughtkv trace`",
+        f"run per cell under `{runs}`). Greedy decoding, final-answer exact match, 95% Wilson interval, n per row",
+        "(rows with different n are not equally precise). HBM budget = share of each sequence's current logical",
+        f"length kept in HBM; blocks of {BLOCK_SIZE} tokens, {SINK_TOKENS} sink tokens and a {WINDOW_TOKENS}-token",
+        f"recent window always resident; hierarchy placement by {HIERARCHY_SCORER}, recalling per layer and decode",
+        "step the top DDR blocks (quest bound) up to the recall budget (a share of the current context, rounded",
+        "down to whole blocks). Traffic (traces.stats.traffic_summary, decode steps only): `HBM %` and `attended %`",
+        "are mean shares of the context resident / attended (resident + recalled) per layer-step; bytes are per",
+        "generated token over all layers, for the micro model (fp32 KV, 3 layers x 3 KV heads x 32) and for the",
+        "same access pattern priced at qwen2-7b's bf16 KV (57,344 bytes/token).",
+        "",
+        "| " + " | ".join(HEADER) + " |",
+        "|" + "---|" * len(HEADER),
+        *("| " + " | ".join(row) + " |" for row in rows),
+        "",
+        f"Cells not run yet: {missing} of {len(cells('all'))}." if missing else "All cells have run.",
+    ]
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # shards write side by side: replace atomically
+    temporary.write_text("\n".join(lines) + "\n")
+    os.replace(temporary, path)
