@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="simulator results: results.parquet/.csv files or the directory `thoughtkv simulate --out` wrote")
     parser.add_argument("--out", default="report", metavar="DIR",
                         help="directory for report.md, figures/ and tables/ (new, empty or an earlier report; default: report)")
-    parser.add_argument("--budget", type=float, default=None, metavar="FRACTION",
+    parser.add_argument("--budget", default=None, metavar="FRACTION",
                         help="HBM budget the latency breakdown and table single out (default: the smallest simulated)")
     parser.add_argument("--measured-profile", default=None, metavar="NAME",
                         help="profile to compare measured timings with (default: the simulated profiles measured by "
@@ -26,11 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from analysis.load import AnalysisInputError
     from analysis.report import build_report
 
-    if args.budget is not None and not 0 < args.budget <= 1:
-        raise AnalysisInputError(f"--budget {args.budget} must be a fraction in (0, 1]")
+    if args.budget is not None:
+        from traces.policy import parse_budget
+
+        args.budget = parse_budget(args.budget, "--budget")
 
     def log(message: str) -> None:
         if not args.quiet:

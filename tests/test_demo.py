@@ -80,7 +80,7 @@ def test_out_must_be_new_empty_or_a_demo(tmp_path, capsys):
     assert len(err) == 2 and "not a demo's" in err[1]
     assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == ["thesis.tex"]
     assert main(["demo", "--out", str(tmp_path / "new"), "--budgets", "0.5,1.5"]) == 2
-    assert "fraction in (0, 1)" in capsys.readouterr().err
+    assert "must be a fraction in (0, 1]" in capsys.readouterr().err  # traces.policy.parse_budget says it
 
 
 def test_grid_labels_and_what_if_of_a_traced_run(demo_out):

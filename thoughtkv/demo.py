@@ -47,7 +47,8 @@ class Cell:
     def label(self) -> str:
         if self.policy == "full":
             return "full"
-        label = f"{self.policy}-b{round(100 * self.hbm_budget)}"
+        budget = f"{round(100 * self.hbm_budget)}" if self.hbm_budget <= 1 else f"{int(self.hbm_budget)}t"
+        label = f"{self.policy}-b{budget}"
         return label + (f"-e{round(100 * self.evict_ratio)}" if self.policy == "hierarchy" else "")
 
 
@@ -88,12 +89,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    budgets = _parse_fractions(args.budgets, "--budgets", low_open=True)
-    evict_ratios = _parse_fractions(args.evict_ratios, "--evict-ratios", low_open=False)
+    budgets = _parse_list(args.budgets, "--budgets", "hbm_budget")
+    evict_ratios = _parse_list(args.evict_ratios, "--evict-ratios", "evict_ratio")
     if args.n_samples < 1:
         raise DemoError(f"--n-samples {args.n_samples} must be at least 1")
     if args.workers < 1 or args.trace_workers < 1:
         raise DemoError(f"--workers {args.workers} / --trace-workers {args.trace_workers} must be at least 1")
+    from tracer.preflight import resolve_device
+
+    args.device = resolve_device(args.device)  # the one --device check, before anything is written
     out = args.out
     _claim_out_dir(out, vars(args))
     cells = grid(budgets, evict_ratios)
@@ -108,16 +112,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_fractions(text: str, option: str, low_open: bool) -> list[float]:
-    """"0.25,0.5" -> sorted unique fractions in (0, 1) (budgets) or [0, 1) (eviction ratios)."""
-    interval = "(0, 1)" if low_open else "[0, 1)"
+def _parse_list(text: str, option: str, field: str) -> list[float]:
+    """"0.25,0.5" -> sorted unique values of a PolicySpec field, each checked by PolicySpec (the one place a
+    budget or ratio is validated)."""
+    from traces.policy import PolicyError, PolicySpec
+
+    values = [v.strip() for v in str(text).split(",") if v.strip()]
+    if not values:
+        raise DemoError(f"{option} {text!r}: give values separated by commas, e.g. 0.25,0.5")
     try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise DemoError(f"{option} {text!r}: give fractions separated by commas, e.g. 0.25,0.5") from None
-    if not values or not all((0 < v if low_open else 0 <= v) and v < 1 for v in values):
-        raise DemoError(f"{option} {text!r}: each value must be a fraction in {interval}")
-    return sorted(set(values))
+        parsed = [getattr(PolicySpec(policy="hierarchy", **{field: v}), field) for v in values]
+    except PolicyError as error:
+        raise DemoError(f"{option}: {error}") from None
+    return sorted(set(parsed))
 
 
 def _claim_out_dir(out: Path, settings: dict) -> None:
@@ -184,7 +191,9 @@ def trace_all(cells: list[Cell], runs_dir: Path, args: argparse.Namespace) -> di
 def _threads(device: str) -> int | None:
     """One torch thread on CPU: a small model's ops are too short to split, and idle threads spinning on a
     shared 2-core machine made decoding ~10x slower in our runs (280 vs 18 ms/token for micro)."""
-    return 1 if device == "cpu" else None
+    from tracer.preflight import resolve_threads  # the one default, shared with trace/calibrate/crosscheck
+
+    return resolve_threads(device, None)
 
 
 _LOADED: dict = {}  # per process: (model, device) -> loaded model, reused across the runs it traces
