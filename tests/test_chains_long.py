@@ -1,0 +1,94 @@
+"""The long bundled workload `chains_long` (issue 14, part 3): long enough for a KV budget to bind, in the
+bundled vocabulary, with its own held-out split; `chains` itself unchanged."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tracer.micro.tokenizer import build_tokenizer
+from tracer.tasks import get_task
+from tracer.tasks.chains import FILLERS, VAR_LOOKUP, ChainsConfig, generate_problem, heldout_problem
+from tracer.tasks.chains_long import (
+    LONG_CONFIG,
+    heldout_long_problem,
+    length_stats,
+    lookup_distances,
+    sequence_length,
+)
+
+
+def test_long_problems_use_only_the_bundled_vocabulary():
+    vocab = build_tokenizer().get_vocab()
+    for i in range(50):
+        problem = heldout_long_problem(i)
+        assert all(w in vocab for w in problem.prompt_words + problem.answer_words)
+
+
+def test_length_and_lookup_distance_meet_the_issue_bars():
+    stats = length_stats(500)
+    assert stats["median_length"] >= 512
+    assert stats["max_lookup_distance"] >= 256 and stats["share_lookups_ge_256"] >= 0.2
+    # Independently: the tokenizer's own count of a problem's tokens (+ <eos>) is what sequence_length says.
+    tokenizer = build_tokenizer()
+    problem = heldout_long_problem(3)
+    assert len(tokenizer(problem.prompt + " " + problem.answer)["input_ids"]) + 1 == sequence_length(problem)
+
+
+def test_lookup_distance_points_at_the_binding_it_copies():
+    problem = heldout_long_problem(7)
+    sequence = ["<bos>", *problem.prompt_words, *problem.answer_words]
+    offset = 1 + len(problem.prompt_words)
+    positions = [offset + j for j, role in enumerate(problem.answer_roles) if role.endswith("lookup")
+                 and role != "step_lookup"]
+    distances = lookup_distances(problem)
+    assert len(distances) == len(positions) > 0
+    for position, distance in zip(positions, distances):
+        name, value = sequence[position - 1], sequence[position]
+        # the nearest earlier word binding this name, found by scanning back (independent of last_binding)
+        source = next(p for p in range(position - 1, -1, -1) if sequence[p] == f"{name}={value}")
+        assert position - distance == source
+    var_distances = [d for d, j in zip(distances, positions) if problem.answer_roles[j - offset] == VAR_LOOKUP]
+    assert max(var_distances) >= 256  # the last steps look far back into the prompt
+
+
+def test_each_step_thinks_all_ten_fillers_once_starting_at_its_result():
+    problem = heldout_long_problem(0)
+    text = " ".join(problem.answer_words)
+    first_step_result = int(problem.answer_words[problem.answer_words.index("=") + 1])
+    cycle = " ".join(FILLERS[(first_step_result + j) % 10] for j in range(10))
+    # ... and the cycle ends just before it would repeat: the next word starts step 2's statement.
+    assert f"r1={first_step_result} . {cycle} r2.x=" in text
+
+
+def test_task_registry_split_and_chains_unchanged():
+    task = get_task("chains_long")
+    samples = task.load(20)
+    assert [s.sample_id for s in samples] == [f"chains_long/test/{i}" for i in range(20)]
+    assert samples[5].gold == heldout_long_problem(5).gold
+    assert task.extract_answer(heldout_long_problem(5).answer) == samples[5].gold
+    short = {heldout_problem(i).prompt for i in range(2000)}
+    assert not any(s.prompt in short for s in task.load(500))
+    # `chains` is the task the shipped model was trained on: its held-out problems are what they were.
+    assert heldout_problem(0) == generate_problem(random.Random("chains/test/0"), ChainsConfig())
+    assert get_task("chains").config == ChainsConfig()
+    with pytest.raises(Exception, match="drop --data-file"):
+        task.load(1, data_file="x.jsonl")
+
+
+def test_long_training_batches_are_deterministic_and_skip_held_out_problems():
+    from tracer.micro.train import RECIPES, TrainConfig, training_batch
+
+    cfg = TrainConfig(task="chains_long", batch_size=8)
+    held_out = {heldout_long_problem(i).prompt for i in range(200)}
+    for stage in range(len(RECIPES["chains_long"].stages)):
+        batch = training_batch(5, stage, cfg, held_out)
+        assert batch == training_batch(5, stage, cfg, held_out)
+        assert not any(p.prompt in held_out for p in batch)
+    final = [p for p in training_batch(0, 2, cfg, set()) if "recall" not in p.prompt_words]
+    guarded = training_batch(0, 2, cfg, {p.prompt for p in final})
+    assert not any(p.prompt in {q.prompt for q in final} for p in guarded)
+    assert LONG_CONFIG.fillers_per_step == 10
+    with pytest.raises(Exception, match="known tasks"):
+        TrainConfig(task="nope")
