@@ -18,7 +18,7 @@ from traces.encoding import decode_block_mass
 from traces.errors import TraceFormatError
 from traces.layout import list_parts, part_path
 from traces.manifest import load_manifest
-from traces.schema import TABLE_SCHEMAS
+from traces.schema import LATER_COLUMNS, TABLE_SCHEMAS
 from traces.tables import check_schema
 
 BYTE_COLUMNS = ("bytes_h2d", "bytes_d2h", "hbm_kv_bytes", "ddr_kv_bytes")
@@ -178,12 +178,19 @@ def read_part(path: Path, table: str, columns: list[str] | None = None) -> pa.Ta
     """One Parquet part, schema-checked. Any failure to read it is the file's fault: TraceFormatError."""
     try:
         with pq.ParquetFile(path) as parquet:
-            check_schema(path, parquet.schema_arrow, TABLE_SCHEMAS[table])
-            return parquet.read(columns=columns)
+            expected = TABLE_SCHEMAS[table]
+            check_schema(path, parquet.schema_arrow, expected, LATER_COLUMNS.get(table, ()))
+            present = parquet.schema_arrow.names
+            data = parquet.read(columns=None if columns is None else [c for c in columns if c in present])
     except TraceFormatError:
         raise
     except Exception as exc:  # noqa: BLE001 - pyarrow raises many types for a damaged file; all mean "corrupt"
         raise TraceFormatError(f"{path}: unreadable Parquet ({_first_line(exc)}); the file is corrupt or truncated") from None
+    # A part written before a later column existed: that column reads as null, in schema order.
+    wanted = expected.names if columns is None else columns
+    return pa.table({name: data.column(name) if name in data.column_names
+                     else pa.nulls(data.num_rows, expected.field(name).type) for name in wanted},
+                    schema=pa.schema([expected.field(name) for name in wanted]))
 
 
 def _to_pandas(tables: list[pa.Table], table: str, columns: list[str] | None = None) -> pd.DataFrame:

@@ -80,10 +80,13 @@ def _check_nulls(name: str, field: pa.Field, array: pa.Array) -> pa.Array:
     return array
 
 
-def check_schema(path, found: pa.Schema, expected: pa.Schema) -> None:
-    """A part file's columns and types must be exactly the v1 ones (extra columns are refused too)."""
+def check_schema(path, found: pa.Schema, expected: pa.Schema, may_lack: tuple[str, ...] = ()) -> None:
+    """A part file's columns and types must be exactly the v1 ones (extra columns are refused too); only the
+    nullable columns added later (`may_lack`, traces.schema.LATER_COLUMNS) may be missing."""
     for field in expected:
         index = found.get_field_index(field.name)
+        if index < 0 and field.name in may_lack:
+            continue
         if index < 0:
             raise TraceFormatError(f"{path}: missing column {field.name!r}; the file was not written by trace format v1")
         found_type = found.field(index).type

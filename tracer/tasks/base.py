@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from thoughtkv_base import UserError
+from thoughtkv_base import UserError, __version__
+from tracer.tasks.grading import Grade, answer_region
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,8 @@ class Sample:
 
 
 class Task:
-    """Base class: subclasses set the class attributes and implement `load` and `extract_answer`."""
+    """Base class: subclasses set the class attributes and implement `load`, and either `extract_answer`
+    (+ `is_correct`, exact match by default) or `grade` (the math tasks: tracer.tasks.math_task)."""
 
     name: str = ""
     source: str = ""  # dataset id or generator, recorded in run.json
@@ -37,6 +39,42 @@ class Task:
         if gold is None:
             return None
         return predicted is not None and predicted.strip() == gold.strip()
+
+    def grade(self, text: str, gold: str | None) -> Grade:
+        """Score one generation: what `samples` records in predicted, correct, grader, answered_after_think."""
+        region, after_think = answer_region(text)
+        predicted = self.extract_answer(region)
+        return Grade(predicted, self.is_correct(predicted, gold), after_think,
+                     f"thoughtkv {__version__} {self.name} exact-match")
+
+
+def prompt_manifest(task: Task, tokenizer) -> tuple[dict, str | None]:
+    """run.json's record of how prompts were built (the instruction appended, chat template applied or not),
+    and a one-line warning when the task wants a chat template the tokenizer lacks. The condition is the one
+    tracer.decode.encode_prompt applies."""
+    import hashlib
+
+    template = getattr(tokenizer, "chat_template", None)
+    applied = bool(task.use_chat_template and template)
+    record = {
+        "instruction": getattr(task, "instruction", None),
+        "chat_template_applied": applied,
+        "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest() if applied else None,
+    }
+    warning = None
+    if task.use_chat_template and not template:
+        warning = (f"the tokenizer has no chat template: task {task.name}'s prompts are fed raw, without the chat "
+                   "turns (and <think>) a reasoning model was tuned on; use the model's own tokenizer to compare")
+    return record, warning
+
+
+def grading_columns(task: Task, text: str, gold: str | None, scored: bool = True) -> dict:
+    """The `samples` columns a grade fills (all null when the run is not scored, e.g. random weights)."""
+    if not scored:
+        return {"predicted": None, "correct": None, "grader": None, "answered_after_think": None}
+    graded = task.grade(text, gold)
+    return {"predicted": graded.predicted, "correct": graded.correct, "grader": graded.grader,
+            "answered_after_think": graded.answered_after_think}
 
 
 TASKS: dict[str, type[Task]] = {}
