@@ -146,7 +146,7 @@ def run_trace(config: TraceConfig, progress: bool = True, loaded=None) -> Path:
 
     from tracer.decode import encode_prompt
     from tracer.models import load_model
-    from tracer.tasks import get_task
+    from tracer.tasks import get_task, prompt_manifest
     from traces import TraceWriter, make_manifest
 
     config.validate()
@@ -161,11 +161,14 @@ def run_trace(config: TraceConfig, progress: bool = True, loaded=None) -> Path:
     if excess is not None:
         print(f"warning: {excess['warning']}", file=sys.stderr)
         tracer_extra["protected_excess"] = excess
+    prompt_record, prompt_warning = prompt_manifest(task, loaded.tokenizer)
+    if prompt_warning is not None:
+        print(f"warning: {prompt_warning}", file=sys.stderr)
     manifest = make_manifest(
         kind="traced",
         model=loaded.manifest,
         task={"name": task.name, "source": config.data_file or task.source, "split": task.split,
-              "sample_ids": [s.sample_id for s in samples]},
+              "sample_ids": [s.sample_id for s in samples], "prompt": prompt_record},
         policy=spec.to_manifest(),
         hardware=hardware_manifest(loaded.model.device),
         seed=config.seed,
@@ -189,6 +192,7 @@ def trace_sample(loaded, task, sample, config: TraceConfig, progress: bool = Fal
     from tracer.cache import TieredCache
     from tracer.decode import encode_prompt, eos_token_ids, greedy_decode, tokens_table, use_tiered_attention
     from tracer.recorder import Recorder
+    from tracer.tasks import grading_columns
 
     model, tokenizer = loaded.model, loaded.tokenizer
     use_tiered_attention(model)
@@ -207,15 +211,13 @@ def trace_sample(loaded, task, sample, config: TraceConfig, progress: bool = Fal
         result = greedy_decode(model, prompt_ids, cache, config.max_new_tokens, eos_ids, recorder, bar)
     text = tokenizer.decode(result.generated_ids, skip_special_tokens=True)
     scored = not loaded.random_weights
-    predicted = task.extract_answer(text) if scored else None
     row = {
         "sample_id": sample.sample_id,
         "prompt_tokens": len(prompt_ids),
         "generated_tokens": len(result.generated_ids),
         "stop_reason": result.stop_reason,
-        "predicted": predicted,
         "gold": sample.gold,
-        "correct": task.is_correct(predicted, sample.gold) if scored else None,
+        **grading_columns(task, text, sample.gold, scored),  # predicted, correct, grader, answered_after_think
         "wall_s": result.wall_s,
         "nonfinite": result.stop_reason == "nonfinite",
         "generated_text": text,
