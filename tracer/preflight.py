@@ -34,8 +34,9 @@ class PreflightError(UserError):
 # ---------------------------------------------------------------- device and threads -------------------------
 
 
-def resolve_device(spec: str | None, option: str = "--device") -> str:
-    """`None` -> cuda when torch sees a GPU, else cpu; `cpu`, `cuda`, `cuda:N` checked against this torch."""
+def resolve_device(spec: str | None, option: str = "--device", allow_index: bool = True) -> str:
+    """`None` -> cuda when torch sees a GPU, else cpu; `cpu`, `cuda`, `cuda:N` checked against this torch
+    (`allow_index=False`: a command that always uses the first GPU refuses `cuda:N`)."""
     import torch
 
     if spec is None:
@@ -57,6 +58,9 @@ def resolve_device(spec: str | None, option: str = "--device") -> str:
             f"{option} {spec}: torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU here "
             "(driver, CUDA_VISIBLE_DEVICES); use --device cpu"
         )
+    if match.group(1) is not None and not allow_index:
+        raise PreflightError(f"{option} {spec}: this command uses the first visible GPU; pick another with "
+                             f"CUDA_VISIBLE_DEVICES={match.group(1)} and --device cuda")
     index, count = int(match.group(1) or 0), torch.cuda.device_count()
     if index >= count:
         raise PreflightError(f"{option} {spec}: torch sees {count} GPU(s), numbered 0..{count - 1}; pick one of those")
