@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
 from pathlib import Path
 
+from traces.errors import TraceFormatError
 from traces.stats import accuracy_line, run_traffic, traffic_line
 
 
@@ -26,12 +29,39 @@ def run(args: argparse.Namespace) -> int:
         return 2
     trace = open_run(args.run_dir)
     if args.traces_command == "validate":
-        trace.validate(progress=True)
+        try:
+            # A bar only on a terminal: in a log or a pipe the error must stay the one line on stderr.
+            trace.validate(progress=sys.stderr.isatty())
+        except TraceFormatError as exc:
+            raise TraceFormatError(f"{exc}; to repair, rerun `{repair_command(trace.manifest, args.run_dir)}`, "
+                                   "which writes damaged samples again") from None
         print(f"OK {args.run_dir}: {len(trace.sample_ids())} committed samples, trace format {trace.manifest['schema']}")
         return 0
     for line in info_lines(trace):
         print(line)
     return 0
+
+
+def repair_command(manifest: dict, run_dir: Path) -> str:
+    """The command that resumes this run: rerun, it re-writes every sample with a damaged part
+    (traces.writer drops them on resume). Rebuilt from the settings the tracer recorded in run.json."""
+    settings = manifest.get("tracer")
+    if manifest.get("kind") != "traced" or not isinstance(settings, dict):
+        return f"the command that wrote {run_dir} (same --out)"
+    words = ["thoughtkv", "trace"]
+    for key, value in settings.items():
+        if key == "out" or value is None or isinstance(value, (dict, list)):
+            continue  # notes the tracer added (e.g. protected_excess) are not options
+        option = "--" + key.replace("_", "-")
+        if key == "access":
+            words += [] if value else ["--no-access"]
+        elif key == "n_samples":  # the sample list may have grown on resume since the first run
+            words += [option, str(len(manifest["task"]["sample_ids"]))]
+        elif isinstance(value, bool):
+            words += [option] if value else []
+        else:
+            words += [option, str(value)]
+    return shlex.join([*words, "--out", str(run_dir)])
 
 
 def info_lines(trace) -> list[str]:

@@ -174,6 +174,21 @@ class TraceRun:
             raise TraceFormatError(f"{where}: block_mass_q must hold ceil(logical_len / block_size) values per row")
 
 
+def part_problem(path: Path) -> str | None:
+    """Why a part cannot be read, from its footer alone (cheap: no column data is read), else None. A
+    truncated or half-copied file loses its footer, so this catches what an interrupted copy leaves; a file
+    of another schema is `read_part`'s to refuse (it is not damage that rewriting fixes)."""
+    if not path.is_file():
+        return f"{path}: missing"
+    try:
+        with pq.ParquetFile(path) as parquet:
+            if parquet.metadata.num_rows < 1:
+                return f"{path}: no rows"
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises many types for a damaged file; all mean "corrupt"
+        return f"{path}: unreadable Parquet ({_first_line(exc)})"
+    return None
+
+
 def read_part(path: Path, table: str, columns: list[str] | None = None) -> pa.Table:
     """One Parquet part, schema-checked. Any failure to read it is the file's fault: TraceFormatError."""
     try:

@@ -8,7 +8,9 @@ them when it reopens the run.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +43,7 @@ class TraceWriter:
         self.path = Path(run_dir)
         check_manifest(manifest, where="manifest")
         self.manifest = manifest
+        self.damaged: dict[str, str] = {}
         self._open(resume)
         self._done = set(list_parts(self.path, "samples"))
 
@@ -69,6 +72,7 @@ class TraceWriter:
         if mismatch is not None:
             raise TraceFormatError(f"{self.path}: cannot resume: {mismatch}; use a new --out for a different run")
         self._remove_leftovers()
+        self.damaged = self._remove_damaged()
         # Keep what the first run recorded (created, versions); only let the sample list grow.
         known = existing["task"]["sample_ids"]
         added = [s for s in self.manifest["task"]["sample_ids"] if s not in set(known)]
@@ -95,6 +99,44 @@ class TraceWriter:
             for sample_id, part in list_parts(self.path, table).items():
                 if table != "samples" and sample_id not in committed:
                     part.unlink()
+
+    def _remove_damaged(self) -> dict[str, str]:
+        """Un-commit samples with a part that cannot be read (a truncated copy, a full disk), so that the
+        resumed run writes them again instead of reporting them done; sample id -> the problem found."""
+        from traces.reader import part_problem
+
+        damaged = {}
+        for sample_id in sorted(list_parts(self.path, "samples")):
+            for table in ("samples", *(t for t in self._tables() if t != "samples")):
+                problem = part_problem(part_path(self.path, table, sample_id))
+                if problem is not None:
+                    damaged[sample_id] = problem
+                    break
+        for sample_id in damaged:  # the samples part first: without it the sample is no longer committed
+            for table in ("samples", *TABLES):
+                part_path(self.path, table, sample_id).unlink(missing_ok=True)
+        if damaged:
+            first = next(iter(damaged.values()))
+            print(f"note: {self.path}: {len(damaged)} committed sample(s) had a damaged part ({first}); "
+                  "removed them so that this run writes them again", file=sys.stderr)
+        return damaged
+
+    # -- sessions ----------------------------------------------------------------------------------------
+
+    def begin_session(self, info: Mapping) -> None:
+        """Record one invocation of the writing command in run.json `sessions` (e.g. threads, load average):
+        a resumed run is several sessions, and each one's conditions explain its samples' timings."""
+        session = {"started": datetime.now(UTC).isoformat(timespec="seconds"), **dict(info)}
+        self.manifest.setdefault("sessions", []).append(session)
+        write_manifest(self.path, self.manifest)
+
+    def end_session(self, info: Mapping) -> None:
+        """Complete the session `begin_session` opened (an interrupted run keeps it without an end)."""
+        sessions = self.manifest.get("sessions") or []
+        if not sessions:
+            raise TraceFormatError(f"{self.path}: end_session without begin_session")
+        sessions[-1].update({"ended": datetime.now(UTC).isoformat(timespec="seconds"), **dict(info)})
+        write_manifest(self.path, self.manifest)
 
     # -- writing -------------------------------------------------------------------------------------------
 
