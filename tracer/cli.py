@@ -7,40 +7,45 @@ from __future__ import annotations
 
 import argparse
 
-HELP_BUDGET = "HBM budget: a fraction of the logical length in (0, 1] or a whole token count (e.g. 512)"
+from tracer.preflight import DEVICE_HELP, THREADS_HELP
+
+HELP_BUDGET = "HBM budget: a fraction of the logical length in (0, 1] or a whole token count, e.g. 512 (default: 1.0)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="HF id or local path, `micro`, or `random:NAME` (traces.architectures)")
     parser.add_argument("--task", required=True, help="task name (gsm8k, math500, chains, ...)")
     parser.add_argument("--data-file", default=None, help="local dataset file for the task (no downloads at run time)")
-    parser.add_argument("--n-samples", type=int, default=1)
-    parser.add_argument("--policy", default="full", help="full | evict | hierarchy")
+    parser.add_argument("--n-samples", type=int, default=1, help="samples of the task to trace (default: 1)")
+    parser.add_argument("--policy", default="full", help="full | evict | hierarchy (default: full)")
     parser.add_argument("--hbm-budget", default="1.0", help=HELP_BUDGET)
-    parser.add_argument("--evict-ratio", type=float, default=0.0, help="hierarchy: fraction of the logical length evicted")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (1 = per token)")
-    parser.add_argument("--scorer", default="h2o", help="h2o | tova | snapkv | keynorm | rkv | recency | random | oracle | vatp | gradient")
-    parser.add_argument("--recall-k", type=int, default=4, help="hierarchy: DDR blocks recalled per layer and step")
+    parser.add_argument("--evict-ratio", type=float, default=0.0,
+                        help="hierarchy: fraction of the logical length evicted (default: 0)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block, 1 = per token (default: 16)")
+    parser.add_argument("--scorer", default="h2o", help="h2o | tova | snapkv | keynorm | rkv | recency | random | oracle | vatp | gradient (default: h2o)")
+    parser.add_argument("--recall-k", type=int, default=4, help="hierarchy: DDR blocks recalled per layer and step (default: 4)")
     parser.add_argument("--recall-budget", default=None,
                         help="hierarchy: recall per layer and step a fraction of the logical length or a token count "
                         "(whole blocks; replaces --recall-k)")
-    parser.add_argument("--recall-rule", default="quest", help="hierarchy: quest | quest-per-head (each KV head its own top blocks)")
-    parser.add_argument("--sink-tokens", type=int, default=4)
-    parser.add_argument("--window-tokens", type=int, default=32)
+    parser.add_argument("--recall-rule", default="quest", help="hierarchy: quest | quest-per-head, each KV head its own top blocks (default: quest)")
+    parser.add_argument("--sink-tokens", type=int, default=4, help="first tokens always kept in HBM (default: 4)")
+    parser.add_argument("--window-tokens", type=int, default=32, help="recent tokens always kept in HBM (default: 32)")
     parser.add_argument("--promote", action="store_true", help="hierarchy: recalled blocks that outscore HBM blocks stay in HBM (swap)")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="decode limit per sample (default: 256)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds random weights, the random scorer and generated tasks (default: 0)")
+    parser.add_argument("--device", default=None, help=DEVICE_HELP)
+    parser.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     parser.add_argument("--no-access", action="store_true", help="do not record per-block masses (access table)")
     parser.add_argument("--ddr-dtype", default="same", choices=["same", "int8", "int4"],
-                        help="hierarchy: store offloaded blocks quantized (per block and head scale + zero point)")
+                        help="hierarchy: store offloaded blocks quantized, per block and head scale + zero point (default: same)")
     parser.add_argument("--also-score", default=None, metavar="A,B",
                         help="scorers computed alongside (not placing); recorded for `thoughtkv analyze correlation`")
-    parser.add_argument("--grad-window", type=int, default=1, help="gradient scorer: next-token losses of the last N positions")
-    parser.add_argument("--grad-interval", type=int, default=1, help="gradient scorer: a backward pass every N decode steps")
+    parser.add_argument("--grad-window", type=int, default=1, help="gradient scorer: next-token losses of the last N positions (default: 1)")
+    parser.add_argument("--grad-interval", type=int, default=1, help="gradient scorer: a backward pass every N decode steps (default: 1)")
     parser.add_argument("--out", required=True, help="run directory (created; rerun to resume)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars (the weights-loading bar included)")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -54,7 +59,7 @@ def config_from_args(args: argparse.Namespace):
         sink_tokens=args.sink_tokens, window_tokens=args.window_tokens, promote=args.promote,
         seed=args.seed, device=args.device, dtype=args.dtype, access=not args.no_access,
         ddr_dtype=args.ddr_dtype, also_score=args.also_score, grad_window=args.grad_window,
-        grad_interval=args.grad_interval,
+        grad_interval=args.grad_interval, threads=args.threads,
     )
 
 
@@ -80,6 +85,12 @@ def run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     config.validate()
+    if args.quiet:  # transformers' and the Hub's own bars (weights loading, downloads) too
+        import huggingface_hub.utils
+        import transformers.utils.logging
+
+        transformers.utils.logging.disable_progress_bar()
+        huggingface_hub.utils.disable_progress_bars()
     out = run_trace(config, progress=not args.quiet)
     print(f"trace written to {out}")
     print(f"accuracy: {run_accuracy_line(out)}")
