@@ -2,13 +2,21 @@
 
 A subcommand module exposes `add_arguments(parser)` and `run(args) -> int`; it must not import torch at
 module level, so that `thoughtkv --help` and the torch-free subcommands start fast.
+
+Every refusal looks the same: one line on stderr, exit 2 — a `UserError` from the code, a usage error from
+argparse (`OneLineParser`), a group named without its action (its help goes to stderr). Ctrl-C ends any
+command within `HARD_INTERRUPT_GRACE_S`, even inside one long torch op (`hard_interrupt`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 
 from thoughtkv_base import UserError, __version__
 
@@ -33,14 +41,27 @@ NESTED: dict[str, list[tuple[str, str, str]]] = {
     "traces": [("synth", "simulator.synth", "write a synthetic trace v1 for a known architecture (no torch)")],
 }
 
+# After a Ctrl-C the main thread normally raises KeyboardInterrupt at once; inside one long C++ op (a 7B
+# matmul on a CPU takes tens of seconds) it cannot, so a watchdog ends the process after this grace.
+HARD_INTERRUPT_GRACE_S = 1.5
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd command
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse prints the whole usage before its error; thoughtkv's refusals are one line, exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="thoughtkv",
         description="Trace collector and discrete-event memory-hierarchy simulator for reasoning-LLM KV caches.",
     )
     parser.add_argument("--version", action="version", version=f"thoughtkv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.set_defaults(_group_parser=parser, _group_dest="command")
     for name, module_name, help_text in SUBCOMMANDS:
         p = sub.add_parser(name, help=help_text, description=help_text)
         try:
@@ -52,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         nested_parent = module.add_arguments(p)
         p.set_defaults(_run=module.run)
+        group = _subparsers_of(p)
+        if group is not None:  # a group (profiles, traces, analyze): naming no action prints its help
+            p.set_defaults(_group_parser=p, _group_dest=group.dest)
         for child, child_module_name, child_help in NESTED.get(name, []):
             # The parent's add_arguments returns its subparsers action so that children can join it.
             cp = nested_parent.add_parser(child, help=child_help, description=child_help)
@@ -67,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparsers_of(parser: argparse.ArgumentParser):
+    return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+
+
 def _not_yet(name: str):
     def run(_args: argparse.Namespace) -> int:
         from thoughtkv_base import NotYetImplemented
@@ -76,20 +104,76 @@ def _not_yet(name: str):
     return run
 
 
+@contextmanager
+def hard_interrupt(command: str, grace_s: float = HARD_INTERRUPT_GRACE_S):
+    """Make Ctrl-C end the process within `grace_s` wherever the main thread is.
+
+    Python runs a SIGINT handler only between bytecodes, so a Ctrl-C during one long torch op waits for the
+    op. The C-level handler also writes the signal number to the wakeup fd at once (signal.set_wakeup_fd);
+    a watchdog thread blocked on it wakes, and if the main thread has not unwound within `grace_s` it ends
+    the process. Work on disk stays intact: every trace part and run.json is written to a temp name and
+    renamed, and a resumed run removes leftover temp files.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals are delivered to the main thread only; nothing to watch from elsewhere
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    try:
+        previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    except ValueError:  # not the main interpreter
+        os.close(read_fd)
+        os.close(write_fd)
+        yield
+        return
+    finished = threading.Event()
+
+    def watch() -> None:
+        while True:
+            try:
+                data = os.read(read_fd, 64)
+            except OSError:
+                return
+            if not data or finished.is_set():
+                return
+            if signal.SIGINT in data and not finished.wait(grace_s):
+                os.write(2, f"thoughtkv {command}: interrupted; finished work is kept, rerun to resume\n".encode())
+                os._exit(EXIT_INTERRUPTED)
+
+    watchdog = threading.Thread(target=watch, name="thoughtkv-interrupt-watchdog", daemon=True)
+    watchdog.start()
+    try:
+        yield
+    finally:
+        finished.set()
+        signal.set_wakeup_fd(previous)
+        os.write(write_fd, b"\0")  # wake the watchdog so that it returns
+        watchdog.join(timeout=1.0)
+        os.close(write_fd)
+        os.close(read_fd)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "_run", None) is None:
-        parser.print_help()
+    group = getattr(args, "_group_parser", None)
+    if group is not None and getattr(args, args._group_dest, None) is None:
+        group.print_help(sys.stderr)
         return 2
     try:
-        return int(args._run(args) or 0)
+        with hard_interrupt(args.command):
+            return int(args._run(args) or 0)
     except UserError as exc:
-        print(f"thoughtkv {args.command}: error: {exc}", file=sys.stderr)
+        print(f"thoughtkv {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"thoughtkv {args.command}: interrupted; finished work is kept, rerun to resume", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+
+
+def _one_line(exc: BaseException) -> str:
+    """A refusal is one line whatever the message holds (a path or a value with a newline in it)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 if __name__ == "__main__":
