@@ -152,8 +152,6 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("steps", "samples", "repeats", "block_size"):
         if getattr(args, name) < 1:
             raise CrosscheckError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
-    if args.threads is not None and args.threads < 1:
-        raise CrosscheckError(f"--threads {args.threads}: must be >= 1")
     for budget in args.hbm_budget:
         parse_budget(budget)
     out = Path(args.out)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from thoughtkv_base import UserError
+from tracer.preflight import check_fits, model_is_local, resolve_device
 from traces.architectures import DTYPE_BYTES, Architecture, get_architecture
 
 MICRO_DIR = Path(__file__).parent / "assets" / "micro"
@@ -59,7 +60,8 @@ def default_dtype(device: torch.device) -> str:
 def load_model(spec: str, device: str | torch.device | None = None, dtype: str | None = None, seed: int = 0) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    device = torch.device(device) if device is not None else default_device()
+    # One check of --device for every caller (preflight): a CPU build asked for cuda says how to install one.
+    device = torch.device(resolve_device(None if device is None else str(device)))
     dtype = dtype or default_dtype(device)
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown --dtype {dtype!r}; use one of {', '.join(DTYPES)}")
@@ -68,17 +70,19 @@ def load_model(spec: str, device: str | torch.device | None = None, dtype: str |
         arch = get_architecture(spec.split(":", 1)[1])
         config = AutoConfig.for_model(arch.model_type, **_config_kwargs(arch))
         _check_supported(config, spec)
+        check_fits(spec, config, dtype, DTYPE_BYTES[dtype], str(device))
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation="sdpa")
         tokenizer, random_weights, revision = ByteTokenizer(), True, None
     else:
         path = str(MICRO_DIR) if spec == "micro" else spec
-        local = Path(path).is_dir()
+        local = Path(path).is_dir() if spec == "micro" else model_is_local(path)
         if spec == "micro" and not local:
             raise ModelLoadError(f"the bundled micro model is missing at {MICRO_DIR}; reinstall thoughtkv")
         try:
             config = AutoConfig.from_pretrained(path, local_files_only=local, trust_remote_code=False)
             _check_supported(config, spec)
+            check_fits(spec, config, dtype, DTYPE_BYTES[dtype], str(device))
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=torch_dtype, attn_implementation="sdpa", local_files_only=local, trust_remote_code=False
             )

@@ -46,6 +46,7 @@ class TraceConfig:
     also_score: str | None = None  # "A,B": scorers computed alongside, recorded in tokens.importance_by_scorer
     grad_window: int = 1  # gradient scorer: next-token losses of the last N positions
     grad_interval: int = 1  # gradient scorer: one backward pass every N decode steps
+    threads: int | None = None  # torch intra-op threads; None: tracer.preflight.resolve_threads's default
 
     @property
     def spec(self):
@@ -74,6 +75,9 @@ class TraceConfig:
             raise BadTraceConfig(f"unknown scorer {self.scorer!r}; use one of {', '.join(SCORERS)}")
         get_task(self.task)
         self._validate_extras()
+        from tracer.preflight import resolve_device, resolve_threads
+
+        resolve_threads(resolve_device(self.device), self.threads)
         for name in ("n_samples", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise BadTraceConfig(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
@@ -146,12 +150,18 @@ def run_trace(config: TraceConfig, progress: bool = True, loaded=None) -> Path:
 
     from tracer.decode import encode_prompt
     from tracer.models import load_model
+    from tracer.preflight import apply_threads, load_average, resolve_device, resolve_threads, usable_cpus
     from tracer.tasks import get_task, prompt_manifest
     from traces import TraceWriter, make_manifest
 
     config.validate()
+    threads = resolve_threads(resolve_device(config.device), config.threads)
+    apply_threads(threads)
     task = get_task(config.task)
     samples = task.load(config.n_samples, config.data_file, config.seed)
+    if len(samples) < config.n_samples:
+        print(f"note: task {task.name} has {len(samples):,} problems; tracing those {len(samples):,}, "
+              f"not --n-samples {config.n_samples:,}", file=sys.stderr)
     loaded = loaded or load_model(config.model, config.device, config.dtype, seed=config.seed)
     spec = config.spec
     tracer_extra = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("out",)}
@@ -177,11 +187,20 @@ def run_trace(config: TraceConfig, progress: bool = True, loaded=None) -> Path:
     )
     writer = TraceWriter(config.out, manifest, resume=True)
     todo = [s for s in samples if s.sample_id not in writer.done_sample_ids()]
-    bar = tqdm(todo, desc=f"trace {config.policy}", unit="sample", disable=not progress)
-    for sample in bar:
+    if len(todo) < len(samples) and progress:
+        print(f"resuming {config.out}: {len(samples) - len(todo)} of {len(samples)} samples already done")
+    # Threads and load at start and end of each invocation: timings mean little without them (issue 16).
+    writer.begin_session({"threads": threads, "cpus": usable_cpus(), "load_avg_1m_start": load_average(),
+                          "samples_already_done": len(samples) - len(todo)})
+    bar = tqdm(samples, desc=f"trace {config.policy}", unit="sample", disable=not progress,
+               initial=len(samples) - len(todo), total=len(samples))
+    for sample in todo:
         row, steps, tokens, access = trace_sample(loaded, task, sample, config, progress=progress)
         writer.write_sample(row, steps, tokens, access)
+        bar.update(1)
         bar.set_postfix(tokens=row["generated_tokens"], stop=row["stop_reason"])
+    bar.close()
+    writer.end_session({"load_avg_1m_end": load_average(), "samples_traced": len(todo)})
     return Path(config.out)
 
 

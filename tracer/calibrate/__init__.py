@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from thoughtkv_base import UserError
+from tracer.preflight import resolve_threads
 
 FULL_DUPLEX_MIN_RATIO = 1.6  # both-directions throughput / one direction, above which the link is full duplex
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
@@ -489,7 +490,7 @@ def write_profile(profile, sources: dict, out: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+    parser.add_argument("--device", default=None,
                         help="device to calibrate (default: cuda when available, else cpu)")
     parser.add_argument("--out", default=None,
                         help="profile YAML to write; its stem is the profile name "
@@ -528,18 +529,12 @@ def resolve_out(out: str | None, device_type: str, force: bool) -> Path:
 
 
 def resolve_device(device: str | None) -> str:
-    import torch
+    from tracer import preflight  # the one check of --device (a CPU build of torch -> the install line)
 
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise CalibrationError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
-    return device
+    return preflight.resolve_device(device, allow_index=False)
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from traces.architectures import get_architecture
 
     device_type = resolve_device(args.device)
@@ -549,9 +544,7 @@ def run(args: argparse.Namespace) -> int:
         get_architecture(architecture)
     except UserError as exc:
         raise CalibrationError(f"--architecture: {exc}") from None
-    if args.threads is not None and args.threads < 1:
-        raise CalibrationError(f"--threads {args.threads}: must be >= 1")
-    threads = args.threads or (1 if device_type == "cpu" else torch.get_num_threads())
+    threads = resolve_threads(device_type, args.threads)
     cal = measure(device_type, architecture, plan_for(device_type, args.quick), threads, args.overhead_decoder,
                   args.statistic)
     profile, sources = build_profile(cal, out.stem)
