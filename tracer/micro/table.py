@@ -105,6 +105,8 @@ class CellResult:
     n: int
     correct: int
     mean_generated_tokens: float
+    attended_frac: float = math.nan  # traffic (traces.stats.traffic_summary, decode steps): share attended
+    h2d_bytes_per_token_ref: float = math.nan  # H2D per generated token priced at qwen2-7b's bf16 KV
 
     @property
     def accuracy(self) -> float:
@@ -113,8 +115,15 @@ class CellResult:
     def describe(self) -> str:
         if self.n == 0:
             return "—"
+        from traces.stats import bytes_text
+
         low, high = wilson_interval(self.correct, self.n)
-        return f"{100 * self.accuracy:.1f} [{100 * low:.0f}–{100 * high:.0f}] (n={self.n})"
+        text = f"{100 * self.accuracy:.1f} [{100 * low:.0f}–{100 * high:.0f}] (n={self.n})"
+        if math.isnan(self.attended_frac):
+            return text
+        # Issue 14: an accuracy is only meaningful with what it cost on the link.
+        return (f"{text}; attends {100 * self.attended_frac:.0f}%, H2D "
+                f"{bytes_text(self.h2d_bytes_per_token_ref)}/token at qwen2-7b")
 
 
 def read_cell(run_dir: Path) -> CellResult:
@@ -122,9 +131,14 @@ def read_cell(run_dir: Path) -> CellResult:
 
     if not (run_dir / "run.json").is_file():
         return CellResult(0, 0, math.nan)
-    samples = open_run(run_dir).samples()
+    from traces.stats import run_traffic
+
+    trace = open_run(run_dir)
+    samples = trace.samples()
     scored = samples[samples["correct"].notna()]
-    return CellResult(len(scored), int(scored["correct"].sum()), float(samples["generated_tokens"].mean()))
+    traffic = run_traffic(trace)
+    return CellResult(len(scored), int(scored["correct"].sum()), float(samples["generated_tokens"].mean()),
+                      traffic["attended_frac"], traffic["h2d_bytes_per_token_ref"])
 
 
 def top_share_of_attention(run_dir: Path, fraction: float = 0.2, max_samples: int = 50) -> dict[str, float]:
@@ -171,7 +185,9 @@ def write_markdown(path: Path, runs: Path) -> None:
         "",
         "Regenerate: `python -m tracer.micro table --out docs/ --cells all` (resumes; one `thoughtkv trace` run",
         f"per cell under `{runs}`). Greedy decoding, final-answer exact match; cells are accuracy % with the",
-        "95% Wilson interval and the number of problems n. Budget = share of each sequence's current logical",
+        "95% Wilson interval and the number of problems n, then the cell's traffic (traces.stats, decode steps): the",
+        "mean share of the context attended (HBM + recalled) and the H2D bytes per generated token, priced at",
+        "qwen2-7b's bf16 KV (57,344 bytes/token). Budget = share of each sequence's current logical",
         f"length allowed in HBM; blocks of {BLOCK_SIZE} tokens, {SINK_TOKENS} sink tokens and a {WINDOW_TOKENS}-token recent window",
         f"always resident; hierarchy recalls the top {RECALL_K} DDR blocks per layer and step (quest bound).",
         f"At 100% every method is the full cache (one run, n = {FULL_N_SAMPLES}: also the model's quality check; the",
