@@ -32,6 +32,13 @@ def run(args: argparse.Namespace) -> int:
         from traces.policy import parse_budget
 
         args.budget = parse_budget(args.budget, "--budget")
+    if args.measured_profile is not None:
+        from hwprofiles import ProfileError, load_profile
+
+        try:  # a name that is no profile is a typo: refuse it before drawing, not as a skipped Figure 6
+            args.measured_profile = load_profile(args.measured_profile).name
+        except ProfileError as exc:
+            raise ProfileError(f"--measured-profile: {exc}") from None
 
     def log(message: str) -> None:
         if not args.quiet:

@@ -30,6 +30,16 @@ def _percent_axis(axis) -> None:
     axis.set_major_formatter(PercentFormatter(xmax=1.0, decimals=0))
 
 
+def _budget_ticks(ax, budgets: pd.Series, most: int = 8) -> None:
+    """Ticks at the budgets drawn, when there are few: around a single budget matplotlib's automatic ticks
+    are a few tenths of a percent apart and all print as the same whole percent."""
+    values = np.unique(budgets.dropna().to_numpy(dtype=float))
+    if 0 < len(values) <= most:
+        ax.set_xticks(values)
+        if len(values) == 1:
+            ax.set_xlim(values[0] - 0.1, values[0] + 0.1)
+
+
 def _n_text(n_values: pd.Series) -> str:
     low, high = int(n_values.min()), int(n_values.max())
     return f"n={low}" if low == high else f"n={low}-{high}"
@@ -174,7 +184,8 @@ def capacity_accuracy(accuracy: pd.DataFrame) -> Figure:
 
 
 @styled
-def projected_latency(latency: pd.DataFrame, breakdown: pd.DataFrame, methods: list[str]) -> Figure:
+def projected_latency(latency: pd.DataFrame, breakdown: pd.DataFrame, methods: list[str],
+                      link_label: str = "host-link stall") -> Figure:
     """ms/token vs HBM budget per profile (one panel per method), and a stacked breakdown at one budget."""
     figure = new_figure((2.6 * (len(methods) + 1) + 1.2, 3.4))
     axes = figure.subplots(1, len(methods) + 1, squeeze=False)[0]
@@ -188,13 +199,14 @@ def projected_latency(latency: pd.DataFrame, breakdown: pd.DataFrame, methods: l
         ax.set_xlabel(BUDGET_LABEL)
         ax.set_ylabel("projected time per token (ms)")
         _percent_axis(ax.xaxis)
+        _budget_ticks(ax, rows["hbm_budget"])
         _log_if_wide(ax, latency["ms_per_token"], ratio=5)
     handles, labels = axes[0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 6), title="hardware profile",
                   title_fontsize=7)
     ax = axes[-1]
     parts = [("compute_ms", "compute"), ("hbm_ms", "HBM (KV + weights)"), ("overhead_ms", "launch overhead"),
-             ("link_stall_ms", "PCIe link stall")]
+             ("link_stall_ms", link_label)]  # the profiles' own link: PCIe, NVLink-C2C, CXL
     # Shares of the step time, so that a slow profile does not flatten the fast ones; the total is written out.
     totals = breakdown["step_ms"].to_numpy(dtype=float)
     left = np.zeros(len(breakdown))
@@ -287,6 +299,7 @@ def capacity(frame: pd.DataFrame, method: str) -> Figure:
     for ax in (ax_sequences, ax_throughput):
         ax.set_xlabel(BUDGET_LABEL)
         _percent_axis(ax.xaxis)
+        _budget_ticks(ax, rows["hbm_budget"])
     _log_if_wide(ax_sequences, rows["max_concurrency"], ratio=50)
     _log_if_wide(ax_throughput, rows["throughput_tokens_per_s"], ratio=50)
     ax_sequences.set_ylabel("max concurrent sequences")

@@ -94,12 +94,39 @@ def _importance(data: Data) -> tuple[Figure, str]:
         sample_note = f"heatmap: sample {sample_id}"
     figure = figures.importance_long_tail(cdf, top, heatmap, source.block_size, TOP_FRAC,
                                           heatmap_title=f" ({sample_note.removeprefix('heatmap: ')})")
+    # Two measures of the same long tail, each named: over the whole decode a token's accumulated mass (what
+    # the scorers rank by), and within one decode step the share of that step's attention (what a recall of
+    # the top blocks captures; docs/capacity_accuracy.md and the README quote this one, per token).
+    step_share = per_step_top_share(source, TOP_FRAC) if source.has_access else None
+    step_text = (f"; within one decode step the top {TOP_FRAC:.0%} of the attended "
+                 f"{'tokens' if source.block_size == 1 else f'{source.block_size}-token blocks'} hold "
+                 f"{step_share:.0%} of that step's attention (mean over steps, layers and samples)"
+                 if step_share is not None and np.isfinite(step_share) else "")
     caption = (
         f"Attention is long-tailed: in `{source.path.name}` the top {TOP_FRAC:.0%} of tokens receive "
-        f"{top['top_share'].mean():.0%} of the attention mass (layers {top['top_share'].min():.0%}-"
-        f"{top['top_share'].max():.0%}, {tokens['sample_id'].nunique()} samples); {sample_note}."
+        f"{top['top_share'].mean():.0%} of the attention mass accumulated over the whole decode (layers "
+        f"{top['top_share'].min():.0%}-{top['top_share'].max():.0%}, {plural(tokens['sample_id'].nunique(), 'sample')})"
+        f"{step_text}; {sample_note}."
     )
     return figure, caption
+
+
+def per_step_top_share(run: TraceRun, top_frac: float, max_samples: int = 50) -> float:
+    """Mean over decode steps (the prefill left out), layers and the first `max_samples` samples of the share
+    of one step's attention held by the top `top_frac` of the blocks attended in that step."""
+    shares = []
+    for sample_id in run.sample_ids()[:max_samples]:
+        access = run.access(sample_id)
+        for step, mass in zip(access["step"], access["block_mass"]):
+            share = stats.top_share(mass, top_frac) if step > 0 else float("nan")
+            if np.isfinite(share):
+                shares.append(share)
+    return float(np.mean(shares)) if shares else float("nan")
+
+
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """`1 point`, `2 points`: counts in captions are often 1 on small inputs."""
+    return f"{n} {word if n == 1 else (words or word + 's')}"
 
 
 def _longest_sample(run: TraceRun) -> str:
@@ -120,7 +147,7 @@ def _capacity_accuracy(data: Data) -> tuple[Figure, str]:
     full_text = f"full cache {full['accuracy'].iloc[0]:.0%} (n={int(full['n_scored'].iloc[0])})" if not full.empty else "no full-cache run"
     caption = (
         f"Accuracy vs HBM budget per method with 95% Wilson intervals; {full_text} shown as the grey band; "
-        f"{len(pooled)} points, n per point in the legend."
+        f"{plural(len(pooled), 'point')}, n per point in the legend."
     )
     return figures.capacity_accuracy(pooled), caption
 
@@ -146,7 +173,24 @@ def _projected_latency(data: Data) -> tuple[Figure, str]:
         f"{breakdown['hbm_budget'].iloc[0]:.0%}, from {fastest['ms_per_token']:.3g} ms ({fastest['profile']}) to "
         f"{slowest['ms_per_token']:.3g} ms ({slowest['profile']})."
     )
-    return figures.projected_latency(latency, breakdown, methods), caption
+    return figures.projected_latency(latency, breakdown, methods, link_stall_label(breakdown["profile"])), caption
+
+
+LINK_NAMES = {"pcie3": "PCIe", "pcie4": "PCIe", "pcie5": "PCIe", "pcie6": "PCIe", "nvlink-c2c": "NVLink-C2C",
+              "cxl": "CXL", "host": "host-memory"}
+
+
+def link_stall_label(profiles) -> str:
+    """Name the stall after the link the profiles have (a GH200's is NVLink-C2C, not PCIe); mixed: all of them."""
+    from hwprofiles import load_profile
+
+    names = set()
+    for name in set(profiles):
+        try:
+            names.add(LINK_NAMES.get(load_profile(name).link.kind, "host"))
+        except UserError:  # a results file may name a profile not installed here
+            names.add("host")
+    return f"{names.pop()} link stall" if len(names) == 1 else f"host-link stall ({' / '.join(sorted(names))})"
 
 
 def _config_text(latency: pd.DataFrame) -> str:
@@ -162,7 +206,7 @@ def _pareto(data: Data) -> tuple[Figure, str]:
     frontier = points[points["on_frontier_latency"]].sort_values("ms_per_token")
     names = ", ".join(f"{r.method} @ {r.hbm_budget:.0%} on {r.profile}" for r in frontier.head(3).itertuples())
     caption = (
-        f"Accuracy vs projected latency ({len(points)} policy x profile points) and vs KV bytes in HBM per "
+        f"Accuracy vs projected latency ({plural(len(points), 'policy x profile point')}) and vs KV bytes in HBM per "
         f"sequence; the black step line is the Pareto frontier (fastest frontier points: {names})."
     )
     return figures.pareto(points), caption
@@ -180,7 +224,7 @@ def _capacity(data: Data) -> tuple[Figure, str]:
         ratio = smallest["max_concurrency"].median() / max(full["max_concurrency"].median(), 1)
         gain = f"; at {smallest['hbm_budget'].iloc[0]:.0%} budget {ratio:.1f}x the full cache's concurrency (median over profiles)"
     simulated = (capacity["throughput_source"] != "bound").sum()
-    source = (f"throughput simulated with batched replays for {simulated} of {len(capacity)} points, elsewhere "
+    source = (f"throughput simulated with batched replays for {simulated} of {plural(len(capacity), 'point')}, elsewhere "
               "bounded by max sequences x single-sequence tokens/s" if simulated else
               "throughput is the bound max sequences x single-sequence tokens/s (no batched replays simulated)")
     caption = f"Max concurrent sequences (HBM and DDR limits) vs HBM budget for {method}, per profile{gain}; {source}."
@@ -201,6 +245,10 @@ def sim_measured_pairs(data: Data) -> pd.DataFrame:
         chosen = ([data.measured_profile] if data.measured_profile else
                   load.measuring_profiles(simulated_profiles, devices.get(run_dir)))
         pairs += [group.assign(profile=p) for p in chosen if p in simulated_profiles]
+    if not pairs and data.measured_profile:
+        simulated = ", ".join(sorted(data.sim["profile"].unique()))
+        raise Skip(f"--measured-profile {data.measured_profile} is not among the simulated profiles ({simulated}); "
+                   "simulate the timed runs on it")
     if not pairs:
         raise Skip("timed runs were not simulated on a measured profile (`thoughtkv calibrate`, then simulate on it)")
     frame = frames.sim_vs_measured_frame(data.sim, pd.concat(pairs, ignore_index=True))
@@ -230,7 +278,7 @@ def _mass_lost(data: Data) -> tuple[Figure, str]:
                 else "no rank correlation (fewer than 3 points, or accuracy or mass lost does not vary)")
     caption = (
         f"Projected attention mass lost (evicted + not recalled, from what-if replays) vs the measured accuracy "
-        f"of the same policy, {len(frame)} policies: {rho_text}."
+        f"of the same policy, {plural(len(frame), 'policy', 'policies')}: {rho_text}."
     )
     return figures.mass_lost_vs_accuracy(frame, rho), caption
 
