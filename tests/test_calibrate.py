@@ -82,7 +82,7 @@ def test_calibrate_quick_writes_a_profile_the_loader_accepts(tmp_path):
     from hwprofiles import load_profile, load_profile_file
 
     out = tmp_path / "quick-cpu.yaml"
-    assert main(["calibrate", "--device", "cpu", "--quick", "--out", str(out)]) == 0
+    assert main(["calibrate", "--device", "cpu", "--smoke", "--out", str(out)]) == 0
     profile = load_profile_file(out)
     assert profile.name == "quick-cpu"
     assert load_profile(str(out)).link == profile.link
@@ -159,7 +159,7 @@ def test_last_level_cache_reads_the_highest_level_from_sysfs(tmp_path):
 def test_calibrate_bad_arguments_are_one_line_errors(tmp_path, capsys, argv, message):
     (tmp_path / "existing.yaml").write_text("keep me\n")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
-    assert main(["calibrate", "--device", "cpu", "--quick", *argv]) == 2
+    assert main(["calibrate", "--device", "cpu", "--smoke", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
     assert (tmp_path / "existing.yaml").read_text() == "keep me\n"  # nothing overwritten

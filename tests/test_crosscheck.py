@@ -122,7 +122,7 @@ def test_random_model_initialised_on_the_device_matches_the_tracer_loader():
 @pytest.fixture(scope="module")
 def quick_profile(tmp_path_factory):
     path = tmp_path_factory.mktemp("profile") / "quick-cpu.yaml"
-    assert main(["calibrate", "--device", "cpu", "--quick", "--out", str(path)]) == 0
+    assert main(["calibrate", "--device", "cpu", "--smoke", "--out", str(path)]) == 0
     return path
 
 
@@ -134,7 +134,7 @@ def _crosscheck(out, profile, *extra):
 
 def test_crosscheck_end_to_end_on_cpu(tmp_path, quick_profile, capsys):
     from hwprofiles import load_profile_file
-    from simulator import simulate_run
+    from simulator import SimOptions, simulate_run
     from simulator.costs import profile_for_policy as with_overheads
 
     out = tmp_path / "cc"
@@ -160,7 +160,7 @@ def test_crosscheck_end_to_end_on_cpu(tmp_path, quick_profile, capsys):
 
     # simulated_s is the simulator's own per-step latency for that trace on the per-policy profile.
     profile, _ = with_overheads(load_profile_file(quick_profile), "hierarchy")
-    direct = simulate_run(out / "runs" / "hierarchy-b0.5-rep0", profile, async_offload=False).steps
+    direct = simulate_run(out / "runs" / "hierarchy-b0.5-rep0", profile, SimOptions(async_offload=False)).steps
     sim = table[table["label"] == "hierarchy-b0.5"].set_index("step")["simulated_s"].sort_index()
     np.testing.assert_allclose(sim, direct.set_index("step")["latency_s"].sort_index(), rtol=1e-12)
     assert report["summary"][-1]["label"] == "ALL"

@@ -51,7 +51,7 @@ def trace_args(out: Path, *flags: str) -> list[str]:
 def test_every_device_option_refuses_in_one_line(command, device, tmp_path, capsys):
     args = {
         "trace": trace_args(tmp_path / "run", "--device", device),
-        "calibrate": ["calibrate", "--quick", "--out", str(tmp_path / "p.yaml"), "--device", device],
+        "calibrate": ["calibrate", "--smoke", "--out", str(tmp_path / "p.yaml"), "--device", device],
         "crosscheck": ["crosscheck", "--model", "tiny", "--out", str(tmp_path / "cc"), "--device", device],
         "demo": ["demo", "--out", str(tmp_path / "demo"), "--device", device],
     }[command]

@@ -79,9 +79,15 @@ class CalibrationPlan:
     prefill_tokens: int = 256  # tokens per GEMM of the model-shape matmul benchmark (a prompt's prefill)
 
 
-def plan_for(device_type: str, quick: bool = False) -> CalibrationPlan:
+PLAN_LEVELS = ("full", "quick", "smoke")
+
+
+def plan_for(device_type: str, level: str = "full") -> CalibrationPlan:
+    """`full`: the reference (~2 min on a 2-core CPU); `quick`: the same benchmarks and fits with fewer sizes and
+    repeats (<= 60 s here: what `thoughtkv demo` runs before it traces, so the cross-check compares with this
+    machine today); `smoke`: tiny sizes, seconds, for tests only (its figures mean little)."""
     kib, mib = 2**10, 2**20
-    if quick:
+    if level == "smoke":
         return CalibrationPlan(
             copy_sizes_bytes=(4 * kib, 64 * kib, 1 * mib, 4 * mib), duplex_bytes=1 * mib,
             device_copy_bytes=4 * mib, matvec_n=512, gemm_n=128, kv_lengths=(64, 256, 1024),
@@ -90,14 +96,22 @@ def plan_for(device_type: str, quick: bool = False) -> CalibrationPlan:
         )
     sizes = tuple(4 * kib * 4**i for i in range(9))  # 4 KB ... 256 MB
     if device_type == "cuda":
-        return CalibrationPlan(
+        plan = CalibrationPlan(
             copy_sizes_bytes=sizes, duplex_bytes=256 * mib, device_copy_bytes=1024 * mib, matvec_n=8192,
             gemm_n=8192, kv_lengths=(256, 1024, 4096, 16384, 65536),
         )
-    return CalibrationPlan(
-        copy_sizes_bytes=sizes, duplex_bytes=64 * mib, device_copy_bytes=256 * mib, matvec_n=4096,
-        gemm_n=1024, kv_lengths=(64, 256, 1024, 4096, 16384),
-    )
+    else:
+        plan = CalibrationPlan(
+            copy_sizes_bytes=sizes, duplex_bytes=64 * mib, device_copy_bytes=256 * mib, matvec_n=4096,
+            gemm_n=1024, kv_lengths=(64, 256, 1024, 4096, 16384),
+        )
+    if level == "quick":  # the overhead fit keeps its layer counts and statistic: it is what the cross-check needs
+        plan = dataclasses.replace(
+            plan, copy_sizes_bytes=sizes[:8], duplex_bytes=plan.duplex_bytes // 4,
+            device_copy_bytes=plan.device_copy_bytes // 4, kv_lengths=plan.kv_lengths[:4], repeats=7, warmup=2,
+            overhead_steps=24,
+        )
+    return plan
 
 
 @dataclass
@@ -420,6 +434,7 @@ def provenance(cal: Calibration) -> dict:
     import transformers
 
     from thoughtkv_base import __version__, git_commit
+    from traces.host import host_facts
 
     def rounded(obj):
         if isinstance(obj, float):
@@ -445,6 +460,7 @@ def provenance(cal: Calibration) -> dict:
         "device_name": cal.device_name,
         "host": platform.node(),
         "cpu": platform.processor() or platform.machine(),
+        "host_facts": host_facts(),  # identity + load at calibration: simulate/plot/crosscheck compare it
         "driver": driver,
         "cuda": cuda,
         "torch": str(torch.__version__),
@@ -505,7 +521,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--statistic", choices=("median", "min"), default="median",
                         help="reduce repeated timings by their median (default) or minimum (the uncontended cost "
                              "on a shared machine); recorded, and `thoughtkv crosscheck` reduces its repeats alike")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes and few repeats (seconds; for tests)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the same benchmarks with fewer sizes and repeats (<= 60 s on a 2-core CPU; what the demo runs)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds: for tests only (figures mean little)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out file")
 
 
@@ -545,7 +563,7 @@ def run(args: argparse.Namespace) -> int:
     except UserError as exc:
         raise CalibrationError(f"--architecture: {exc}") from None
     threads = resolve_threads(device_type, args.threads)
-    cal = measure(device_type, architecture, plan_for(device_type, args.quick), threads, args.overhead_decoder,
+    cal = measure(device_type, architecture, plan_for(device_type, "smoke" if args.smoke else "quick" if args.quick else "full"), threads, args.overhead_decoder,
                   args.statistic)
     profile, sources = build_profile(cal, out.stem)
     write_profile(profile, sources, out)
