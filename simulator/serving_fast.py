@@ -1,0 +1,382 @@
+"""The serving fast path: the serving DES (serving.ServingSim) as a plain loop over batch iterations.
+
+The DES has two processes (arrivals, the batch loop) and copies reserved on the engine's counter channels
+when they are issued (engine.Channel). Nothing else happens between the batch loop's yields, so the same
+schedule is a loop with one clock:
+
+- arrivals are a sorted list; before each iteration every arrival up to now joins the FCFS queue (the DES
+  appends them when their timeout fires; admission only looks at the queue when an iteration starts); when
+  nothing runs, the clock jumps to the next arrival (the DES's wakeup);
+- one iteration gathers the running requests' next step from one table of all samples' steps (numpy, one
+  fancy index per iteration: [batch, operations]), sums FLOPs / KV bytes over the batch for the layer
+  times, and walks the operations: the recall group of each operation is reserved on the same `Channel`
+  objects (their clock is this loop's), waited for, then the operation's compute, then the offload group;
+- every request emits a token at the iteration's end, so a request's token times are a contiguous slice of
+  the iteration end times (TBT = their differences, built once at the end).
+
+The DES stays the reference: tests/test_serving_fast.py checks this loop against it to 1e-9 on random serving
+cases (rates, budgets, batch limits, admission pressure, overlap, copy batching, mechanisms).
+Ties between an arrival and an iteration's end at the very same float time are ordered as "arrival first"
+here; in the DES they follow SimPy's event order. Continuous arrival times make such ties measure-zero.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+from hwprofiles import HardwareProfile, load_profile
+from simulator import costs
+from simulator.engine import Channel, engines_per_channel
+from simulator.serving import (
+    Request,
+    ServingConfig,
+    ServingError,
+    ServingResult,
+    load_arrivals_csv,
+    load_run_work,
+    poisson_arrivals,
+    summarise,
+)
+from traces import open_run
+
+
+class _Clock:
+    """What `engine.Channel` reads of a SimPy environment: the current time (set by the loop)."""
+
+    now = 0.0
+
+
+class _Hardware:
+    def __init__(self, clock: _Clock, profile: HardwareProfile):
+        engines = engines_per_channel(profile)
+        if profile.link.full_duplex:
+            self.h2d = Channel(clock, "link H2D", engines)
+            self.d2h = Channel(clock, "link D2H", engines)
+        else:
+            self.h2d = self.d2h = Channel(clock, "link (half duplex)", engines)
+
+
+class FastServing:
+    """Same inputs and the same attributes `serving.summarise` reads as `serving.ServingSim`."""
+
+    def __init__(self, profile: HardwareProfile, shape: costs.ModelShape, works, arrivals, config: ServingConfig):
+        self.profile, self.shape, self.config, self.works = profile, shape, config, works
+        self.clock = _Clock()
+        self.hw = _Hardware(self.clock, profile)
+        self.kv_capacity_bytes = profile.gpu.hbm_capacity_bytes - shape.weight_bytes
+        if self.kv_capacity_bytes <= 0:
+            raise ServingError(f"{shape.name}: weights ({shape.weight_bytes / 1e9:.1f} GB) do not fit in "
+                               f"{profile.name}'s HBM; pick a larger GPU")
+        self.tier = costs.offload_tier(profile, config.options.offload_tier)
+        self.ddr_capacity_bytes = self.tier.capacity_bytes
+        self.requests = [Request(i, a.arrival_s, works[a.sample].truncated(a.n_steps)) for i, a in enumerate(arrivals)]
+        self.sample_of = np.array([a.sample for a in arrivals], dtype=np.int64)
+        self.queue_changes: list[tuple[float, int]] = [(0.0, 0)]
+        self.occupancy: list[tuple] = []
+        self.end_s = 0.0
+        self.pending: dict[int, float] = {}  # layer-prefetch: request -> end of its in-flight recall
+        self._tables()
+
+    def _tables(self) -> None:
+        """All samples' per-step arrays stacked: one row per (sample, step); a request reads row base + step."""
+        works = self.works
+        n_layers = self.shape.n_layers
+        self.base = np.concatenate([[0], np.cumsum([w.n_steps for w in works])[:-1]]).astype(np.int64)
+        # [rows, layers] compute demand, [rows, ops] transfers, [rows] occupancy
+        self.flops = np.concatenate([w.flops for w in works]).reshape(-1, n_layers)
+        self.kv_bytes = np.concatenate([w.kv_read_bytes for w in works]).reshape(-1, n_layers)
+        self.recall_s = np.concatenate([w.recall_s for w in works])
+        self.recall_bytes = np.concatenate([w.recall_bytes for w in works])
+        self.offload_s = np.concatenate([w.offload_s for w in works])
+        self.offload_bytes = np.concatenate([w.offload_bytes for w in works])
+        self.hbm_kv = np.concatenate([w.hbm_kv_bytes for w in works])
+        self.ddr_kv = np.concatenate([w.ddr_kv_bytes for w in works])
+
+    def fits_alone(self, request: Request) -> bool:
+        return request.work.peak_hbm_kv_bytes <= self.kv_capacity_bytes and \
+            request.work.peak_ddr_kv_bytes <= self.ddr_capacity_bytes
+
+    # -- the loop -----------------------------------------------------------------------------------------
+
+    def run(self, progress: bool = False) -> None:
+        config, clock = self.config, self.clock
+        requests = self.requests
+        n_req = len(requests)
+        arrival_s = np.array([r.arrival_s for r in requests], dtype=np.float64)
+        peak_hbm = np.array([r.work.peak_hbm_kv_bytes for r in requests], dtype=np.float64)
+        peak_ddr = np.array([r.work.peak_ddr_kv_bytes for r in requests], dtype=np.float64)
+        n_steps = np.array([r.work.n_steps for r in requests], dtype=np.int64)
+        row0 = self.base[self.sample_of] if n_req else np.zeros(0, dtype=np.int64)
+        fits = (peak_hbm <= self.kv_capacity_bytes) & (peak_ddr <= self.ddr_capacity_bytes)
+        waiting: deque[int] = deque()
+        running = np.zeros(0, dtype=np.int64)  # request ids, admission order
+        step = np.zeros(n_req, dtype=np.int64)
+        first_iteration = np.full(n_req, -1, dtype=np.int64)
+        admitted = np.full(n_req, math.nan)
+        link_wait = np.zeros(n_req)
+        iteration_end: list[float] = []
+        reserved_hbm = reserved_ddr = 0.0
+        next_arrival = 0
+        weights = float(self.shape.weight_bytes)
+        changes = self.queue_changes
+        while True:
+            # arrivals up to now join the queue (rejected ones never do)
+            while next_arrival < n_req and arrival_s[next_arrival] <= clock.now:
+                if fits[next_arrival]:
+                    waiting.append(next_arrival)
+                    changes.append((float(arrival_s[next_arrival]), len(waiting)))
+                else:
+                    requests[next_arrival].rejected = True
+                next_arrival += 1
+            # admission: FCFS while the batch has room and the head's peak KV fits
+            admit = []
+            while waiting and len(running) + len(admit) < config.max_batch:
+                head = waiting[0]
+                if reserved_hbm + peak_hbm[head] > self.kv_capacity_bytes or \
+                        reserved_ddr + peak_ddr[head] > self.ddr_capacity_bytes:
+                    break
+                waiting.popleft()
+                changes.append((clock.now, len(waiting)))
+                admitted[head] = clock.now
+                reserved_hbm += peak_hbm[head]
+                reserved_ddr += peak_ddr[head]
+                admit.append(head)
+            if admit:
+                running = np.concatenate([running, np.array(admit, dtype=np.int64)])
+            if not len(running):
+                if next_arrival >= n_req and not waiting:
+                    break
+                clock.now = float(arrival_s[next_arrival])  # the DES's wakeup: the next arrival (or burst)
+                continue
+            rows = row0[running] + step[running]
+            hbm_kv = float(self.hbm_kv[rows].sum())
+            ddr_kv = float(self.ddr_kv[rows].sum())
+            self.occupancy.append((clock.now, len(running), len(waiting), weights + hbm_kv, weights + reserved_hbm,
+                                   ddr_kv, reserved_ddr))
+            nxt = None
+            if config.options.overlap == "layer-prefetch":  # the next step's first recall, for requests that go on
+                goes_on = step[running] + 1 < n_steps[running]
+                nxt = np.where(goes_on, rows + 1, -1)
+            self._iteration(running, rows, nxt, link_wait, len(iteration_end))
+            iteration_end.append(clock.now)
+            for rid in running[first_iteration[running] < 0]:
+                first_iteration[rid] = len(iteration_end) - 1
+            step[running] += 1
+            done = step[running] >= n_steps[running]
+            if done.any():
+                for rid in running[done]:  # one subtraction per request, in the DES's order
+                    reserved_hbm -= peak_hbm[rid]
+                    reserved_ddr -= peak_ddr[rid]
+                running = running[~done]
+        self.end_s = float(clock.now)
+        self._requests_out(iteration_end, first_iteration, admitted, link_wait, n_steps)
+
+    def _op_s(self, rows: np.ndarray) -> list[float]:
+        """The iteration's operation times: one roofline over the batch per layer (weights once, every
+        request's FLOPs and KV bytes), then the LM head for the batch."""
+        shape, profile = self.shape, self.profile
+        flops = self.flops[rows].sum(axis=0)
+        kv_bytes = self.kv_bytes[rows].sum(axis=0)
+        layer_s = costs.roofline(flops, shape.layer_weight_bytes + kv_bytes, profile,
+                                 costs.overheads_for(shape, profile).layer_s).total_s
+        return [*layer_s.tolist(), float(costs.head_times(shape, profile, batch=len(rows)).total_s)]
+
+    def _lean_iteration(self, running: np.ndarray, rows: np.ndarray, link_wait: np.ndarray) -> None:
+        """`_iteration` without prefetch on channels with one copy engine, in closed form per operation.
+
+        A group of copies issued together on a one-engine channel starts at s = max(now, engine free) and its
+        member j ends at s + (its own and the earlier members' durations), so the group is one scalar step of
+        the channel (free = s + the group's total) and member j waited s - now + the earlier members'
+        durations (a coalesced copy: s - now for every member). Only the scalar recurrence over operations is
+        a Python loop; the per-request sums are numpy over the batch."""
+        clock = self.clock
+        op_s = self._op_s(rows)
+        recall_s, offload_s = self.recall_s[rows], self.offload_s[rows]  # [batch, ops]
+        h2d, d2h = self.hw.h2d, self.hw.d2h
+        coalesce = self.config.batch_copies
+        totals, waits, group_bytes = {}, {}, {}
+        for direction, durations, n_bytes in (("h2d", recall_s, self.recall_bytes[rows]),
+                                              ("d2h", offload_s, self.offload_bytes[rows])):
+            member = durations > 0
+            group_bytes[direction] = n_bytes.sum(axis=0)
+            total = durations.sum(axis=0)
+            ahead = durations.cumsum(axis=0) - durations  # the earlier members' durations (exclusive)
+            if coalesce:
+                many = member.sum(axis=0) > 1
+                rate = self.tier.h2d_bytes_per_s if direction == "h2d" else self.tier.d2h_bytes_per_s
+                total = np.where(many, costs.transfer_s(group_bytes[direction], rate, self.tier.transfer_overhead_s),
+                                 total)
+                ahead = np.where(many[None, :], 0.0, ahead)
+            totals[direction] = total.tolist()
+            waits[direction] = (member, ahead)
+        same = h2d is d2h  # half duplex: one channel for both directions
+        free = {"h2d": h2d.engine_free_s[0], "d2h": d2h.engine_free_s[0]}
+        n_ops = len(op_s)
+        base = {"h2d": np.zeros(n_ops), "d2h": np.zeros(n_ops)}
+        busy = {"h2d": 0.0, "d2h": 0.0}
+        async_offload = self.config.options.async_offload
+        recall_total, offload_total = totals["h2d"], totals["d2h"]
+        t = clock.now
+        for i in range(n_ops):
+            r = recall_total[i]
+            if r > 0:
+                start = free["h2d"] if free["h2d"] > t else t
+                base["h2d"][i] = start - t
+                t = start + r
+                free["h2d"] = t
+                if same:
+                    free["d2h"] = t
+                busy["h2d"] += r
+            t += op_s[i]
+            o = offload_total[i]
+            if o > 0:
+                start = free["d2h"] if free["d2h"] > t else t
+                base["d2h"][i] = start - t
+                end = start + o
+                free["d2h"] = end
+                if same:
+                    free["h2d"] = end
+                busy["d2h"] += o
+                if not async_offload:
+                    t = end
+        for direction, channel in (("h2d", h2d), ("d2h", d2h)):
+            member, ahead = waits[direction]
+            link_wait[running] += np.where(member, base[direction][None, :] + ahead, 0.0).sum(axis=1)
+            channel.busy_s[direction] += busy[direction]
+            channel.bytes[direction] += float(group_bytes[direction].sum())
+            channel.engine_free_s[0] = free[direction]
+            if busy[direction] > 0:
+                channel.last_end_s[direction] = max(channel.last_end_s[direction], free[direction])
+        clock.now = t
+
+    def _iteration(self, running: np.ndarray, rows: np.ndarray, nxt, link_wait: np.ndarray, iteration: int) -> None:
+        """schedule.StepSchedule.run for one iteration, with the clock as a float and channel tokens as end
+        times (what it does with engine.Channel): recall -> (prefetch) -> compute -> offload per operation."""
+        config, clock = self.config, self.clock
+        prefetch = nxt is not None
+        if not prefetch and self.hw.h2d.n_engines == 1 and self.hw.d2h.n_engines == 1:
+            return self._lean_iteration(running, rows, link_wait)
+        op_s = self._op_s(rows)
+        recall_s = self.recall_s[rows]  # [batch, ops]
+        recall_bytes = self.recall_bytes[rows]
+        offload_s = self.offload_s[rows]
+        offload_bytes = self.offload_bytes[rows]
+        if prefetch:
+            has_next = nxt >= 0
+            first_next_s = np.where(has_next, self.recall_s[np.maximum(nxt, 0), 0], 0.0)
+            first_next_bytes = np.where(has_next, self.recall_bytes[np.maximum(nxt, 0), 0], 0.0)
+            following_s = np.column_stack([recall_s[:, 1:], first_next_s])
+            following_bytes = np.column_stack([recall_bytes[:, 1:], first_next_bytes])
+            ahead_any = (following_s > 0).any(0).tolist()
+        pending = self.pending
+        h2d, d2h = self.hw.h2d, self.hw.d2h
+        needs_any = (recall_s > 0).any(0).tolist()
+        moving_any = (offload_s > 0).any(0).tolist()
+        async_offload = config.options.async_offload
+        t = clock.now
+        for i in range(len(op_s)):
+            if needs_any[i]:
+                needs = np.flatnonzero(recall_s[:, i])
+                end = t
+                if pending:
+                    fresh = []
+                    for j in needs.tolist():
+                        token = pending.pop(int(running[j]), None)
+                        if token is None:
+                            fresh.append(j)
+                        elif token > end:
+                            end = token
+                    fresh = np.array(fresh, dtype=np.int64)
+                else:
+                    fresh = needs
+                if len(fresh):
+                    clock.now = t
+                    ends = self._group(h2d, "h2d", running[fresh], recall_bytes[fresh, i], recall_s[fresh, i],
+                                       link_wait)
+                    end = max(end, float(ends.max()))
+                t = end
+            if prefetch and ahead_any[i]:
+                ahead = np.flatnonzero(following_s[:, i])
+                clock.now = t
+                ends = self._group(h2d, "h2d", running[ahead], following_bytes[ahead, i], following_s[ahead, i],
+                                   link_wait)
+                pending.update(zip(running[ahead].tolist(), ends.tolist()))
+            t += op_s[i]
+            if moving_any[i]:
+                moving = np.flatnonzero(offload_s[:, i])
+                clock.now = t
+                ends = self._group(d2h, "d2h", running[moving], offload_bytes[moving, i], offload_s[moving, i],
+                                   link_wait)
+                if not async_offload:
+                    t = max(t, float(ends.max()))
+        clock.now = t
+
+    def _group(self, channel: Channel, direction: str, rids: np.ndarray, n_bytes: np.ndarray, durations_s: np.ndarray,
+               link_wait: np.ndarray) -> np.ndarray:
+        """The copies of `rids` issued now, in member order (schedule.StepSchedule._issue); returns each one's
+        end and adds its time beyond its own duration to `link_wait`."""
+        asked_s = self.clock.now
+        overhead_s = self.tier.transfer_overhead_s
+        if self.config.batch_copies and len(rids) > 1:  # one coalesced copy shared by the group
+            rate = self.tier.h2d_bytes_per_s if direction == "h2d" else self.tier.d2h_bytes_per_s
+            total_bytes = float(n_bytes.sum())
+            copy_s = float(costs.transfer_s(total_bytes, rate, overhead_s))
+            end = channel.reserve(direction, total_bytes, copy_s, overhead_s)
+            link_wait[rids] += end - asked_s - copy_s
+            return np.full(len(rids), end)
+        if channel.n_engines == 1 and len(rids) > 1:
+            # one engine: the group's copies run back to back from the first one's start; reserving their summed
+            # duration once leaves the channel where the member-by-member reservations would
+            start_s = max(asked_s, channel.engine_free_s[0])
+            ends = start_s + np.cumsum(durations_s)
+            channel.reserve(direction, float(n_bytes.sum()), float(ends[-1] - start_s), overhead_s)
+            channel.engine_free_s[0] = float(ends[-1])
+            link_wait[rids] += ends - asked_s - durations_s
+            return ends
+        ends = np.empty(len(rids))
+        for k, (rid, b, d) in enumerate(zip(rids.tolist(), n_bytes.tolist(), durations_s.tolist())):
+            ends[k] = channel.reserve(direction, b, d, overhead_s)
+            link_wait[rid] += ends[k] - asked_s - d
+        return ends
+
+    def _requests_out(self, iteration_end: list[float], first_iteration, admitted, link_wait, n_steps) -> None:
+        """Fill the Request records summarise reads: admission, first / last token, TBT, link wait."""
+        ends = np.array(iteration_end, dtype=np.float64)
+        for r in self.requests:
+            rid = r.rid
+            r.link_wait_s = float(link_wait[rid])
+            first = first_iteration[rid]
+            if r.rejected or first < 0:
+                continue
+            r.admitted_s = float(admitted[rid])
+            times = ends[first: first + n_steps[rid]]
+            r.first_token_s = float(times[0])
+            r.finish_s = r.last_token_s = float(times[-1])
+            r.step = int(n_steps[rid])
+            r.tbt_s = np.diff(times).tolist()
+
+
+def simulate_serving_fast(run_dir: str | Path, profile: str | HardwareProfile, config: ServingConfig) -> ServingResult:
+    """`serving.simulate_serving` on the fast path (same inputs, same result tables)."""
+    from simulator.simulate import check_prefetch
+    from simulator.whatif import traced_config
+
+    if not isinstance(profile, HardwareProfile):
+        profile = load_profile(profile)
+    run = open_run(run_dir)
+    costs.offload_tier(profile, config.options.offload_tier)
+    if config.options.overlap == "layer-prefetch":
+        check_prefetch(run, traced_config(run.manifest["policy"]), projected=False)
+    profile, overhead_source = costs.profile_for_policy(profile, run.manifest["policy"]["name"])
+    manifest, shape, works = load_run_work(run_dir, profile, config.options.offload_tier)
+    if config.arrivals_csv:
+        arrivals = load_arrivals_csv(config.arrivals_csv, works)
+    else:
+        arrivals = poisson_arrivals(config.rate_per_s, config.duration_s, works, config.seed)
+    sim = FastServing(profile, shape, works, arrivals, config)
+    sim.run()
+    return summarise(sim, manifest, str(run_dir), overhead_source)

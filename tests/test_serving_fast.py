@@ -1,0 +1,109 @@
+"""The serving fast path (simulator/serving_fast.py) against the serving DES (simulator/serving.py), the
+reference: the same summary, per-request table and occupancy timeline to 1e-9 on random serving cases."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from hwprofiles import load_profile
+from simulator.options import ServingConfig, SimOptions
+from simulator.serving import simulate_serving
+from simulator.serving_fast import simulate_serving_fast
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from simulator.synth import synth_run
+
+    root = tmp_path_factory.mktemp("fast")
+    return {
+        "hierarchy": synth_run(root / "hier", model="tiny", prompt_tokens=48, decode_steps=24, policy="hierarchy",
+                               hbm_budget=0.3, recall_k=2, recall_rule="score", samples=3, access=False),
+        "full": synth_run(root / "full", model="tiny", prompt_tokens=32, decode_steps=16, policy="full", samples=2,
+                          access=False),
+    }
+
+
+def machine(kind: str, pressure: float | None, peak_kv_bytes: float):
+    """h100-pcie, or it with a half-duplex link / 2 copy engines per direction; `pressure` shrinks HBM to the
+    weights + that many of the largest requests' reservations (admission then queues)."""
+    profile = load_profile("h100-pcie")
+    if kind == "half-duplex":
+        profile = dataclasses.replace(profile, name="half", link=dataclasses.replace(profile.link, full_duplex=False))
+    elif kind == "4-engines":
+        profile = dataclasses.replace(profile, name="four", link=dataclasses.replace(profile.link, copy_engines=4))
+    if pressure is not None:
+        from simulator.costs import ModelShape
+        from traces.manifest import model_manifest
+
+        weights = ModelShape.from_manifest(model_manifest("tiny")).weight_bytes
+        gpu = dataclasses.replace(profile.gpu, hbm_capacity_bytes=int(weights + pressure * peak_kv_bytes))
+        profile = dataclasses.replace(profile, gpu=gpu)
+    return profile
+
+
+def peak_kv(run) -> float:
+    from traces import open_run
+
+    steps = open_run(run).steps(columns=["sample_id", "step", "hbm_kv_bytes"])
+    return float(steps.groupby(["sample_id", "step"])["hbm_kv_bytes"].sum().max())
+
+
+def cases(n: int = 24):
+    rng = np.random.default_rng(17)
+    out = []
+    for i in range(n):
+        run = "hierarchy" if i % 4 else "full"
+        out.append(dict(
+            run=run,
+            machine=["h100-pcie", "half-duplex", "4-engines"][i % 3],
+            pressure=[None, 2.5, 6.0][(i // 3) % 3],
+            rate_per_s=float(rng.uniform(20, 400)),
+            duration_s=float(rng.uniform(0.2, 1.0)),
+            max_batch=int(rng.choice([2, 8, 64])),
+            seed=int(rng.integers(0, 1000)),
+            batch_copies=bool(rng.integers(0, 2)),
+            overlap="layer-prefetch" if run == "hierarchy" and rng.integers(0, 2) else "none",
+            async_offload=bool(rng.integers(0, 2)),
+        ))
+    return out
+
+
+def assert_same(a, b, what: str):
+    for key, x in a.items():
+        y = b[key]
+        if isinstance(x, float) and isinstance(y, float) and not (math.isnan(x) and math.isnan(y)):
+            assert math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12), f"{what}: {key} {x} != {y}"
+        elif not (isinstance(x, float) and math.isnan(x)):
+            assert x == y, f"{what}: {key} {x!r} != {y!r}"
+
+
+@pytest.mark.parametrize("case", cases(), ids=lambda c: f"{c['run']}-{c['machine']}-{c['pressure']}-{c['overlap']}"
+                         f"-{'async' if c['async_offload'] else 'sync'}-{'coalesced' if c['batch_copies'] else 'each'}")
+def test_fast_path_equals_the_des(runs, case):
+    run = runs[case["run"]]
+    profile = machine(case["machine"], case["pressure"], peak_kv(run))
+    config = ServingConfig(rate_per_s=case["rate_per_s"], duration_s=case["duration_s"], max_batch=case["max_batch"],
+                           seed=case["seed"], batch_copies=case["batch_copies"],
+                           options=SimOptions(overlap=case["overlap"], async_offload=case["async_offload"]))
+    des = simulate_serving(run, profile, config)
+    fast = simulate_serving_fast(run, profile, config)
+    assert des.summary["n_requests"] > 3 and des.summary["tokens"] > 0
+    assert_same(des.summary, fast.summary, "summary")
+    pd.testing.assert_frame_equal(des.requests, fast.requests, rtol=1e-9, atol=1e-12)
+    pd.testing.assert_frame_equal(des.timeline, fast.timeline, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(des.tbt_s, fast.tbt_s, rtol=1e-9, atol=1e-12)
+
+
+def test_admission_pressure_is_exercised(runs):
+    """The cases are not all trivially uncontended: with HBM for 2.5 requests, requests queue for admission."""
+    run = runs["hierarchy"]
+    profile = machine("h100-pcie", 2.5, peak_kv(run))
+    config = ServingConfig(rate_per_s=300, duration_s=0.5, max_batch=64)
+    fast = simulate_serving_fast(run, profile, config)
+    assert fast.summary["max_concurrency"] <= 2 and fast.summary["queue_delay_p90_s"] > 0
