@@ -38,7 +38,8 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
 # Second-level subcommands whose code lives in another package than their parent's
 # (`traces synth` needs the simulator's placement model; `traces` itself stays the dependency-free base).
 NESTED: dict[str, list[tuple[str, str, str]]] = {
-    "traces": [("synth", "simulator.synth", "write a synthetic trace v1 for a known architecture (no torch)")],
+    "traces": [("synth", "simulator.synth", "write a synthetic trace v1 for a known architecture (no torch)"),
+               ("regrade", "tracer.regrade", "re-score a finished run's stored texts with the current grader (no torch)")],
 }
 
 # After a Ctrl-C the main thread normally raises KeyboardInterrupt at once; inside one long C++ op (a 7B
