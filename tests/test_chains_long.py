@@ -92,3 +92,28 @@ def test_long_training_batches_are_deterministic_and_skip_held_out_problems():
     assert LONG_CONFIG.fillers_per_step == 10
     with pytest.raises(Exception, match="known tasks"):
         TrainConfig(task="nope")
+
+
+def test_fine_tune_shortened_before_the_decay_resumes_to_the_shorter_runs_weights(tmp_path):
+    """The recipe's claim in tracer/assets/micro_long/README.md: a run whose --max-steps is lowered at a
+    checkpoint before its decay phase ends with the weights of a run started with the lower value."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from tracer.micro.train import TrainConfig as Config
+    from tracer.micro.train import train
+    from tracer.models import MICRO_DIR
+
+    small = dict(task="chains_long", init_from=str(MICRO_DIR), batch_size=2, warmup_steps=2, probe_every=2,
+                 probe_size=2, checkpoint_every=2, log_every=1, threads=1)
+    train(tmp_path / "straight", Config(max_steps=5, **small), resume=False)
+    train(tmp_path / "shortened", Config(max_steps=8, **small), resume=False, stop_at=2)
+    train(tmp_path / "shortened", Config(max_steps=5, **small), resume=True)
+    straight = load_file(str(tmp_path / "straight" / "model.safetensors"))
+    shortened = load_file(str(tmp_path / "shortened" / "model.safetensors"))
+    for name in straight:
+        torch.testing.assert_close(shortened[name], straight[name], rtol=1e-5, atol=1e-6)
+    log = [json.loads(line) for line in (tmp_path / "shortened" / "train_log.jsonl").read_text().splitlines()]
+    assert {"event": "resume", "step": 2, "changed": {"max_steps": 5}} in log

@@ -362,6 +362,11 @@ def train(out: Path, cfg: TrainConfig, resume: bool = True, stop_at: int | None 
         step, stage, elapsed_before = state["step"], state["stage"], state["elapsed_s"]
         print(f"resumed from {checkpoint_dir} at step {step}, stage {stage}", flush=True)
         _truncate_log(log_path, step)
+        logged = json.loads(log_path.read_text().splitlines()[0]) if log_path.is_file() else {}
+        changed = {k: v for k, v in asdict(cfg).items() if k in logged and logged[k] != v and k != "threads"}
+        if changed:  # e.g. a shorter --max-steps decided before the decay phase: say so in the log
+            with log_path.open("a") as f:
+                f.write(json.dumps({"event": "resume", "step": step, "changed": changed}) + "\n")
     else:
         if cfg.init_from:  # fine-tune: the exported model is plain (baked), so parts start at zero = same function
             model.load_state_dict(load_file(str(Path(cfg.init_from) / "model.safetensors")), strict=False)
