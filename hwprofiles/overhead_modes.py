@@ -65,3 +65,40 @@ def check_mode(mode: str | None) -> str | None:
     if mode is not None and mode not in OVERHEAD_MODES:
         raise ProfileError(f"--overhead-mode {mode!r}: use one of {', '.join(OVERHEAD_MODES)}")
     return mode
+
+
+def mode_of(profile) -> str:
+    """The overhead mode a profile charges as it is: set by `apply_mode`, else measured/kernel-only by kind."""
+    given = profile.provenance.get("overhead_mode")
+    if given:
+        return given
+    return "measured" if profile.provenance.get("kind") == "measured" else "kernel-only"
+
+
+def apply_mode(profile, mode: str | None):
+    """`profile` charging `mode`'s framework overheads (None: as it is). kernel-only zeroes them (any profile);
+    hf-eager adds the cited launch estimate to a datasheet profile; measured needs a measured profile."""
+    import dataclasses
+
+    from hwprofiles.schema import OverheadSpec
+
+    check_mode(mode)
+    if mode is None or mode == mode_of(profile):
+        return profile
+    if mode == "measured":
+        raise ProfileError(f"--overhead-mode measured: {profile.name} is a datasheet profile with no measured "
+                           "overheads; calibrate with `thoughtkv calibrate`, or use hf-eager / kernel-only")
+    if mode == "hf-eager" and profile.provenance.get("kind") == "measured":
+        raise ProfileError(f"--overhead-mode hf-eager: {profile.name} is measured; its calibrated overheads are "
+                           "what this machine's decode loop costs (use measured, or kernel-only)")
+    if mode == "kernel-only":
+        overheads, source = OverheadSpec(), "none: kernel and copy time only"
+    else:
+        estimate = load_estimate("hf-eager")
+        overheads = OverheadSpec(step_overhead_s=estimate.step_overhead_s, layer_overhead_s=estimate.layer_overhead_s)
+        source = (f"hf-eager estimate: {estimate.launches_per_layer} launches/layer + {estimate.launches_per_step}"
+                  f"/step x {estimate.launch_overhead_s * 1e6:.1f} us (hwprofiles/overheads/hf-eager.yaml)")
+    provenance = {**profile.provenance, "overhead_mode": mode, "overhead_mode_source": source}
+    if mode == "kernel-only":
+        provenance.pop("overheads_by_decoder", None)  # per-policy measured overheads would come back otherwise
+    return dataclasses.replace(profile, overheads=overheads, provenance=provenance)

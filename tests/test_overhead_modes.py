@@ -31,3 +31,20 @@ def test_unknown_modes_are_one_line_errors():
         check_mode("eager")
     with pytest.raises(ProfileError, match="no estimate file"):
         load_estimate("kernel-only")
+
+
+def test_apply_mode_sets_overheads_and_labels_the_profile():
+    from hwprofiles import load_profile
+    from hwprofiles.overhead_modes import apply_mode, mode_of
+
+    datasheet = load_profile("h200-sxm")
+    assert mode_of(datasheet) == "kernel-only" and datasheet.overheads.layer_overhead_s == 0
+    eager = apply_mode(datasheet, "hf-eager")
+    estimate = load_estimate("hf-eager")
+    assert mode_of(eager) == "hf-eager"
+    assert eager.overheads.layer_overhead_s == pytest.approx(estimate.launches_per_layer * estimate.launch_overhead_s)
+    assert eager.overheads.step_overhead_s == pytest.approx(estimate.launches_per_step * estimate.launch_overhead_s)
+    assert mode_of(apply_mode(eager, "kernel-only")) == "kernel-only"
+    assert apply_mode(eager, "kernel-only").overheads.layer_overhead_s == 0
+    with pytest.raises(ProfileError, match="no measured overheads"):
+        apply_mode(datasheet, "measured")
