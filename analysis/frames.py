@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import stats
+from simulator.columns import CAPACITY_COLUMNS, OPTION_COLUMNS, SUMMARY_SAMPLE_ID, TIME_PARTS
 
 FULL_LABEL = "full cache"
 EVICTION_POLICIES = {"evict", "eviction", "pure_eviction", "pure-eviction"}
@@ -176,7 +177,7 @@ def _select_config(sim: pd.DataFrame, config: dict) -> pd.DataFrame:
     return sim[mask]
 
 
-AGGREGATE_SAMPLE_IDS = {"ALL"}  # the simulator's whole-run summary rows
+AGGREGATE_SAMPLE_IDS = {SUMMARY_SAMPLE_ID}  # the simulator's whole-run summary rows
 
 
 def _per_sample_rows(sim: pd.DataFrame) -> pd.DataFrame:
@@ -202,8 +203,7 @@ def latency_frame(sim: pd.DataFrame, runs: pd.DataFrame | None = None, config: d
     keys = ["run_dir", "profile"]
     constant = [
         c
-        for c in [*POLICY_KEYS, "run_label", "overlap", "async_offload", "batch", "kv_bytes_per_seq_full",
-                  "kv_hbm_bytes_per_seq", "max_concurrency_full", "max_concurrency_policy", "max_concurrency_ddr"]
+        for c in [*POLICY_KEYS, "run_label", *OPTION_COLUMNS, *CAPACITY_COLUMNS]
         if c in rows and c not in keys
     ]
     out = []
@@ -230,7 +230,7 @@ def latency_frame(sim: pd.DataFrame, runs: pd.DataFrame | None = None, config: d
     return latency.sort_values(["profile", "method", "hbm_budget"]).reset_index(drop=True)
 
 
-BREAKDOWN_PARTS = ("compute", "hbm", "overhead", "link_stall")
+BREAKDOWN_PARTS = TIME_PARTS  # the parts of a step's time, as the simulator splits it
 
 
 def _ms_per_token(group: pd.DataFrame) -> float:

@@ -13,14 +13,12 @@ import numpy as np
 import pandas as pd
 
 from analysis import stats
+from simulator.columns import CORE_COLUMNS, KEY_COLUMNS, POLICY_COLUMNS
 from thoughtkv_base import UserError
 from traces import TraceFormatError, TraceRun, open_run
 from traces.stats import run_traffic
 
-SIM_REQUIRED = (
-    "run_dir", "profile", "policy", "hbm_budget", "evict_ratio", "steps", "total_s", "ms_per_token",
-    "compute_s", "hbm_s", "link_stall_s",
-)
+SIM_REQUIRED = CORE_COLUMNS  # the simulator's results schema (simulator/columns.py)
 SIM_SUFFIXES = (".parquet", ".csv")
 RESULTS_STEMS = ("results", "summary")  # per-sample rows first; steps.parquet is per-step, not a results table
 RUN_SIM_DIR = "sim"  # `thoughtkv simulate RUN` writes to RUN/sim by default
@@ -143,8 +141,8 @@ def load_sim_results(files: list[Path]) -> pd.DataFrame:
     if not frames:
         return pd.DataFrame(columns=list(SIM_REQUIRED))
     sim = pd.concat(frames, ignore_index=True)
-    dedupe_keys = [c for c in ("run_dir", "profile", "overlap", "async_offload", "batch", "result_kind",
-                               "policy", "hbm_budget", "evict_ratio", "scorer", "recall_k", "sample_id") if c in sim]
+    # The same result read twice (e.g. a run's sim/ and a copy of its results file) counts once.
+    dedupe_keys = [c for c in dict.fromkeys([*KEY_COLUMNS, *POLICY_COLUMNS]) if c in sim]
     return sim.drop_duplicates(subset=dedupe_keys, keep="last").reset_index(drop=True)
 
 

@@ -1,11 +1,13 @@
 """SimPy discrete-event replay of trace runs against hardware profiles, with an exact fast path.
 
-    from simulator import simulate_run
-    result = simulate_run("runs/r1", "h200-sxm")          # -> SimResult(.samples, .steps, .summary)
+    from simulator import SimOptions, simulate_run
+    result = simulate_run("runs/r1", "h200-sxm", SimOptions(overlap="layer-prefetch"))   # .samples .steps .summary
 
-Modules: costs (the cost model), workload (a sample as operations), engine (the DES), fastpath (closed form),
-placement (block placement in numpy), whatif (replay of recorded masses), synth (synthetic traces),
-simulate (simulate_run and its outputs), cli (`thoughtkv simulate`). See simulator/README.md.
+Modules: options (SimOptions: how a run is simulated, and the flags generated from it), costs (the cost model),
+workload (a sample as operations), schedule (recall -> compute -> offload of one GPU step), engine (the DES),
+fastpath (closed form), placement (block placement in numpy), whatif (replay of recorded masses), synth
+(synthetic traces), simulate (simulate_run), columns (its results' columns), cli (`thoughtkv simulate`),
+serving / sweep (+ their CLIs). See simulator/README.md.
 
 Names are imported lazily so that `thoughtkv --help` does not pay for pandas and SimPy.
 """
@@ -17,7 +19,8 @@ import importlib
 _EXPORTS = {
     "simulate_run": "simulator.simulate",
     "SimResult": "simulator.simulate",
-    "SimulationError": "simulator.simulate",
+    "SimulationError": "simulator.errors",
+    "SimOptions": "simulator.options",
     "ModelShape": "simulator.costs",
     "layer_flops_bytes": "simulator.costs",
     "head_flops_bytes": "simulator.costs",

@@ -12,10 +12,11 @@ import argparse
 import os
 from pathlib import Path
 
-from thoughtkv_base import UserError
+from simulator import options as sim_options
+from simulator.errors import SimulationError
 
 
-class SimulateOptionError(UserError):
+class SimulateOptionError(SimulationError):
     pass
 
 
@@ -24,18 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="append", default=[], metavar="NAME",
                         help="hardware profile name or YAML path (repeatable)")
     parser.add_argument("--all-profiles", action="store_true", help="every shipped and measured profile")
-    parser.add_argument("--overlap", default="none", choices=("none", "layer-prefetch"),
-                        help="none: recall then compute; layer-prefetch: recall for layer l+1 during layer l")
-    parser.add_argument("--async-offload", choices=("on", "off"), default="on",
-                        help="on: offloads overlap with compute (default); off: the sequence waits for each offload")
-    parser.add_argument("--batch", type=int, default=1, help="decode N copies of each sequence in lockstep")
+    sim_options.add_arguments(parser)  # --overlap, --async-offload, --batch, --engine, --offload-tier, --transfer
     parser.add_argument("--what-if", metavar="SPEC", default=None,
                         help="replay recorded masses under another placement, e.g. budget=0.3,block=32,recall_k=8,"
                              "scorer=h2o,policy=hierarchy,evict=0.1,recall_rule=score (results are 'projected')")
-    parser.add_argument("--offload-tier", default="ddr", metavar="TIER",
-                        help="where offloaded KV lives: ddr (host memory) or a profile's extra tier (e.g. cxl-expander)")
-    parser.add_argument("--engine", default="auto", choices=("auto", "des", "fast"),
-                        help="auto: the closed-form fast path when it is exact, else the SimPy DES")
     parser.add_argument("--timeline", type=Path, metavar="FILE",
                         help="Chrome-trace JSON of the first sample on each profile (open in ui.perfetto.dev)")
     parser.add_argument("--out", type=Path, default=None, help="results directory (default RUN_DIR/sim)")
@@ -46,15 +39,15 @@ def run(args: argparse.Namespace) -> int:
 
     from hwprofiles import list_profiles, load_profile
     from simulator.engine import Timeline
-    from simulator.simulate import check_options, simulate_run
+    from simulator.simulate import simulate_run
     from traces.reader import open_run
 
     if args.all_profiles and args.profile:
         raise SimulateOptionError("give either --profile NAME (repeatable) or --all-profiles, not both")
     if not args.all_profiles and not args.profile:
         raise SimulateOptionError("no hardware given; add --profile NAME (see `thoughtkv profiles list`) or --all-profiles")
-    check_options(args.overlap, args.batch, args.engine)
-    if args.engine == "fast" and args.timeline is not None:
+    options = sim_options.from_args(args)
+    if options.engine == "fast" and args.timeline is not None:
         raise SimulateOptionError("--timeline records the DES; drop --engine fast")
     run_ = open_run(args.run_dir)  # checks run.json and its schema version before anything else
     profiles = list_profiles() if args.all_profiles else [load_profile(name) for name in args.profile]
@@ -69,9 +62,8 @@ def run(args: argparse.Namespace) -> int:
     with tqdm(total=len(profiles) * n_samples, desc="simulate", unit="sample", disable=len(profiles) * n_samples < 4) as bar:
         for profile in profiles:
             bar.set_postfix_str(profile.name)
-            results.append(simulate_run(run_, profile, overlap=args.overlap, async_offload=args.async_offload == "on",
-                                        batch=args.batch, what_if=args.what_if, engine=args.engine,
-                                        timeline=timeline, offload_tier=args.offload_tier, progress=bar.update))
+            results.append(simulate_run(run_, profile, options, what_if=args.what_if, timeline=timeline,
+                                        progress=bar.update))
             written = write_results(results[-1:], out)  # after each profile: an interrupt keeps finished ones
     if timeline is not None:
         timeline.write(args.timeline)
@@ -98,9 +90,12 @@ def _check_writable_file(path: Path, what: str) -> None:
 
 def write_results(results, out: Path) -> list[Path]:
     """Merge into out/: rows with the same key as a new row are replaced, every other row is kept."""
+    import io
+
     import pandas as pd
 
-    from simulator.simulate import KEY_COLUMNS
+    from simulator.columns import KEY_COLUMNS
+    from traces.layout import write_bytes_atomic
 
     out.mkdir(parents=True, exist_ok=True)
     tables = {
@@ -111,25 +106,31 @@ def write_results(results, out: Path) -> list[Path]:
     written = []
     for name, new in tables.items():
         path = out / f"{name}.parquet"
-        keys = KEY_COLUMNS + (["step"] if name == "steps" else [])
+        keys = [*KEY_COLUMNS, *(["step"] if name == "steps" else [])]
         if path.exists():
-            old = pd.read_parquet(path)
+            old = _with_option_defaults(pd.read_parquet(path))
             if set(keys) <= set(old.columns):
                 stale = old.set_index(keys).index.isin(new.set_index(keys).index)
                 new = pd.concat([old[~stale], new], ignore_index=True)
-        _atomic(path, lambda p, frame=new: frame.to_parquet(p, index=False))
+        buffer = io.BytesIO()
+        new.to_parquet(buffer, index=False)
+        write_bytes_atomic(path, buffer.getvalue())
         written.append(path)
         if name != "steps":
             csv = out / f"{name}.csv"
-            _atomic(csv, lambda p, frame=new: frame.to_csv(p, index=False))
+            write_bytes_atomic(csv, new.to_csv(index=False).encode())
             written.append(csv)
     return written
 
 
-def _atomic(path: Path, write) -> None:
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write(temp)
-    os.replace(temp, path)
+def _with_option_defaults(old):
+    """Rows written before an option existed were computed with its default: give them that column."""
+    from dataclasses import fields
+
+    for f in fields(sim_options.SimOptions):
+        if f.name in sim_options.KEY_FIELDS and f.name not in old.columns:
+            old[f.name] = f.default
+    return old
 
 
 def table_lines(summaries: list[dict]) -> list[str]:

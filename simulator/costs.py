@@ -83,10 +83,6 @@ class ModelShape:
     def layer_weight_bytes(self) -> float:
         return (self.weight_bytes - self.head_weight_bytes) / self.n_layers
 
-    def block_bytes_layer(self, block_size: int) -> int:
-        """Bytes of one KV block of one layer (what one recall/offload of one block moves)."""
-        return round(block_size * self.kv_bytes_per_token_layer)
-
 
 def causal_pairs(query_tokens, attended_tokens):
     """(query, key) pairs under a causal mask: the i-th of q new queries sees a - q + i + 1 keys.
@@ -218,7 +214,3 @@ def transfer_s(n_bytes, bytes_per_s: float, overhead_s: float):
     b = np.asarray(n_bytes, dtype=np.float64)
     return np.where(b > 0, overhead_s + b / bytes_per_s, 0.0)
 
-
-def data_s(n_bytes, bytes_per_s: float):
-    """The wire part of a transfer (B / bandwidth), used by the link model when copy engines overlap setups."""
-    return np.asarray(n_bytes, dtype=np.float64) / bytes_per_s

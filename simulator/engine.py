@@ -31,9 +31,9 @@ import numpy as np
 import simpy
 
 from hwprofiles import HardwareProfile
+from simulator.options import OVERLAP_MODES  # noqa: F401 - the engine's modes, defined with the options
+from simulator.schedule import StepSchedule
 from simulator.workload import Timing, Workload
-
-OVERLAP_MODES = ("none", "layer-prefetch")
 
 
 def engines_per_channel(profile: HardwareProfile) -> int:
@@ -132,6 +132,9 @@ class Channel:
             self.timeline.span(self.name, label, start, end, bytes=int(n_bytes))
         return end
 
+    # The schedule's interface (schedule.StepSchedule): issue a copy now, get a token for its end.
+    issue = reserve
+
     def transfer(self, direction: str, n_bytes: float, duration_s: float, overhead_s: float, label: str = "copy"):
         """A SimPy process body: one copy, waited for (one timeout to its end)."""
         end = self.reserve(direction, n_bytes, duration_s, overhead_s, label)
@@ -214,6 +217,10 @@ class ResourceChannel:
         request.callbacks.append(granted)
         return done
 
+    def issue(self, direction: str, n_bytes: float, duration_s: float, overhead_s: float, label: str = "copy"):
+        """The schedule's interface (schedule.StepSchedule): an event that fires when the copy is done."""
+        return self.start(direction, n_bytes, duration_s, overhead_s, label)
+
     def _finished(self, direction: str, n_bytes: float, duration_s: float, start_s: float, label: str) -> None:
         self.busy_s[direction] += duration_s
         self.bytes[direction] += n_bytes
@@ -237,63 +244,63 @@ class Hardware:
             self.h2d = self.d2h = channel(env, "link (half duplex)", engines, timeline)
 
 
-def _copies(channel: Channel, direction: str, copies: int, n_bytes: float, duration_s: float, overhead_s: float,
-            label: str) -> float:
-    """`copies` identical transfers issued now (one per sequence of a lockstep batch); when the last ends."""
-    end = 0.0
-    for _ in range(copies):
-        end = max(end, channel.reserve(direction, n_bytes, duration_s, overhead_s, label))
-    return end
-
-
 def sequence(env: simpy.Environment, hw: Hardware, work: Workload, overlap: str, async_offload: bool,
-             step_end_s: np.ndarray, track: str = "GPU"):
-    """The process of one sequence (or one lockstep batch of `work.batch` copies of it).
+             step_end_s: np.ndarray, track: str = "GPU", lean: bool = True):
+    """The process of one sequence (or one lockstep batch of `work.batch` copies of it): per step, hold the GPU
+    and run schedule.StepSchedule (recall -> compute -> offload per operation).
 
-    Within a step the process keeps its own clock `t`: waiting for a copy is `t = max(t, end)` and computing is
-    `t += compute`, with no event, because nothing else can observe a GPU it holds. It only yields to bring
-    env.now up to `t` where others can see it: before it issues a copy (channels reserve copies at env.now, in
-    issue order across processes) and at the end of a step (the GPU is released).
+    Two shortcuts give the same times for the common cases (`lean=False` turns them off; the tests compare):
+    a step with nothing to wait for or issue is one timeout, and one sequence without prefetch or timeline on
+    counter channels (the hierarchy replay's hot path) runs the schedule inline on plain lists.
     """
-    compute = work.compute_s.tolist()
-    recall = work.recall_s.tolist()
-    offload = work.offload_s.tolist()
-    recall_bytes = work.recall_bytes.tolist()
-    offload_bytes = work.offload_bytes.tolist()
     per_step = work.ops_per_step
-    n_ops = len(compute)
     copies = work.batch
     prefetch = overlap == "layer-prefetch"
     timeline = hw.timeline
     h2d, d2h = hw.h2d, hw.d2h
     recall_overhead_s, offload_overhead_s = work.recall_overhead_s, work.offload_overhead_s
-    recalls = work.recall_s.reshape(work.n_steps, per_step) > 0
-    offloads = work.offload_s.reshape(work.n_steps, per_step) > 0
-    has_transfer = (recalls.any(1) | offloads.any(1)).tolist()
+    compute2 = work.compute_s.reshape(work.n_steps, per_step)
+    recall2 = work.recall_s.reshape(work.n_steps, per_step)
+    offload2 = work.offload_s.reshape(work.n_steps, per_step)
+    has_transfer = ((recall2 > 0).any(1) | (offload2 > 0).any(1)).tolist()
     if prefetch:  # the next step's first recall is issued during this step's last operation
-        has_transfer[:-1] = (np.array(has_transfer[:-1]) | recalls[1:, 0]).tolist()
-    step_compute = work.compute_s.reshape(work.n_steps, per_step).sum(1).tolist()
+        has_transfer[:-1] = (np.array(has_transfer[:-1]) | (recall2[1:, 0] > 0)).tolist()
+    step_compute = compute2.sum(1).tolist()
+    inline = lean and not prefetch and copies == 1 and timeline is None and isinstance(h2d, Channel)
+    if inline:
+        compute = work.compute_s.tolist()
+        recall = work.recall_s.tolist()
+        offload = work.offload_s.tolist()
+        recall_bytes = work.recall_bytes.tolist()
+        offload_bytes = work.offload_bytes.tolist()
+    else:
+        schedule = StepSchedule(env, hw, prefetch, async_offload, recall_overhead_s, offload_overhead_s)
+        members = list(range(copies))
+
+        def per_member(a: np.ndarray) -> np.ndarray:
+            return np.broadcast_to(a, (copies, per_step))
+
+        recall_bytes2 = work.recall_bytes.reshape(work.n_steps, per_step)
+        offload_bytes2 = work.offload_bytes.reshape(work.n_steps, per_step)
+        following2 = np.append(work.recall_s[1:], 0.0).reshape(work.n_steps, per_step)
+        following_bytes2 = np.append(work.recall_bytes[1:], 0.0).reshape(work.n_steps, per_step)
     timeout = env.timeout
-    pending = -1.0  # layer-prefetch: the end of the in-flight recall of the next operation (-1: none)
-    # Copy labels (`timeline and f"..."`) are only formatted when a timeline records them: formatting one
-    # per copy costs more than the copy.
 
     for s in range(work.n_steps):
         gpu = hw.gpu.request()
         yield gpu
-        first = s * per_step
-        if not has_transfer[s] and pending < 0 and timeline is None:
+        if lean and not has_transfer[s] and timeline is None and (inline or not schedule.pending):
             yield timeout(step_compute[s])  # nothing to wait for or issue: the whole step at once
-        elif not prefetch and copies == 1 and timeline is None:
-            # The common case, kept lean: recall (waited for), compute, offload (async or waited for).
+        elif inline:
+            # schedule.StepSchedule.run for one member, on lists, without prefetch (the DES's hot path)
             t = env.now
-            for i in range(first, first + per_step):
+            for i in range(s * per_step, (s + 1) * per_step):
                 r = recall[i]
                 if r > 0:
                     now = env.now
                     if t > now:
                         yield timeout(t - now)
-                    t = h2d.reserve("h2d", recall_bytes[i], r, recall_overhead_s, "recall")
+                    t = h2d.reserve("h2d", recall_bytes[i], r, recall_overhead_s, "recall")  # ends >= now = t
                 t += compute[i]
                 o = offload[i]
                 if o > 0:
@@ -306,55 +313,21 @@ def sequence(env: simpy.Environment, hw: Hardware, work: Workload, overlap: str,
             if t > env.now:
                 yield timeout(t - env.now)
         else:
-            t = env.now
-            for i in range(first, first + per_step):
-                if prefetch:
-                    if i == 0 and recall[0] > 0:  # nothing ran before it to hide it behind (t == env.now)
-                        t = _copies(h2d, "h2d", copies, recall_bytes[0], recall[0], recall_overhead_s,
-                                    timeline and "recall op 0")
-                    if pending >= 0:
-                        if pending > t:
-                            t = pending
-                        pending = -1.0
-                    nxt = i + 1
-                    if nxt < n_ops and recall[nxt] > 0:
-                        if t > env.now:
-                            yield timeout(t - env.now)
-                        pending = _copies(h2d, "h2d", copies, recall_bytes[nxt], recall[nxt], recall_overhead_s,
-                                          timeline and f"recall op {nxt}")
-                elif recall[i] > 0:
-                    if t > env.now:
-                        yield timeout(t - env.now)
-                    t = _copies(h2d, "h2d", copies, recall_bytes[i], recall[i], recall_overhead_s,
-                                timeline and f"recall op {i}")
-                if timeline is not None:
-                    start = t
-                    t = start + compute[i]
-                    layer = i - first
-                    timeline.span(track, "lm_head" if layer == work.n_layers else f"layer {layer}", start, t,
-                                  step=s)
-                else:
-                    t += compute[i]
-                if offload[i] > 0:
-                    if t > env.now:
-                        yield timeout(t - env.now)
-                    end = _copies(d2h, "d2h", copies, offload_bytes[i], offload[i], offload_overhead_s,
-                                  timeline and f"offload op {i}")
-                    if not async_offload:
-                        t = end
-            if t > env.now:
-                yield timeout(t - env.now)
+            yield from schedule.run(
+                compute2[s].tolist(), per_member(recall2[s]), per_member(recall_bytes2[s]), per_member(offload2[s]),
+                per_member(offload_bytes2[s]), members, members, per_member(following2[s]),
+                per_member(following_bytes2[s]), op_offset=s * per_step, track=track, step=s, n_layers=work.n_layers)
         hw.gpu.release(gpu)
         step_end_s[s] = env.now
 
 
 def run_des(work: Workload, profile: HardwareProfile, overlap: str = "none", async_offload: bool = True,
-            timeline: Timeline | None = None) -> Timing:
-    """Simulate one sample (or one lockstep batch of it) alone on a machine."""
+            timeline: Timeline | None = None, lean: bool = True) -> Timing:
+    """Simulate one sample (or one lockstep batch of it) alone on a machine (`lean`: see `sequence`)."""
     env = simpy.Environment()
     hw = Hardware(env, profile, timeline)
     step_end_s = np.zeros(work.n_steps)
-    env.process(sequence(env, hw, work, overlap, async_offload, step_end_s))
+    env.process(sequence(env, hw, work, overlap, async_offload, step_end_s, lean=lean))
     env.run()  # runs until the offload backlog is drained too
     return Timing(step_end_s=step_end_s, h2d_busy_s=hw.h2d.busy_s["h2d"], d2h_busy_s=hw.d2h.busy_s["d2h"],
                   last_d2h_end_s=hw.d2h.last_end_s["d2h"], h2d_bytes=hw.h2d.bytes["h2d"],

@@ -48,29 +48,14 @@ import simpy
 
 from hwprofiles import HardwareProfile, load_profile
 from simulator import costs
-from simulator.engine import OVERLAP_MODES, Channel, Hardware, Timeline
-from simulator.workload import build_workload
-from thoughtkv_base import UserError
+from simulator.engine import Hardware, Timeline
+from simulator.errors import ServingError
+from simulator.options import KEY_FIELDS, ServingConfig
+from simulator.schedule import StepSchedule
+from simulator.workload import build_workload, step_arrays
 from traces import open_run
 
-
-class ServingError(UserError):
-    """Serving options or an arrival file that cannot be simulated as given (one-line message, exit 2)."""
-
-
-@dataclass(frozen=True)
-class ServingConfig:
-    rate_per_s: float = 1.0  # Poisson arrival rate (ignored when arrivals_csv is given)
-    duration_s: float = 60.0  # arrivals happen in [0, duration_s); the run then drains
-    max_batch: int = 64  # most requests in one decode iteration
-    tbt_slo_s: float = 0.1  # goodput: a request is good if its mean time between tokens is at most this
-    ttft_slo_s: float | None = None  # ... and, when set, its time to first token at most this
-    overlap: str = "none"  # none | layer-prefetch (see module docstring)
-    async_offload: bool = True  # False: a layer's offloads finish before the next layer starts
-    seed: int = 0  # Poisson arrivals and the sample each request replays
-    arrivals_csv: str | None = None  # arrival trace (see load_arrivals_csv); overrides rate/duration
-    offload_tier: str = "ddr"  # where offloaded KV lives: host DDR or an extra tier of the profile (e.g. cxl)
-    batch_copies: bool = False  # True: one copy per operation for the whole batch (a gather kernel), one overhead
+__all__ = ["ServingConfig", "ServingError", "ServingResult", "simulate_serving"]
 
 
 # ---------------------------------------------------------------- what one request costs ---------------------
@@ -116,26 +101,15 @@ class SampleWork:
         return float(self.ddr_kv_bytes.max())
 
 
-STEP_COLUMNS = ["step", "layer", "query_tokens", "hbm_tokens", "recalled_tokens", "bytes_h2d", "bytes_d2h",
-                "hbm_kv_bytes", "ddr_kv_bytes"]
-
-
 def sample_work(steps: pd.DataFrame, sample: pd.Series, shape: costs.ModelShape,
                 profile: HardwareProfile, tier: str = "ddr") -> SampleWork:
     """Arrays of one sample from its steps rows: the cost model's FLOPs/KV bytes and the engine's transfers."""
-    steps = steps.sort_values(["step", "layer"])
-    n_steps, n_layers = int(steps["step"].max()) + 1, shape.n_layers
-    if len(steps) != n_steps * n_layers:
-        raise ServingError(f"sample {sample['sample_id']}: steps rows do not cover every (step, layer); "
-                           "run `thoughtkv traces validate` on the run")
-
-    def grid(column: str) -> np.ndarray:
-        return steps[column].to_numpy(dtype=np.float64).reshape(n_steps, n_layers)
-
-    query, attended = grid("query_tokens"), grid("hbm_tokens") + grid("recalled_tokens")
+    grid = step_arrays(steps, shape.n_layers, f"sample {sample['sample_id']}")
+    query, attended = grid["query_tokens"], grid["hbm_tokens"] + grid["recalled_tokens"]
+    n_steps, n_layers = query.shape
     flops, hbm_bytes = costs.layer_flops_bytes(shape, query, attended, batch=1)
-    work = build_workload(str(sample["sample_id"]), shape, profile, query, attended, grid("bytes_h2d"),
-                          grid("bytes_d2h"), grid("hbm_kv_bytes"), grid("ddr_kv_bytes"), tier=tier)
+    work = build_workload(str(sample["sample_id"]), shape, profile, query, attended, grid["bytes_h2d"],
+                          grid["bytes_d2h"], grid["hbm_kv_bytes"], grid["ddr_kv_bytes"], tier=tier)
     ops = (n_steps, n_layers + 1)
     return SampleWork(
         sample_id=str(sample["sample_id"]), prompt_tokens=int(sample["prompt_tokens"]),
@@ -148,6 +122,10 @@ def sample_work(steps: pd.DataFrame, sample: pd.Series, shape: costs.ModelShape,
 
 def load_run_work(run_dir: str | Path, profile: HardwareProfile,
                   tier: str = "ddr") -> tuple[dict, costs.ModelShape, list[SampleWork]]:
+    """The run's manifest, shape and every committed sample as SampleWork, costed on `profile` as given (the
+    caller picks the policy's overheads: simulate_serving)."""
+    from simulator.workload import STEP_COLUMNS
+
     run = open_run(run_dir)
     shape = costs.ModelShape.from_manifest(run.manifest["model"])
     samples = run.samples()
@@ -263,10 +241,6 @@ class ServingSim:
 
     def __init__(self, profile: HardwareProfile, shape: costs.ModelShape, works: list[SampleWork],
                  arrivals: list[Arrival], config: ServingConfig, timeline: Timeline | None = None):
-        if config.overlap not in OVERLAP_MODES:
-            raise ServingError(f"overlap {config.overlap!r} is unknown; use one of {', '.join(OVERLAP_MODES)}")
-        if config.max_batch < 1:
-            raise ServingError(f"max_batch must be >= 1, got {config.max_batch}")
         self.profile, self.shape, self.config = profile, shape, config
         self.env = simpy.Environment()
         self.hw = Hardware(self.env, profile, timeline)  # the engine's GPU and link channels
@@ -275,7 +249,7 @@ class ServingSim:
         if self.kv_capacity_bytes <= 0:
             raise ServingError(f"{shape.name}: weights ({shape.weight_bytes / 1e9:.1f} GB) do not fit in "
                                f"{profile.name}'s HBM; pick a larger GPU")
-        self.tier = costs.offload_tier(profile, config.offload_tier)
+        self.tier = costs.offload_tier(profile, config.options.offload_tier)
         self.ddr_capacity_bytes = self.tier.capacity_bytes
         self.works = works
         self.requests = [Request(i, a.arrival_s, works[a.sample].truncated(a.n_steps))
@@ -288,7 +262,13 @@ class ServingSim:
         self.wakeup = self.env.event()
         self.queue_changes: list[tuple[float, int]] = [(0.0, 0)]  # (time, requests waiting) at every change
         self.occupancy: list[tuple] = []  # one row per iteration (the `timeline` table of summarise)
-        self.prefetched: dict[int, simpy.Event] = {}  # layer-prefetch: request -> in-flight recall of its next op
+        rates = {"h2d": self.tier.h2d_bytes_per_s, "d2h": self.tier.d2h_bytes_per_s}
+        overhead_s = self.tier.transfer_overhead_s
+        coalesce = (lambda direction, n_bytes: float(costs.transfer_s(n_bytes, rates[direction], overhead_s))) \
+            if config.batch_copies else None
+        # The engine's schedule; `pending` keeps each request's prefetched recall (layer-prefetch) across iterations.
+        self.schedule = StepSchedule(self.env, self.hw, config.options.overlap == "layer-prefetch",
+                                     config.options.async_offload, overhead_s, overhead_s, coalesce, _add_link_wait)
         self.iterations = 0
         self.tokens = 0  # emitted so far (progress)
         self.env.process(self.arrivals())
@@ -356,132 +336,26 @@ class ServingSim:
 
     def iteration(self, batch: list[Request]):
         """One decode iteration: every running request's next traced step, operation by operation (layers,
-        then the LM head), with the engine's rules for when recalls are issued and waited for."""
+        then the LM head), on the engine's schedule (schedule.StepSchedule: recall -> compute -> offload).
+        Operation i computes as one roofline over the batch (weights once, every request's own FLOPs and KV)."""
         rows = [(r.work, r.step) for r in batch]
         flops = np.sum([w.flops[s] for w, s in rows], axis=0)
         kv_bytes = np.sum([w.kv_read_bytes[s] for w, s in rows], axis=0)
         layer_s = costs.roofline(flops, self.shape.layer_weight_bytes + kv_bytes, self.profile,
                                  costs.overheads_for(self.shape, self.profile).layer_s).total_s
         op_s = [*layer_s.tolist(), float(costs.head_times(self.shape, self.profile, batch=len(batch)).total_s)]
-        n_ops = len(op_s)
         recall_s = np.array([w.recall_s[s] for w, s in rows])  # [batch, ops]
         recall_bytes = np.array([w.recall_bytes[s] for w, s in rows])
-        offload_s = np.array([w.offload_s[s] for w, s in rows])
-        offload_bytes = np.array([w.offload_bytes[s] for w, s in rows])
-        prefetch = self.config.overlap == "layer-prefetch"
-        if prefetch:  # after the last operation comes the next step's first, for requests that go on
+        following_s = following_bytes = None
+        if self.schedule.prefetch:  # after the last operation comes the next step's first, for requests that go on
             nxt = [(w.recall_s[s + 1, 0], w.recall_bytes[s + 1, 0]) if s + 1 < w.n_steps else (0.0, 0.0)
                    for w, s in rows]
             following_s = np.column_stack([recall_s[:, 1:], [t for t, _ in nxt]])
             following_bytes = np.column_stack([recall_bytes[:, 1:], [b for _, b in nxt]])
-        busy_s = 0.0  # compute not yet turned into a timeout (nothing observable happens in between)
-        for i in range(n_ops):
-            needs = np.flatnonzero(recall_s[:, i])
-            if needs.size:
-                if busy_s:
-                    yield self.env.timeout(busy_s)
-                    busy_s = 0.0
-                # Prefetched copies are already in flight; the others (all of them without prefetch) start now.
-                waits, fresh = {}, []
-                for j in needs:
-                    event = self.prefetched.pop(batch[j].rid, None)
-                    if event is None:
-                        fresh.append(j)
-                    else:
-                        waits[id(event)] = event
-                if len(fresh) == 1 and not waits and not prefetch:
-                    yield from self._copy_now(self.hw.h2d, "h2d", batch[fresh[0]], recall_bytes[fresh[0], i],
-                                              recall_s[fresh[0], i], f"recall op {i}")
-                else:
-                    if fresh:
-                        event = self._start(self.hw.h2d, "h2d", [batch[j] for j in fresh], recall_bytes[fresh, i],
-                                            recall_s[fresh, i], f"recall op {i}")
-                        waits[id(event)] = event
-                    events = list(waits.values())
-                    yield events[0] if len(events) == 1 else self.env.all_of(events)
-            if prefetch:
-                ahead = np.flatnonzero(following_s[:, i])
-                if ahead.size:
-                    if busy_s:
-                        yield self.env.timeout(busy_s)
-                        busy_s = 0.0
-                    event = self._start(self.hw.h2d, "h2d", [batch[j] for j in ahead], following_bytes[ahead, i],
-                                        following_s[ahead, i], f"recall op {(i + 1) % n_ops}")
-                    for j in ahead:
-                        self.prefetched[batch[j].rid] = event
-            busy_s += op_s[i]
-            moving = np.flatnonzero(offload_s[:, i])
-            if moving.size:
-                if busy_s:
-                    yield self.env.timeout(busy_s)
-                    busy_s = 0.0
-                if moving.size == 1 and not self.config.async_offload:
-                    j = moving[0]
-                    yield from self._copy_now(self.hw.d2h, "d2h", batch[j], offload_bytes[j, i], offload_s[j, i],
-                                              f"offload op {i}")
-                else:
-                    event = self._start(self.hw.d2h, "d2h", [batch[j] for j in moving], offload_bytes[moving, i],
-                                        offload_s[moving, i], f"offload op {i}")
-                    if not self.config.async_offload:
-                        yield event
-        if busy_s:
-            yield self.env.timeout(busy_s)
-
-    # The link: the engine's Channel, a FIFO queue served in issue order. Copies are issued in the engine's order
-    # (a copy waited for at once through Channel.transfer, the others through Channel.start) so that
-    # same-instant copies on a shared half-duplex link are served as in the single-sequence replay.
-
-    def _copy_now(self, channel: Channel, direction: str, request: Request, n_bytes: float, duration_s: float,
-                  label: str):
-        asked_s = self.env.now
-        yield from channel.transfer(direction, float(n_bytes), float(duration_s), self.tier.transfer_overhead_s,
-                                    label)
-        request.link_wait_s += self.env.now - asked_s - float(duration_s)  # time beyond the uncontended copy
-
-    def _start(self, channel: Channel, direction: str, requests: list[Request], n_bytes: np.ndarray,
-               durations_s: np.ndarray, label: str) -> simpy.Event:
-        """Copies for `requests`, issued at this instant in batch order; the event fires when all are done.
-
-        With one copy engine on the channel the FIFO queue keeps copies issued together back to back, so one
-        copy of their summed bytes and duration is the same schedule for a fraction of the events; with several
-        engines (setups overlap, the wire is shared) every copy is its own, as in the engine.
-        """
-        asked_s = self.env.now
-        overhead_s = self.tier.transfer_overhead_s
-        if self.config.batch_copies and len(requests) > 1:
-            rate = self.tier.h2d_bytes_per_s if direction == "h2d" else self.tier.d2h_bytes_per_s
-            total_bytes = float(n_bytes.sum())
-            copy_s = float(costs.transfer_s(total_bytes, rate, overhead_s))
-            done = channel.start(direction, total_bytes, copy_s, overhead_s, label)
-
-            def account_batched(_event) -> None:
-                for request in requests:
-                    request.link_wait_s += self.env.now - asked_s - copy_s
-
-            done.callbacks.append(account_batched)
-            return done
-        if channel.n_engines == 1 and len(requests) > 1:
-            total_s = float(durations_s.sum())
-            done = channel.start(direction, float(n_bytes.sum()), total_s, overhead_s, label)
-            queued_before_s = np.concatenate([[0.0], np.cumsum(durations_s)[:-1]])  # earlier copies of the group
-
-            def account(_event) -> None:
-                start_s = self.env.now - total_s
-                for request, ahead_s in zip(requests, queued_before_s):
-                    request.link_wait_s += start_s - asked_s + float(ahead_s)
-
-            done.callbacks.append(account)
-            return done
-        events = []
-        for request, b, d in zip(requests, n_bytes, durations_s):
-            done = channel.start(direction, float(b), float(d), overhead_s, label)
-
-            def account(_event, request=request, duration_s=float(d)) -> None:
-                request.link_wait_s += self.env.now - asked_s - duration_s
-
-            done.callbacks.append(account)
-            events.append(done)
-        return events[0] if len(events) == 1 else self.env.all_of(events)
+        yield from self.schedule.run(
+            op_s, recall_s, recall_bytes, np.array([w.offload_s[s] for w, s in rows]),
+            np.array([w.offload_bytes[s] for w, s in rows]), batch, [r.rid for r in batch], following_s,
+            following_bytes, n_layers=self.shape.n_layers)
 
     def _emit_tokens(self) -> None:
         now = self.env.now
@@ -523,6 +397,11 @@ class ServingSim:
         self.env.run()  # drain the offload backlog (it occupies the link, not the requests)
 
 
+def _add_link_wait(request: Request, seconds: float) -> None:
+    """A copy of `request` spent `seconds` queued beyond its own duration (requests delay each other's copies)."""
+    request.link_wait_s += seconds
+
+
 # ---------------------------------------------------------------- metrics ------------------------------------
 
 
@@ -543,7 +422,7 @@ def time_average(changes: list[tuple[float, int]], end_s: float) -> float:
     return float(np.sum(values * np.diff(times)) / end_s)
 
 
-def summarise(sim: ServingSim, manifest: dict, run_dir: str) -> ServingResult:
+def summarise(sim: ServingSim, manifest: dict, run_dir: str, overhead_source: str = "") -> ServingResult:
     config, profile = sim.config, sim.profile
     requests = pd.DataFrame([{
         "request": r.rid, "sample_id": r.work.sample_id, "prompt_tokens": r.work.prompt_tokens,
@@ -571,9 +450,9 @@ def summarise(sim: ServingSim, manifest: dict, run_dir: str) -> ServingResult:
     reserved_per_request = float(np.mean([w.peak_hbm_kv_bytes for w in sim.works]))
     summary = {
         "run_dir": str(run_dir), "model": sim.shape.name, "policy": policy["name"],
-        "hbm_budget": policy.get("hbm_budget"), "profile": profile.name, "overlap": config.overlap,
-        "async_offload": config.async_offload, "batch_copies": config.batch_copies, "rate_per_s": config.rate_per_s if not config.arrivals_csv else
-        math.nan, "duration_s": config.duration_s, "max_batch": config.max_batch, "seed": config.seed,
+        "hbm_budget": policy.get("hbm_budget"), "profile": profile.name,
+        **{name: getattr(config.options, name) for name in KEY_FIELDS}, "overhead_source": overhead_source,
+        "batch_copies": config.batch_copies, "rate_per_s": config.rate_per_s if not config.arrivals_csv else math.nan, "duration_s": config.duration_s, "max_batch": config.max_batch, "seed": config.seed,
         "tbt_slo_s": config.tbt_slo_s, "n_requests": len(requests), "n_rejected": int(requests["rejected"].sum())
         if len(requests) else 0, "n_completed": int(served["finish_s"].notna().sum()) if len(served) else 0,
         "end_s": end_s, "tokens": tokens, "throughput_tokens_per_s": tokens / end_s if end_s > 0 else math.nan,
@@ -590,7 +469,7 @@ def summarise(sim: ServingSim, manifest: dict, run_dir: str) -> ServingResult:
         "kv_capacity_bytes": sim.kv_capacity_bytes, "hbm_capacity_bytes": profile.gpu.hbm_capacity_bytes,
         "peak_hbm_bytes": float(timeline["hbm_bytes"].max()) if len(timeline) else float(sim.shape.weight_bytes),
         "peak_hbm_reserved_bytes": float(timeline["hbm_reserved_bytes"].max()) if len(timeline) else math.nan,
-        "tier": sim.tier.name, "ddr_capacity_bytes": sim.ddr_capacity_bytes,
+        "ddr_capacity_bytes": sim.ddr_capacity_bytes,
         "peak_ddr_bytes": float(timeline["ddr_bytes"].max()) if len(timeline) else 0.0,
         # Share of the link's bandwidth used while requests were served (bytes / bandwidth / time).
         "bytes_h2d": sim.hw.h2d.bytes["h2d"], "bytes_d2h": sim.hw.d2h.bytes["d2h"],
@@ -611,20 +490,22 @@ def simulate_serving(run_dir: str | Path, profile: str | HardwareProfile, config
                      timeline: Timeline | None = None, progress: bool = False) -> ServingResult:
     """Serve Poisson (or CSV) arrivals replaying the run's samples on one GPU of `profile`; `timeline` (the
     engine's Chrome-trace recorder) gets one span per iteration and per copy."""
+    from simulator.simulate import check_prefetch
+    from simulator.whatif import traced_config
+
     if not isinstance(profile, HardwareProfile):
         profile = load_profile(profile)
-    manifest, shape, works = load_run_work(run_dir, profile, config.offload_tier)
-    if config.overlap == "layer-prefetch":  # the same validity rule as simulate_run's
-        from simulator.simulate import _check_prefetch
-        from simulator.whatif import traced_config
-
-        _check_prefetch(open_run(run_dir), traced_config(manifest["policy"]), projected=False)
+    run = open_run(run_dir)
+    costs.offload_tier(profile, config.options.offload_tier)  # an unknown tier fails before any work
+    if config.options.overlap == "layer-prefetch":  # the same validity rule as simulate_run's
+        check_prefetch(run, traced_config(run.manifest["policy"]), projected=False)
+    # The same per-policy overheads simulate_run charges (calibrated profiles measure each decode path).
+    profile, overhead_source = costs.profile_for_policy(profile, run.manifest["policy"]["name"])
+    manifest, shape, works = load_run_work(run_dir, profile, config.options.offload_tier)
     if config.arrivals_csv:
         arrivals = load_arrivals_csv(config.arrivals_csv, works)
     else:
-        if config.rate_per_s <= 0 or config.duration_s <= 0:
-            raise ServingError("--rate and --duration must be > 0 (or give an arrival CSV)")
         arrivals = poisson_arrivals(config.rate_per_s, config.duration_s, works, config.seed)
     sim = ServingSim(profile, shape, works, arrivals, config, timeline)
     sim.run(progress)
-    return summarise(sim, manifest, str(run_dir))
+    return summarise(sim, manifest, str(run_dir), overhead_source)

@@ -1,7 +1,7 @@
-"""`thoughtkv serve-sim RUN_DIR [RUN_DIR ...] --profile NAME [...] --rate R --duration S --max-batch N`.
+"""`thoughtkv serve-sim RUN_DIR [RUN_DIR ...] --profile NAME [...] --rate-per-s R --duration-s S --max-batch N`.
 
 Serving simulation (simulator/serving.py): requests arrive (Poisson at R/s for S seconds, or the rows of
---arrivals CSV), each replays a sample of the run, and share one GPU with continuous batching, HBM admission
+--arrivals-csv CSV), each replays a sample of the run, and share one GPU with continuous batching, HBM admission
 and one host link. Give several runs (e.g. a full-cache trace and a 30%-budget trace of the same task) and
 several profiles to compare them: one table row per (run, profile).
 
@@ -19,50 +19,34 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from simulator import options as sim_options
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from simulator.options import ServingConfig
+
     parser.add_argument("run_dirs", metavar="RUN_DIR", type=Path, nargs="+", help="trace run(s) to serve")
-    add_serving_arguments(parser)
     parser.add_argument("--profile", action="append", default=[], metavar="NAME",
                         help="hardware profile name or YAML path (repeatable)")
-    parser.add_argument("--overlap", default="none", choices=("none", "layer-prefetch"),
-                        help="none: recall then compute; layer-prefetch: recall for layer l+1 during layer l")
-    parser.add_argument("--sync-offload", action="store_true", help="wait for offloads (default: async)")
-    parser.add_argument("--offload-tier", default="ddr", metavar="TIER",
-                        help="where offloaded KV lives: ddr or a profile's extra tier")
+    # --rate-per-s, --duration-s, --max-batch, --tbt-slo-s, ... : one flag per ServingConfig field
+    sim_options.add_arguments(parser, ServingConfig)
+    # --overlap, --async-offload, --offload-tier, --transfer (a serving batch is --max-batch requests)
+    sim_options.add_arguments(parser, exclude=("batch", "engine"))
     parser.add_argument("--timeline", type=Path, metavar="FILE",
                         help="Chrome-trace JSON (Perfetto) of the first run on the first profile")
-    parser.add_argument("--out", type=Path, default=None, help="results directory (see above)")
-
-
-def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
-    """The serving options alone, for `thoughtkv simulate --serving` to reuse."""
-    parser.add_argument("--rate", type=float, default=1.0, metavar="R", help="Poisson arrivals per second")
-    parser.add_argument("--duration", type=float, default=60.0, metavar="S", help="arrival window in seconds")
-    parser.add_argument("--max-batch", type=int, default=64, metavar="N", help="most requests per decode iteration")
-    parser.add_argument("--arrivals", type=Path, default=None, metavar="CSV",
-                        help="arrival trace instead of Poisson (columns: see `serve-sim --help`)")
-    parser.add_argument("--tbt-slo-ms", type=float, default=100.0, help="goodput: mean time between tokens SLO")
-    parser.add_argument("--ttft-slo-s", type=float, default=None, help="goodput: time to first token SLO")
-    parser.add_argument("--seed", type=int, default=0, help="seed of arrivals and sample choice")
-    parser.add_argument("--batch-copies", action="store_true",
-                        help="one copy per layer for the whole batch (gather kernel) instead of one per request")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results directory (default: RUN_DIR/serving for one run, else ./serving)")
 
 
 def serving_config(args: argparse.Namespace):
-    from simulator.serving import ServingConfig, ServingError
+    """The ServingConfig the flags describe (validated by it: one line naming the wrong option)."""
+    from simulator.errors import ServingError
+    from simulator.options import ServingConfig
 
-    if args.rate <= 0 or args.duration <= 0 or args.max_batch < 1:
-        raise ServingError("--rate and --duration must be > 0 and --max-batch >= 1")
-    if args.arrivals is not None and not args.arrivals.is_file():
-        raise ServingError(f"--arrivals {args.arrivals}: not found; pass an existing CSV")
-    return ServingConfig(
-        rate_per_s=args.rate, duration_s=args.duration, max_batch=args.max_batch, tbt_slo_s=args.tbt_slo_ms / 1e3,
-        ttft_slo_s=args.ttft_slo_s, overlap=getattr(args, "overlap", "none"),
-        async_offload=not getattr(args, "sync_offload", False), seed=args.seed,
-        arrivals_csv=str(args.arrivals) if args.arrivals else None,
-        offload_tier=getattr(args, "offload_tier", "ddr"), batch_copies=args.batch_copies,
-    )
+    config = sim_options.from_args(args, ServingConfig, options=sim_options.from_args(args))
+    if config.arrivals_csv is not None and not Path(config.arrivals_csv).is_file():
+        raise ServingError(f"--arrivals-csv {config.arrivals_csv}: not found; pass an existing CSV")
+    return config
 
 
 def run(args: argparse.Namespace) -> int:

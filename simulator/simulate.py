@@ -1,11 +1,11 @@
 """simulate_run: one trace run x one hardware profile -> per-sample results and per-step latencies.
 
-    from simulator import simulate_run
-    result = simulate_run("runs/r1", "h200-sxm", overlap="none", what_if="budget=0.3,block=32")
+    from simulator import SimOptions, simulate_run
+    result = simulate_run("runs/r1", "h200-sxm", SimOptions(overlap="none"), what_if="budget=0.3,block=32")
     result.summary      # one row (dict) for the whole run; result.samples: one row per sample
     result.steps        # DataFrame: sample_id, step, latency_s, compute_s, link_stall_s, ...
 
-Every output formula is in simulator/README.md ("Outputs").
+The columns are those of simulator/columns.py; every output formula is in simulator/README.md ("Outputs").
 """
 
 from __future__ import annotations
@@ -20,28 +20,29 @@ import pandas as pd
 
 from hwprofiles import HardwareProfile, load_profile
 from simulator import costs, fastpath
+from simulator.columns import (
+    KEY_COLUMNS,
+    MAX_COLUMNS,
+    MIN_COLUMNS,
+    RESULT_COLUMNS,
+    SUM_COLUMNS,
+    SUMMARY_SAMPLE_ID,
+)
 from simulator.costs import ModelShape
-from simulator.engine import OVERLAP_MODES, Timeline, engines_per_channel, run_des
+from simulator.engine import Timeline, engines_per_channel, run_des
+from simulator.errors import SimulationError
+from simulator.options import KEY_FIELDS, SimOptions
 from simulator.whatif import parse_what_if, replay, replays_own_recalls, traced_config, what_if_config
-from simulator.workload import Timing, Workload, build_workload
-from thoughtkv_base import UserError
+from simulator.workload import STEP_COLUMNS, Timing, Workload, build_workload, step_arrays
 from traces.policy import PolicySpec
 from traces.reader import TraceRun, open_run
 
-ENGINES = ("auto", "des", "fast")
-STEP_COLUMNS = [
-    "step", "layer", "query_tokens", "logical_len", "hbm_tokens", "ddr_tokens", "recalled_tokens", "bytes_h2d",
-    "bytes_d2h", "hbm_kv_bytes", "ddr_kv_bytes",
-]
-
-
-class SimulationError(UserError):
-    """Inconsistent simulation options (one line, exit 2)."""
+__all__ = ["SimResult", "SimulationError", "check_prefetch", "simulate_run", "summarise"]
 
 
 @dataclass
 class SimResult:
-    samples: pd.DataFrame  # one row per sample (the columns of RESULT_COLUMNS)
+    samples: pd.DataFrame  # one row per sample (columns.RESULT_COLUMNS)
     steps: pd.DataFrame  # one row per (sample, step)
     summary: dict = field(default_factory=dict)  # the run as one row: sums / maxima over samples
 
@@ -49,23 +50,22 @@ class SimResult:
 def simulate_run(
     run_dir: str | Path | TraceRun,
     profile: str | HardwareProfile,
-    overlap: str = "none",
-    async_offload: bool = True,
-    batch: int = 1,
+    options: SimOptions | None = None,
     what_if: str | dict | None = None,
-    engine: str = "auto",
     timeline: Timeline | None = None,
-    offload_tier: str = "ddr",
     progress: Callable[[int], object] | None = None,
 ) -> SimResult:
     """Simulate every committed sample of a run on one profile (see the module docstring and README).
 
     `timeline` records the first sample (with the DES); `progress(1)` is called after each sample.
     """
+    options = SimOptions() if options is None else options
+    if not isinstance(options, SimOptions):
+        raise TypeError(f"options must be a SimOptions, not {type(options).__name__}")
+    overlap, async_offload, engine = options.overlap, options.async_offload, options.engine
     run = run_dir if isinstance(run_dir, TraceRun) else open_run(run_dir)
     profile = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
-    check_options(overlap, batch, engine)
-    costs.offload_tier(profile, offload_tier)  # an unknown tier fails before any work
+    costs.offload_tier(profile, options.offload_tier)  # an unknown tier fails before any work
     shape = ModelShape.from_manifest(run.manifest["model"])
     policy = run.manifest["policy"]
     overrides = parse_what_if(what_if)
@@ -75,7 +75,7 @@ def simulate_run(
                               "re-collect with access enabled")
     config = what_if_config(policy, overrides) if projected else traced_config(policy)
     if overlap == "layer-prefetch":
-        _check_prefetch(run, config, projected)
+        check_prefetch(run, config, projected)
     profile, overhead_source = costs.profile_for_policy(profile, config.policy)
 
     sample_ids = run.sample_ids()
@@ -83,8 +83,8 @@ def simulate_run(
         raise SimulationError(f"{run.path}: no committed samples to simulate; let the trace run finish (or resume it)")
     rows, step_frames = [], []
     for index, sample_id in enumerate(sample_ids):
-        frame = run.steps(sample_id, columns=STEP_COLUMNS).sort_values(["step", "layer"], kind="stable")
-        arrays = _arrays(frame, shape.n_layers)
+        arrays = step_arrays(run.steps(sample_id, columns=list(STEP_COLUMNS)), shape.n_layers,
+                             f"{run.path} sample {sample_id}")
         mass_evicted = mass_not_recalled = None
         if projected:
             recorded = recorded_recalls(run, sample_id, shape.n_layers) if replays_own_recalls(policy, config) else None
@@ -102,8 +102,8 @@ def simulate_run(
             mass_not_recalled = float(played.mass_not_recalled[decode].mean())
         work = build_workload(
             sample_id, shape, profile, arrays["query_tokens"], arrays["hbm_tokens"] + arrays["recalled_tokens"],
-            arrays["bytes_h2d"], arrays["bytes_d2h"], arrays["hbm_kv_bytes"], arrays["ddr_kv_bytes"], batch,
-            offload_tier,
+            arrays["bytes_h2d"], arrays["bytes_d2h"], arrays["hbm_kv_bytes"], arrays["ddr_kv_bytes"], options.batch,
+            options.offload_tier,
         )
         record = timeline if index == 0 else None  # a timeline shows the first sample (the DES records it)
         use_fast = engine == "fast" or (engine == "auto" and record is None
@@ -117,11 +117,9 @@ def simulate_run(
             if record is not None:
                 record.begin_process(f"{profile.name} {sample_id}")
             timing = run_des(work, profile, overlap, async_offload, record)
-        row = _sample_row(run, shape, profile, config, work, timing, arrays, overlap, async_offload,
-                          "fast" if use_fast else "des", projected, overrides, mass_evicted, mass_not_recalled,
-                          offload_tier)
-        row["overhead_source"] = overhead_source  # which calibrated decode path's overheads were charged
-        rows.append(row)
+        rows.append(_sample_row(run, shape, profile, config, options, work, timing, arrays,
+                                "fast" if use_fast else "des", projected, overrides, mass_evicted, mass_not_recalled,
+                                overhead_source))
         if progress is not None:
             progress(1)
         step_frames.append(_step_frame(work, timing))
@@ -140,16 +138,7 @@ def recorded_recalls(run: TraceRun, sample_id: str, n_layers: int) -> list[list]
     return [ids[s : s + n_layers] for s in range(0, len(ids), n_layers)]
 
 
-def check_options(overlap: str, batch: int, engine: str) -> None:
-    if overlap not in OVERLAP_MODES:
-        raise SimulationError(f"unknown overlap mode {overlap!r}; use one of {', '.join(OVERLAP_MODES)}")
-    if not isinstance(batch, int) or batch < 1:
-        raise SimulationError(f"--batch {batch!r} must be a whole number >= 1")
-    if engine not in ENGINES:
-        raise SimulationError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
-
-
-def _check_prefetch(run: TraceRun, config: PolicySpec, projected: bool) -> None:
+def check_prefetch(run: TraceRun, config: PolicySpec, projected: bool) -> None:
     """layer-prefetch issues a recall before the layer's query exists: only a recall set known in advance."""
     if config.policy != "hierarchy" or config.recall_k == 0 or config.recall_rule == "score":
         return
@@ -160,21 +149,9 @@ def _check_prefetch(run: TraceRun, config: PolicySpec, projected: bool) -> None:
     )
 
 
-def _arrays(frame: pd.DataFrame, n_layers: int) -> dict[str, np.ndarray]:
-    n_steps = len(frame) // n_layers
-    if n_steps * n_layers != len(frame) or n_steps == 0:
-        raise SimulationError(f"steps table has {len(frame)} rows, not a whole number of steps x {n_layers} layers; "
-                              "run `thoughtkv traces validate`")
-    return {c: frame[c].to_numpy(dtype=np.float64).reshape(n_steps, n_layers) for c in STEP_COLUMNS}
-
-
-KEY_COLUMNS = [
-    "run_dir", "run_label", "result_kind", "profile", "overlap", "async_offload", "batch", "offload_tier", "sample_id",
-]
-
-
-def _sample_row(run, shape, profile, config, work: Workload, timing: Timing, arrays, overlap, async_offload,
-                engine_used, projected, overrides, mass_evicted, mass_not_recalled, tier_name) -> dict:
+def _sample_row(run, shape, profile, config: PolicySpec, options: SimOptions, work: Workload, timing: Timing, arrays,
+                engine_used, projected, overrides, mass_evicted, mass_not_recalled, overhead_source) -> dict:
+    """One results row, in the order and with the names of columns.RESULT_COLUMNS."""
     batch = work.batch
     total_s = timing.total_s
     prefill_s = float(timing.step_end_s[0])
@@ -192,11 +169,11 @@ def _sample_row(run, shape, profile, config, work: Workload, timing: Timing, arr
     kv_ddr_per_seq = float(work.step_ddr_kv_bytes[decode_rows].max())
     kv_full_per_seq = float(arrays["logical_len"][-1, 0] * shape.kv_bytes_per_token)
     free_hbm = profile.gpu.hbm_capacity_bytes - shape.weight_bytes
-    ddr_capacity = costs.offload_tier(profile, tier_name).capacity_bytes
+    ddr_capacity = costs.offload_tier(profile, options.offload_tier).capacity_bytes
     peak_hbm = shape.weight_bytes + batch * float(work.step_hbm_kv_bytes.max())
     peak_ddr = batch * float(work.step_ddr_kv_bytes.max())
     label = str(run.manifest.get("label") or run.path.name) + (f" [what-if {_describe(overrides)}]" if projected else "")
-    return {
+    values = {
         "run_dir": str(run.path),
         "run_label": label,
         "result_kind": "projected" if projected else "traced",
@@ -209,12 +186,10 @@ def _sample_row(run, shape, profile, config, work: Workload, timing: Timing, arr
         "scorer": config.scorer if projected else str(run.manifest["policy"].get("scorer")),
         "recall_rule": config.recall_rule if projected else str(run.manifest["policy"].get("recall_rule")),
         "profile": profile.name,
-        "overlap": overlap,
-        "async_offload": bool(async_offload),
-        "batch": batch,
-        "offload_tier": tier_name,
+        **{name: getattr(options, name) for name in KEY_FIELDS},
         "engine": engine_used,
         "overhead_set": costs.overheads_for(shape, profile).set,
+        "overhead_source": overhead_source,
         "sample_id": work.sample_id,
         "steps": work.n_steps,
         "prompt_tokens": int(arrays["query_tokens"][0, 0]),
@@ -248,6 +223,7 @@ def _sample_row(run, shape, profile, config, work: Workload, timing: Timing, arr
         "mass_lost_evicted": mass_evicted,
         "mass_lost_not_recalled": mass_not_recalled,
     }
+    return {name: values[name] for name in RESULT_COLUMNS}  # a column missing from `values` fails here
 
 
 def _fit(capacity_bytes: float, per_sequence_bytes: float) -> int:
@@ -279,19 +255,12 @@ def _step_frame(work: Workload, timing: Timing) -> pd.DataFrame:
     })
 
 
-SUM_COLUMNS = ("steps", "total_s", "prefill_s", "decode_s", "compute_s", "hbm_s", "overhead_s", "link_stall_s",
-               "bytes_h2d", "bytes_d2h")
-MAX_COLUMNS = ("peak_hbm_bytes", "peak_ddr_bytes", "kv_bytes_per_seq_full", "kv_hbm_bytes_per_seq",
-               "kv_ddr_bytes_per_seq", "d2h_backlog_s")
-MIN_COLUMNS = ("max_concurrency_full", "max_concurrency_policy", "max_concurrency_ddr")
-
-
 def summarise(samples: pd.DataFrame) -> dict:
     """Samples run one after another: times and bytes add up, peaks are maxima, capacities the worst case."""
     if samples.empty:
         return {}
     row = samples.iloc[0].to_dict()
-    row["sample_id"] = "ALL"
+    row["sample_id"] = SUMMARY_SAMPLE_ID
     row["engine"] = ",".join(sorted(set(samples["engine"])))
     for column in SUM_COLUMNS:
         row[column] = samples[column].sum()

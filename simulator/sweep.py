@@ -29,13 +29,14 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import yaml
 
+from simulator.options import ServingConfig, SimOptions, grid_keys
 from thoughtkv_base import UserError
 from traces.layout import write_bytes_atomic
 
@@ -53,22 +54,14 @@ class SimulateCell:
 
     run_dir: str
     profile: str
-    overlap: str = "none"
-    async_offload: bool = True
-    batch: int = 1
+    options: SimOptions = field(default_factory=SimOptions)
     what_if: tuple[tuple[str, Any], ...] = ()  # sorted (key, value) pairs; () = replay as traced
-    engine: str = "auto"
-    offload_tier: str = "ddr"
     num_gpus: float = 0.0
 
     def run(self) -> pd.DataFrame:
         from simulator import simulate_run
 
-        result = simulate_run(
-            self.run_dir, self.profile, overlap=self.overlap, async_offload=self.async_offload,
-            batch=self.batch, what_if=dict(self.what_if) or None, engine=self.engine,
-            offload_tier=self.offload_tier,
-        )
+        result = simulate_run(self.run_dir, self.profile, self.options, what_if=dict(self.what_if) or None)
         summary = result.summary
         return summary.copy() if isinstance(summary, pd.DataFrame) else pd.DataFrame([summary])
 
@@ -79,26 +72,13 @@ class ServeCell:
 
     run_dir: str
     profile: str
-    rate_per_s: float
-    duration_s: float
-    max_batch: int = 64
-    tbt_slo_ms: float = 100.0
-    overlap: str = "none"
-    async_offload: bool = True
-    offload_tier: str = "ddr"
-    batch_copies: bool = False
-    seed: int = 0
+    config: ServingConfig = field(default_factory=ServingConfig)
     num_gpus: float = 0.0
 
     def run(self) -> pd.DataFrame:
-        from simulator.serving import ServingConfig, simulate_serving
+        from simulator.serving import simulate_serving
 
-        config = ServingConfig(
-            rate_per_s=self.rate_per_s, duration_s=self.duration_s, max_batch=self.max_batch,
-            tbt_slo_s=self.tbt_slo_ms / 1e3, overlap=self.overlap, async_offload=self.async_offload,
-            offload_tier=self.offload_tier, batch_copies=self.batch_copies, seed=self.seed,
-        )
-        return pd.DataFrame([simulate_serving(self.run_dir, self.profile, config).summary])
+        return pd.DataFrame([simulate_serving(self.run_dir, self.profile, self.config).summary])
 
 
 @dataclass(frozen=True)
@@ -167,6 +147,11 @@ def cell_from_dict(data: dict):
     for name in ("what_if", "trace_args"):
         if name in data:
             data[name] = tuple(tuple(pair) for pair in data[name])
+    if "options" in data:
+        data["options"] = SimOptions(**data["options"])
+    if "config" in data:
+        config = dict(data["config"])
+        data["config"] = ServingConfig(**{**config, "options": SimOptions(**config["options"])})
     return cls(**data)
 
 
@@ -182,30 +167,21 @@ def run_cell_to_parquet(cell_data: dict) -> bytes:
 
 # ---------------------------------------------------------------- grid files ---------------------------------
 
-# Keys each kind accepts; a list value is an axis (every value crossed with every other axis).
+# Keys each kind accepts; a list value is an axis (every value crossed with every other axis). The option keys
+# are the fields of SimOptions / ServingConfig (the flags of `simulate` / `serve-sim`, with _ for -).
+SERVE_OPTION_EXCLUDE = ("batch", "engine", "arrivals_csv")  # serving batches itself; arrivals: a CLI file
 GRID_KEYS: dict[str, dict[str, str]] = {
     "simulate": {
         "runs": "trace run directories (relative to the grid file); list or one path",
         "profiles": "hardware profile names, or `all`",
-        "overlap": "none | layer-prefetch",
-        "async_offload": "true | false",
-        "batch": "sequences decoded in lockstep",
         "what_if": "mapping of what-if axes (e.g. budget: [0.1, 0.3]); omit to replay as traced",
-        "engine": "auto | des | fast",
-        "offload_tier": "ddr or a profile's extra tier",
+        **grid_keys(SimOptions),
     },
     "serve": {
         "runs": "trace run directories (relative to the grid file)",
         "profiles": "hardware profile names, or `all`",
-        "rate_per_s": "Poisson arrival rates (requests/s)",
-        "duration_s": "simulated arrival window (s)",
-        "max_batch": "most sequences in one decode step",
-        "tbt_slo_ms": "time-between-tokens SLO for goodput (ms)",
-        "overlap": "none | layer-prefetch",
-        "async_offload": "true | false",
-        "offload_tier": "ddr or a profile's extra tier",
-        "batch_copies": "false: one copy per request and layer (as the engine) | true: one per layer for the batch",
-        "seed": "arrival/sample seed",
+        **grid_keys(ServingConfig, exclude=SERVE_OPTION_EXCLUDE),
+        **grid_keys(SimOptions, exclude=SERVE_OPTION_EXCLUDE),
     },
     "collect": {
         "trace_args": "mapping of `thoughtkv trace` flags (without --) to a value or a list of values",
@@ -266,6 +242,8 @@ def _as_list(value: Any) -> list:
 
 
 def _simulation_cells(kind: str, data: dict, base_dir: Path, where: str) -> list:
+    """The cross product of the grid's axes, every cell validated (options, serving config, what-if against
+    its run) before any runs: a bad value anywhere fails the whole grid in one line."""
     from hwprofiles import list_profiles, load_profile
 
     if "runs" not in data or "profiles" not in data:
@@ -276,24 +254,45 @@ def _simulation_cells(kind: str, data: dict, base_dir: Path, where: str) -> list
         profiles = [p.name for p in list_profiles()]
     for name in profiles:
         load_profile(name)  # unknown profile -> ProfileError (one line) before anything runs
-    axes: dict[str, list] = {"run_dir": runs, "profile": profiles}
-    for key in GRID_KEYS[kind]:
-        if key in ("runs", "profiles", "what_if") or key not in data:
-            continue
-        axes[key] = _as_list(data[key])
-    if kind == "simulate":
-        what_ifs = _what_if_combinations(data.get("what_if"), where)
-        axes["what_if"] = what_ifs
-    cls = CELL_KINDS[kind]
-    names = list(axes)
+    option_names = [f.name for f in fields(SimOptions) if f.name in data]
+    config_names = [f.name for f in fields(ServingConfig) if f.name in data] if kind == "serve" else []
+    what_ifs = _what_if_combinations(data.get("what_if"), where) if kind == "simulate" else [()]
     cells = []
-    for values in itertools.product(*(axes[n] for n in names)):
+    for run_dir, profile, what_if, option_values, config_values in itertools.product(
+            runs, profiles, what_ifs, _combinations(data, option_names), _combinations(data, config_names)):
         try:
-            cells.append(cls(**dict(zip(names, values))))
-        except TypeError as exc:
-            raise SweepError(f"{where}: {exc}; check the grid's keys") from None
-    _check_values(cells, where)
+            options = SimOptions(**option_values)
+            if kind == "simulate":
+                _check_what_if(run_dir, what_if)
+                cells.append(SimulateCell(run_dir=run_dir, profile=profile, options=options, what_if=what_if))
+            else:
+                cells.append(ServeCell(run_dir=run_dir, profile=profile,
+                                       config=ServingConfig(**config_values, options=options)))
+        except UserError as exc:
+            raise SweepError(f"{where}: {_describe_cell(run_dir, profile, what_if, option_values, config_values)}: "
+                             f"{exc}") from None
     return cells
+
+
+def _combinations(data: dict, names: list[str]) -> list[dict]:
+    return [dict(zip(names, values)) for values in itertools.product(*(_as_list(data[n]) for n in names))]
+
+
+def _describe_cell(run_dir: str, profile: str, what_if: tuple, *values: dict) -> str:
+    parts = [f"run {Path(run_dir).name}", f"profile {profile}"]
+    parts += [f"{k}={v!r}" for k, v in what_if]
+    parts += [f"{k}={v!r}" for d in values for k, v in d.items()]
+    return "cell " + ", ".join(parts)
+
+
+def _check_what_if(run_dir: str, what_if: tuple) -> None:
+    """The what-if of a cell as simulate_run will read it, against its run's traced policy."""
+    if not what_if:
+        return
+    from simulator.whatif import parse_what_if, what_if_config
+    from traces.reader import open_run
+
+    what_if_config(open_run(run_dir).manifest["policy"], parse_what_if(dict(what_if)))
 
 
 def _what_if_combinations(spec: Any, where: str) -> list[tuple]:
@@ -303,20 +302,6 @@ def _what_if_combinations(spec: Any, where: str) -> list[tuple]:
         raise SweepError(f"{where}: what_if must be a mapping like {{budget: [0.1, 0.3], block: [16]}}")
     names = sorted(spec)
     return [tuple(zip(names, values)) for values in itertools.product(*(_as_list(spec[n]) for n in names))]
-
-
-def _check_values(cells: list, where: str) -> None:
-    for cell in cells:
-        if getattr(cell, "overlap", "none") not in ("none", "layer-prefetch"):
-            raise SweepError(f"{where}: overlap {cell.overlap!r} is unknown; use none or layer-prefetch")
-        for name in ("batch", "max_batch"):
-            value = getattr(cell, name, 1)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise SweepError(f"{where}: {name} must be a positive integer, got {value!r}")
-        for name in ("rate_per_s", "duration_s"):
-            value = getattr(cell, name, 1.0)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise SweepError(f"{where}: {name} must be a positive number, got {value!r}")
 
 
 def _resolve_run(base_dir: Path, run: Any, where: str) -> str:

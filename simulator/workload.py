@@ -18,6 +18,28 @@ import numpy as np
 
 from hwprofiles import HardwareProfile
 from simulator import costs
+from traces.errors import TraceFormatError
+
+# The steps.parquet columns the engines read (one row per step and layer).
+STEP_COLUMNS = (
+    "step", "layer", "query_tokens", "logical_len", "hbm_tokens", "ddr_tokens", "recalled_tokens", "bytes_h2d",
+    "bytes_d2h", "hbm_kv_bytes", "ddr_kv_bytes",
+)
+
+
+def step_arrays(frame, n_layers: int, where: str = "steps table") -> dict[str, np.ndarray]:
+    """One sample's steps rows (any order) -> {column: float64 array [n_steps, n_layers]} for STEP_COLUMNS.
+
+    Refuses rows that are not exactly one per (step, layer) for steps 0..n-1: the arrays would mix up layers."""
+    frame = frame.sort_values(["step", "layer"], kind="stable")
+    n_steps = len(frame) // n_layers
+    step = frame["step"].to_numpy()
+    layer = frame["layer"].to_numpy()
+    if (n_steps == 0 or n_steps * n_layers != len(frame) or (step != np.repeat(np.arange(n_steps), n_layers)).any()
+            or (layer != np.tile(np.arange(n_layers), n_steps)).any()):
+        raise TraceFormatError(f"{where}: {len(frame)} rows that are not one per (step, layer) for {n_layers} layers; "
+                               "run `thoughtkv traces validate`")
+    return {c: frame[c].to_numpy(dtype=np.float64).reshape(n_steps, n_layers) for c in STEP_COLUMNS}
 
 
 @dataclass

@@ -15,6 +15,7 @@ from hwprofiles import load_profile
 from simulator import serving
 from simulator.costs import ModelShape
 from simulator.engine import Channel, Hardware, ResourceChannel, Timeline, run_des
+from simulator.options import SimOptions
 from simulator.workload import Timing, Workload, build_workload
 from traces.manifest import model_manifest
 
@@ -326,8 +327,8 @@ def test_serving_is_the_same_on_either_channel(hierarchy_run, monkeypatch, full_
                                                async_offload, batch_copies):
     profile = link_variant(load_profile("h100-pcie"), full_duplex, engines, h2d_bytes_per_s=2e9,
                            d2h_bytes_per_s=2e9)  # a slow link: requests queue for it
-    config = serving.ServingConfig(rate_per_s=400, duration_s=0.3, max_batch=8, overlap=overlap,
-                                   async_offload=async_offload, batch_copies=batch_copies, seed=3)
+    config = serving.ServingConfig(rate_per_s=400, duration_s=0.3, max_batch=8, batch_copies=batch_copies, seed=3,
+                                   options=SimOptions(overlap=overlap, async_offload=async_offload))
     counters = serving.simulate_serving(hierarchy_run, profile, config)
     monkeypatch.setattr(serving, "Hardware", functools.partial(Hardware, channel=ResourceChannel))
     resources = serving.simulate_serving(hierarchy_run, profile, config)

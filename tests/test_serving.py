@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from hwprofiles import OverheadSpec, load_profile
 from simulator import costs
+from simulator.options import SimOptions
 from simulator.serving import ServingConfig, ServingError, load_arrivals_csv, load_run_work, simulate_serving
 from traces import TraceWriter, make_manifest, model_manifest, open_run
 
@@ -238,7 +239,7 @@ def test_bad_inputs_are_one_line_user_errors(tmp_path):
     with pytest.raises(ServingError, match="no column for arrival_s"):
         simulate_serving(run, "h100-pcie", ServingConfig(arrivals_csv=str(bad)))
     with pytest.raises(ServingError, match="overlap"):
-        simulate_serving(run, "h100-pcie", ServingConfig(overlap="sideways"))
+        simulate_serving(run, "h100-pcie", ServingConfig(options=SimOptions(overlap="sideways")))
 
 
 # ---------------------------------------------------------------- one request = the single-sequence replay ---
@@ -274,10 +275,10 @@ def test_simultaneous_requests_equal_the_engines_lockstep_batch(tmp_path, synth_
 
     profile = profile_variant(profile_name)
     arrivals = write_arrivals(tmp_path / "one.csv", [0.0] * n_requests, output_tokens=41, prompt_tokens=64)
-    config = ServingConfig(arrivals_csv=str(arrivals), overlap=overlap, async_offload=async_offload)
+    config = ServingConfig(arrivals_csv=str(arrivals), options=SimOptions(overlap=overlap, async_offload=async_offload))
     served = simulate_serving(synth_hierarchy_run, profile, config)
-    replay = simulate_run(synth_hierarchy_run, profile, overlap=overlap, async_offload=async_offload,
-                          batch=n_requests, engine="des")
+    replay = simulate_run(synth_hierarchy_run, profile, SimOptions(overlap=overlap, async_offload=async_offload,
+                                                                   batch=n_requests, engine="des"))
     for _, request in served.requests.iterrows():
         assert request["sample_id"] == "synth/0000"
         steps = replay.steps[replay.steps["sample_id"] == request["sample_id"]].sort_values("step")
@@ -335,4 +336,4 @@ def test_serve_sim_refuses_bad_options_in_one_line(tmp_path, synth_hierarchy_run
         cli.run(args)
     full = write_constructed_run(tmp_path / "run", [{"prompt_tokens": 8, "n_steps": 3}])
     with pytest.raises(Exception, match="layer-prefetch"):  # recalls picked by the current query: no prefetch
-        simulate_serving(full, "h100-pcie", ServingConfig(overlap="layer-prefetch", rate_per_s=10, duration_s=1))
+        simulate_serving(full, "h100-pcie", ServingConfig(options=SimOptions(overlap="layer-prefetch"), rate_per_s=10, duration_s=1))

@@ -11,7 +11,7 @@ import pytest
 import simpy
 
 from hwprofiles import load_profile
-from simulator import simulate_run
+from simulator import SimOptions, simulate_run
 from simulator.costs import ModelShape
 from simulator.engine import Channel, Hardware, run_des
 from simulator.fastpath import run_fast
@@ -114,7 +114,7 @@ def _roofline_step_s(arch, profile, attended_tokens: int, dtype_bytes: int = 2) 
 
 @pytest.mark.parametrize("engine", ["des", "fast"])
 def test_step_without_offload_equals_roofline_sum(full_7b_run, h200, engine):
-    result = simulate_run(full_7b_run, h200, engine=engine)
+    result = simulate_run(full_7b_run, h200, SimOptions(engine=engine))
     arch = get_architecture("qwen2-7b")
     steps = result.steps
     for step in (1, 8, 16):
@@ -135,8 +135,8 @@ def test_7b_on_h200_is_at_or_above_the_weight_bandwidth_floor(full_7b_run, h200)
 
 
 def test_lockstep_batch_reads_weights_once(full_7b_run, h200):
-    one = simulate_run(full_7b_run, h200, batch=1).summary
-    four = simulate_run(full_7b_run, h200, batch=4).summary
+    one = simulate_run(full_7b_run, h200, SimOptions(batch=1)).summary
+    four = simulate_run(full_7b_run, h200, SimOptions(batch=4)).summary
     assert four["ms_per_token"] < 1.01 * one["ms_per_token"]  # bandwidth-bound: 4 sequences ~ free
     assert four["tokens_per_s"] > 3.9 * one["tokens_per_s"]
     arch = get_architecture("qwen2-7b")
@@ -151,14 +151,14 @@ def test_bytes_simulated_equal_bytes_in_the_trace(hierarchy_run, h200):
     trace = open_run(hierarchy_run).steps(columns=["bytes_h2d", "bytes_d2h"])
     assert trace["bytes_h2d"].sum() > 0 and trace["bytes_d2h"].sum() > 0
     for engine, batch in (("des", 1), ("fast", 1), ("des", 3)):
-        summary = simulate_run(hierarchy_run, h200, engine=engine, batch=batch).summary
+        summary = simulate_run(hierarchy_run, h200, SimOptions(engine=engine, batch=batch)).summary
         assert summary["bytes_h2d"] == batch * trace["bytes_h2d"].sum()
         assert summary["bytes_d2h"] == batch * trace["bytes_d2h"].sum()
 
 
 def test_peak_occupancy_is_weights_plus_resident_kv(hierarchy_run, h200):
     run = open_run(hierarchy_run)
-    result = simulate_run(run, h200, batch=2)
+    result = simulate_run(run, h200, SimOptions(batch=2))
     for row in result.samples.itertuples():
         steps = run.steps(row.sample_id, columns=["step", "hbm_kv_bytes", "ddr_kv_bytes"])
         per_step = steps.groupby("step")[["hbm_kv_bytes", "ddr_kv_bytes"]].sum()
@@ -232,6 +232,6 @@ def test_offload_tier_sets_copy_cost_and_capacity(hierarchy_run):
     work = build_workload("s", shape, profile, one, one, one * n_bytes, one * 0, one, one, tier="cxl-expander")
     assert work.recall_s[0] == pytest.approx(7e-6 + 0.3e-6 + n_bytes / 40e9, rel=1e-12)
     ddr = simulate_run(hierarchy_run, profile).summary
-    cxl = simulate_run(hierarchy_run, profile, offload_tier="cxl-expander").summary
+    cxl = simulate_run(hierarchy_run, profile, SimOptions(offload_tier="cxl-expander")).summary
     assert cxl["ms_per_token"] > ddr["ms_per_token"] and cxl["bytes_h2d"] == ddr["bytes_h2d"]
     assert cxl["max_concurrency_ddr"] == 512e9 // cxl["kv_ddr_bytes_per_seq"]

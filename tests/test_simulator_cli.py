@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from simulator import simulate_run
+from simulator import SimOptions, simulate_run
 from simulator.placement import SCORERS, Placement, merge_blocks
 from thoughtkv.cli import main
 from traces.access_model import AccessModel
@@ -123,8 +123,8 @@ def test_wrong_trace_version_is_refused(synth_dir, tmp_path, capsys):
 
 def test_replaying_the_traced_policy_reproduces_the_trace(synth_dir):
     """recency + score-rule recall do not depend on the quantised masses: the replay must match exactly."""
-    traced = simulate_run(synth_dir, "h100-sxm", engine="des")
-    replayed = simulate_run(synth_dir, "h100-sxm", what_if={}, engine="fast")
+    traced = simulate_run(synth_dir, "h100-sxm", SimOptions(engine="des"))
+    replayed = simulate_run(synth_dir, "h100-sxm", SimOptions(engine="fast"), what_if={})
     assert replayed.summary["result_kind"] == "projected"
     for column in ("bytes_h2d", "bytes_d2h", "peak_hbm_bytes", "peak_ddr_bytes"):
         assert replayed.summary[column] == traced.summary[column]
@@ -150,8 +150,8 @@ def test_fast_equals_des_on_synthetic_traces(synth_dir, tmp_path):
     for run in runs:
         for overlap in ("none", "layer-prefetch"):
             for async_offload in (True, False):
-                des = simulate_run(run, "b200", overlap=overlap, async_offload=async_offload, engine="des")
-                fast = simulate_run(run, "b200", overlap=overlap, async_offload=async_offload, engine="fast")
+                des = simulate_run(run, "b200", SimOptions(overlap=overlap, async_offload=async_offload, engine="des"))
+                fast = simulate_run(run, "b200", SimOptions(overlap=overlap, async_offload=async_offload, engine="fast"))
                 np.testing.assert_allclose(fast.steps["latency_s"], des.steps["latency_s"], rtol=1e-9)
 
 

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from hwprofiles import OverheadSpec, load_profile
-from simulator import simulate_run
+from simulator import SimOptions, simulate_run
 from simulator.costs import ModelShape, head_times, layer_times, overheads_for
 from simulator.synth import synth_run
 from traces.architectures import get_architecture
@@ -75,8 +75,8 @@ def test_simulated_steps_pay_the_overheads_of_the_set_that_applies(tiny_run, h20
     """Closed form: every step's latency = the same step with no overheads + L x layer + step overhead."""
     n_layers = get_architecture("tiny").n_layers
     step_s, layer_s = CACHED if expected_set == "cached" else STREAMING
-    bare = simulate_run(tiny_run, h200, engine=engine)
-    result = simulate_run(tiny_run, with_overheads(h200, cache_mib * 2**20), engine=engine)
+    bare = simulate_run(tiny_run, h200, SimOptions(engine=engine))
+    result = simulate_run(tiny_run, with_overheads(h200, cache_mib * 2**20), SimOptions(engine=engine))
     expected = bare.steps["latency_s"].to_numpy() + n_layers * layer_s + step_s
     assert result.steps["latency_s"].to_numpy() == pytest.approx(expected, rel=1e-12)
     assert result.steps["overhead_s"].to_numpy() == pytest.approx(n_layers * layer_s + step_s, rel=1e-12)

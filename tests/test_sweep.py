@@ -60,7 +60,7 @@ def test_grid_is_the_cross_product_with_stable_distinct_keys(tmp_path, synth_run
     keys = [cell_key(c) for c in grid.cells]
     assert len(set(keys)) == 50
     assert keys == [cell_key(c) for c in load_grid(tmp_path / "g.yaml").cells]  # same file, same keys
-    assert {(c.profile, c.overlap, dict(c.what_if)["budget"]) for c in grid.cells} == {
+    assert {(c.profile, c.options.overlap, dict(c.what_if)["budget"]) for c in grid.cells} == {
         (p, o, b) for p in PROFILES for o in ("none", "layer-prefetch") for b in (0.1, 0.2, 0.3, 0.5, 1.0)}
     # Where a cell runs is not what it computes: GPUs and output root stay out of the key.
     cell = CollectCell(trace_args=(("model", "x"),), out_root="/a")
@@ -111,9 +111,9 @@ def test_fifty_cells_local_and_ray_give_identical_tables(tmp_path, synth_run, ra
     assert (tmp_path / "ray" / "results.parquet").is_file() and (tmp_path / "local" / "results.csv").is_file()
     by_key = local.table.set_index("cell_key")
     for cell in cells[::17]:
-        direct = simulate_run(cell.run_dir, cell.profile, overlap=cell.overlap, what_if=dict(cell.what_if)).summary
+        direct = simulate_run(cell.run_dir, cell.profile, cell.options, what_if=dict(cell.what_if)).summary
         row = by_key.loc[cell_key(cell)]
-        assert (row["profile"], row["overlap"], row["hbm_budget"]) == (cell.profile, cell.overlap,
+        assert (row["profile"], row["overlap"], row["hbm_budget"]) == (cell.profile, cell.options.overlap,
                                                                        dict(cell.what_if)["budget"])
         assert row["total_s"] == direct["total_s"] and row["bytes_h2d"] == direct["bytes_h2d"]
 

@@ -25,12 +25,13 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from analysis.crosscheck import CrosscheckError, dominant_term, scatter_figure, step_errors, summarise
+from hwprofiles.overhead_modes import apply_mode
+from simulator import options as sim_options
 from simulator.costs import profile_for_policy
 from tracer.preflight import THREADS_HELP, resolve_device, resolve_threads
 
@@ -69,14 +70,14 @@ def run_specs(policies: list[str], budgets: list[str]) -> list[RunSpec]:
 # ---------------------------------------------------------------- simulation --------------------------------
 
 
-def simulate_steps(run_dir: Path, profile, overlap: str, async_offload: bool):
+def simulate_steps(run_dir: Path, profile, options):
     """simulate_run's per-step table + the split of each step into layers and the rest (LM head + overhead)."""
     from simulator import simulate_run
     from simulator.costs import ModelShape, head_times
     from traces import open_run
 
     run = open_run(run_dir)
-    result = simulate_run(run, profile, overlap=overlap, async_offload=async_offload)
+    result = simulate_run(run, profile, options)
     steps = result.steps[["sample_id", "step", "latency_s", "compute_s", "hbm_s", "overhead_s", "link_stall_s"]]
     steps = steps.rename(columns={"latency_s": "simulated_s", "compute_s": "sim_compute_s", "hbm_s": "sim_hbm_s",
                                   "overhead_s": "sim_overhead_s", "link_stall_s": "sim_link_stall_s"})
@@ -125,14 +126,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     parser.add_argument("--repeats", type=int, default=3, help="identical measured decodes per configuration")
     parser.add_argument("--profile", default=None,
-                        help="calibrated profile name or YAML (default: measured-<device>, from `thoughtkv calibrate`)")
+                        help="calibrated profile name or YAML (default: calibrate this machine now, `calibrate "
+                             "--quick`, into OUT/measured-here-<device>.yaml, reused when rerun)")
     parser.add_argument("--datasheet-profile", default="auto",
                         help="datasheet profile to compare too: auto (by GPU name; none on a CPU), none, or a name")
-    parser.add_argument("--overlap", default="none", help="simulator overlap mode (the tiered cache recalls, then "
-                                                          "attends: none)")
-    parser.add_argument("--async-offload", choices=("auto", "on", "off"), default="auto",
-                        help="simulate offloads as overlapping later compute: auto = on when the tracer's DDR "
-                             "store copies on a side stream (CUDA + tracer.transfer.PinnedBlockStore), else off")
+    # The simulator's --overlap and --async-offload, spelled as in simulate (the tiered cache recalls, then attends)
+    sim_options.add_arguments(parser, only=("overlap", "async_offload"), default_note={
+        "async_offload": "as the measured run: on when the tracer's DDR store copies on a side stream (CUDA + "
+                         "tracer.transfer.PinnedBlockStore), else off"})
     parser.add_argument("--out", required=True, help="output directory (rerun to resume)")
     parser.add_argument("--quiet", action="store_true")
 
@@ -165,7 +166,15 @@ def check_args(args: argparse.Namespace) -> None:
 def load_profiles(args: argparse.Namespace, device_type: str, device_name: str):
     from hwprofiles import ProfileError, load_profile
 
-    name = args.profile or f"measured-{device_type}"
+    name = args.profile
+    if name is None:  # calibrate here, now: the measured side and the profile come from one machine and run
+        from tracer.calibrate import calibrate_here
+
+        name = Path(args.out) / f"measured-here-{device_type}.yaml"
+        if not name.is_file():  # a rerun resumes with the calibration its measurements were taken next to
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            calibrate_here(device_type, name, resolve_threads(device_type, args.threads), progress=not args.quiet)
+        name = str(name)
     try:
         calibrated = load_profile(name)
     except ProfileError as exc:
@@ -203,10 +212,12 @@ def run(args: argparse.Namespace) -> int:
     if calibrated.provenance.get("device") != device_type:
         raise CrosscheckError(f"profile {calibrated.name} was calibrated on {calibrated.provenance.get('device')}, "
                               f"not {device_type}; calibrate this device")
-    calibrated_on = calibrated.provenance.get("host")
-    if calibrated_on and calibrated_on != platform.node():
-        print(f"warning: profile {calibrated.name} was calibrated on host {calibrated_on!r} "
-              f"({calibrated.provenance.get('date')}), not on this one; rerun `thoughtkv calibrate`", file=sys.stderr)
+    from traces.host import host_facts, provenance_warning
+
+    here = host_facts()
+    host_warning = provenance_warning(calibrated.name, calibrated.provenance, "this machine", {"host_facts": here})
+    if host_warning:
+        print(host_warning, file=sys.stderr)
     clock = "trace" if device_type == "cuda" else ("thread_cpu" if threads == 1 else "wall")
     if clock != calibrated.provenance.get("clock", clock) and device_type == "cpu":
         raise CrosscheckError(f"profile {calibrated.name} was timed with the {calibrated.provenance.get('clock')} "
@@ -256,18 +267,20 @@ def run(args: argparse.Namespace) -> int:
                 .reset_index())
     consistent = repeats_consistent(out, specs, args.repeats)
 
-    async_offload = {"on": True, "off": False}.get(args.async_offload) if args.async_offload != "auto" \
-        else offload_is_asynchronous(device_type)
+    as_measured = {} if args.async_offload is not None else {"async_offload": offload_is_asynchronous(device_type)}
+    options = sim_options.from_args(args, **as_measured)
+    async_offload = options.async_offload
     sim_frames = []
     for spec in specs:
         run_dir = out / "runs" / f"{spec.label}-rep0"
         profile, overhead_source = profile_for_policy(calibrated, spec.policy)
         variants = [("calibrated", profile)]
         if datasheet is not None:
-            variants += [("datasheet", datasheet),
+            variants += [("datasheet", datasheet),  # kernel-only
+                         ("datasheet+hf-eager", apply_mode(datasheet, "hf-eager")),
                          ("datasheet+overheads", dataclasses.replace(datasheet, overheads=profile.overheads))]
         for kind, variant in variants:
-            frame = simulate_steps(run_dir, variant, args.overlap, async_offload)
+            frame = simulate_steps(run_dir, variant, options)
             sim_frames.append(frame.assign(label=spec.label, profile_kind=kind, profile=variant.name,
                                            overheads=overhead_source if kind != "datasheet" else "none"))
     table = step_errors(measured, pd.concat(sim_frames, ignore_index=True))

@@ -22,9 +22,8 @@ from hwprofiles import load_profile
 from simulator.costs import ModelShape
 from simulator.engine import run_des
 from simulator.fastpath import applies, run_fast
-from simulator.simulate import STEP_COLUMNS, _arrays
 from simulator.synth import synth_run
-from simulator.workload import build_workload
+from simulator.workload import STEP_COLUMNS, build_workload, step_arrays
 from traces.reader import open_run
 
 N_LAYERS, N_STEPS, N_SAMPLES, PROMPT = 28, 2000, 10, 256
@@ -52,8 +51,7 @@ def workloads(run_dir: Path, profile):
     shape = ModelShape.from_manifest(run.manifest["model"])
     out = []
     for sample_id in run.sample_ids():
-        frame = run.steps(sample_id, columns=STEP_COLUMNS).sort_values(["step", "layer"])
-        a = _arrays(frame, shape.n_layers)
+        a = step_arrays(run.steps(sample_id, columns=list(STEP_COLUMNS)), shape.n_layers)
         out.append(build_workload(sample_id, shape, profile, a["query_tokens"], a["hbm_tokens"] + a["recalled_tokens"],
                                   a["bytes_h2d"], a["bytes_d2h"], a["hbm_kv_bytes"], a["ddr_kv_bytes"]))
     return out

@@ -1,0 +1,181 @@
+"""How a run is simulated, as one frozen object: `SimOptions` (overlap, async offload, batch, engine, offload
+tier, transfer mechanism), validated once on construction; and how it is served (`ServingConfig`: arrivals,
+batching, SLOs, with a SimOptions embedded whole). No heavy imports: `thoughtkv --help` builds flags from here.
+
+    from simulator.options import SimOptions
+    options = SimOptions(overlap="layer-prefetch", async_offload=False)
+    simulate_run("runs/r1", "h200-sxm", options)          # also embedded whole in ServingConfig and sweep cells
+
+Every command spells an option the same way because its flag is generated from the field
+(`add_arguments`: `async_offload` -> `--async-offload` / `--no-async-offload`) and sweep grids use the field
+name as their key; the default and the check live here only. The same two helpers generate the flags of any
+other options dataclass built like this one (ServingConfig below): a field's `metadata["help"]` is its help
+text, `metadata["choices"]` its allowed values, `metadata["type"]` the parser of its flag when the default
+does not say (None).
+
+Adding an option: one field here with its help (and a check in `__post_init__`); simulate, serve-sim,
+crosscheck and grids then accept it. Fields with `metadata["key"] = False` (the engine: auto / des / fast
+give the same numbers) are not result columns and not part of a result's identity (`KEY_FIELDS`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import MISSING, dataclass, field, fields
+
+from simulator.errors import OptionError
+
+OVERLAP_MODES = ("none", "layer-prefetch")
+ENGINES = ("auto", "des", "fast")
+# How copies move between HBM and the offload tier; issue 17 adds mechanisms (dma-batched, sm-copy, ...).
+TRANSFERS = ("dma-per-block",)
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    overlap: str = field(default="none", metadata={
+        "help": "none: recall, then compute; layer-prefetch: the recall for layer l+1 runs during layer l "
+                "(needs recall_rule score)", "choices": OVERLAP_MODES})
+    async_offload: bool = field(default=True, metadata={
+        "help": "offloads overlap with later compute; --no-async-offload: the sequence waits for each offload"})
+    batch: int = field(default=1, metadata={"help": "decode N copies of each sequence in lockstep (simulate only)"})
+    engine: str = field(default="auto", metadata={
+        "help": "auto: the closed-form fast path where it is exact, else the SimPy DES", "choices": ENGINES,
+        "key": False})
+    offload_tier: str = field(default="ddr", metadata={
+        "help": "where offloaded KV lives: ddr (host memory) or a profile's extra tier (e.g. cxl-expander)"})
+    transfer: str = field(default="dma-per-block", metadata={
+        "help": "how KV blocks move: dma-per-block (one copy-engine copy per block group and layer-step)",
+        "choices": TRANSFERS})
+
+    def __post_init__(self) -> None:
+        _choice(self, "overlap")
+        _choice(self, "engine")
+        _choice(self, "transfer")
+        if not isinstance(self.async_offload, bool):
+            raise OptionError(f"async_offload must be true or false, got {self.async_offload!r} (--async-offload / "
+                              "--no-async-offload)")
+        if not _is_whole(self.batch) or self.batch < 1:
+            raise OptionError(f"batch must be a positive integer, got {self.batch!r} (--batch: sequences "
+                              "decoded in lockstep)")
+        if not isinstance(self.offload_tier, str) or not self.offload_tier.strip():
+            raise OptionError(f"offload_tier must be a tier name such as ddr, got {self.offload_tier!r} "
+                              "(--offload-tier)")
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """Everything a serving simulation is asked, validated once; `thoughtkv serve-sim`'s flags and the serve
+    grid keys are generated from these fields (options.add_arguments), the simulator options embedded whole."""
+
+    rate_per_s: float = field(default=1.0, metadata={"help": "Poisson arrivals per second (unused with --arrivals-csv)",
+                                                     "metavar": "R"})
+    duration_s: float = field(default=60.0, metadata={"help": "Poisson arrivals happen in [0, S); the run then "
+                                                              "drains", "metavar": "S"})
+    max_batch: int = field(default=64, metadata={"help": "most requests in one decode iteration", "metavar": "N"})
+    tbt_slo_s: float = field(default=0.1, metadata={"help": "goodput: a request is good if its mean time between "
+                                                            "tokens is at most this many seconds", "metavar": "S"})
+    ttft_slo_s: float | None = field(default=None, metadata={
+        "help": "goodput: ... and its time to first token at most this many seconds", "type": float, "metavar": "S"})
+    seed: int = field(default=0, metadata={"help": "seed of the Poisson arrivals and of the sample each request "
+                                                   "replays"})
+    arrivals_csv: str | None = field(default=None, metadata={
+        "help": "arrival trace instead of Poisson arrivals: a CSV with columns arrival_s,prompt_tokens,"
+                "output_tokens (seconds), or the Azure LLM trace's TIMESTAMP,ContextTokens,GeneratedTokens", "type": str,
+        "metavar": "CSV"})
+    batch_copies: bool = field(default=False, metadata={
+        "help": "one copy per operation for the whole batch (a gather kernel, one overhead) instead of one per "
+                "request"})
+    options: SimOptions = field(default_factory=SimOptions)  # overlap, async offload, offload tier, transfer
+
+    def __post_init__(self) -> None:
+        for name, what in (("rate_per_s", "requests per second"), ("duration_s", "seconds of arrivals"),
+                           ("tbt_slo_s", "seconds between tokens; goodput would be 0")):
+            if not is_positive_number(getattr(self, name)):
+                raise OptionError(f"{name} must be a finite number > 0 ({what}), got {getattr(self, name)!r} "
+                                  f"(--{name.replace('_', '-')})")
+        if self.ttft_slo_s is not None and not is_positive_number(self.ttft_slo_s):
+            raise OptionError(f"ttft_slo_s must be a finite number > 0 (seconds) or unset, got {self.ttft_slo_s!r} "
+                              "(--ttft-slo-s)")
+        for name, low in (("max_batch", 1), ("seed", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise OptionError(f"{name} must be a whole number >= {low}, got {value!r} "
+                                  f"(--{name.replace('_', '-')})")
+        if not isinstance(self.batch_copies, bool):
+            raise OptionError(f"batch_copies must be true or false, got {self.batch_copies!r} (--batch-copies)")
+        if self.arrivals_csv is not None and (not isinstance(self.arrivals_csv, str) or not self.arrivals_csv):
+            raise OptionError(f"arrivals_csv must be a file path, got {self.arrivals_csv!r} (--arrivals-csv)")
+        if not isinstance(self.options, SimOptions):
+            raise OptionError(f"options must be a SimOptions, got {type(self.options).__name__}")
+        if self.options.batch != 1:  # serving batches requests itself (max_batch)
+            raise OptionError(f"batch {self.options.batch} is simulate's lockstep copies; serve-sim batches requests "
+                              "itself: use max_batch (--max-batch)")
+        if self.options.engine == "fast":
+            raise OptionError("engine fast is not available for serving (every request shares the link); use auto "
+                              "or des")
+
+
+# The options that tell two results apart (result columns and keys); the engine only says how they were computed.
+KEY_FIELDS = tuple(f.name for f in fields(SimOptions) if f.metadata.get("key", True))
+
+
+def _choice(options, name: str) -> None:
+    value, allowed = getattr(options, name), field_metadata(type(options), name)["choices"]
+    if value not in allowed:
+        raise OptionError(f"{name} {value!r} is unknown; use one of {', '.join(allowed)}")
+
+
+def _is_whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_positive_number(value) -> bool:
+    """A finite real number > 0 (not a bool, not nan or inf)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def field_metadata(cls, name: str):
+    return next(f.metadata for f in fields(cls) if f.name == name)
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# ---------------------------------------------------------------- command-line flags -------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls=SimOptions, only: tuple[str, ...] | None = None,
+                  exclude: tuple[str, ...] = (), default_note: dict[str, str] | None = None) -> None:
+    """One flag per field of the options dataclass `cls` (those in `only`, less `exclude`). Flags default to
+    None, meaning "not given": `from_args` then takes the dataclass's own default, which the help shows (or
+    `default_note[name]` where the caller decides it, e.g. crosscheck's async offload)."""
+    for f in fields(cls):
+        if "help" not in f.metadata or (only is not None and f.name not in only) or f.name in exclude:
+            continue
+        default = f.default if f.default is not MISSING else f.default_factory()
+        note = (default_note or {}).get(f.name, "on" if default is True else "off" if default is False else default)
+        kwargs = {"dest": f.name, "default": None, "help": f"{f.metadata['help']} (default: {note})"}
+        if isinstance(default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = f.metadata.get("type") or type(default)
+            kwargs["metavar"] = f.metadata.get("metavar", f.name.upper())
+            if "choices" in f.metadata:
+                kwargs["choices"] = f.metadata["choices"]
+                kwargs.pop("metavar")
+        parser.add_argument(flag_name(f.name), **kwargs)
+
+
+def from_args(args: argparse.Namespace, cls=SimOptions, **given):
+    """The `cls` instance the flags of `add_arguments` describe; flags not given keep the dataclass defaults,
+    `given` (e.g. options=SimOptions(...)) sets fields that have no flag or a caller-decided value."""
+    values = {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None}
+    return cls(**{**values, **given})
+
+
+def grid_keys(cls=SimOptions, exclude: tuple[str, ...] = ()) -> dict[str, str]:
+    """The sweep-grid keys of an options dataclass: field name -> help text."""
+    return {f.name: f.metadata["help"] for f in fields(cls) if "help" in f.metadata and f.name not in exclude}
