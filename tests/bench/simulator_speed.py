@@ -75,8 +75,8 @@ def main() -> None:
         run_dir = cache / f"{policy}-{N_LAYERS}x{N_STEPS}x{N_SAMPLES}"
         if not (run_dir / "samples.parquet").is_dir() or len(open_run(run_dir).sample_ids()) < N_SAMPLES:
             print(f"writing the synthetic {policy} trace to {run_dir} (once; reused by later runs) ...", flush=True)
-        synth_run(run_dir, model="qwen2-7b", prompt_tokens=PROMPT, decode_steps=N_STEPS - 1, policy=policy,
-                  samples=N_SAMPLES, access=False, **extra)
+            synth_run(run_dir, model="qwen2-7b", prompt_tokens=PROMPT, decode_steps=N_STEPS - 1, policy=policy,
+                      samples=N_SAMPLES, access=False, **extra)
         works = workloads(run_dir, profile)
         assert all(applies(w, profile, "none", True) for w in works)
         layer_steps = sum(w.n_steps * w.n_layers for w in works)
