@@ -95,7 +95,7 @@ def scatter_figure(table, path: Path, title: str) -> None:
     import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(6.4, 5.6))
-    markers = {"calibrated": "o", "datasheet": "x", "datasheet+overheads": "+"}
+    markers = {"calibrated": "o", "datasheet": "x", "datasheet+hf-eager": "^", "datasheet+overheads": "+"}
     for (kind, label), part in table.groupby(["profile_kind", "label"], sort=False):
         ax.scatter(part["measured_s"] * 1e3, part["simulated_s"] * 1e3, s=10, alpha=0.6,
                    marker=markers.get(kind, "."), label=f"{kind}: {label}")

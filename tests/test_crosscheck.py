@@ -146,7 +146,8 @@ def test_crosscheck_end_to_end_on_cpu(tmp_path, quick_profile, capsys):
     assert (out / "scatter.png").stat().st_size > 0
     table = pd.read_parquet(out / "steps.parquet")
     assert sorted(table["label"].unique()) == ["full", "hierarchy-b0.5"]
-    assert set(table["profile_kind"]) == {"calibrated", "datasheet", "datasheet+overheads"}
+    assert set(table["profile_kind"]) == {"calibrated", "datasheet", "datasheet+hf-eager", "datasheet+overheads"}
+    assert (table.loc[table["profile_kind"] == "datasheet+hf-eager", "overheads"] == "hf-eager").all()
     datasheet = table[table["profile_kind"] == "datasheet"]
     assert (datasheet["profile"] == "h200-sxm").all() and (datasheet["overheads"] == "none").all()
     table = table[table["profile_kind"] == "calibrated"]

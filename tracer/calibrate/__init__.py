@@ -44,6 +44,7 @@ import datetime
 import os
 import platform
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -570,6 +571,19 @@ def run(args: argparse.Namespace) -> int:
     print(summary_line(profile))
     print(f"wrote {out}")
     return 0
+
+
+def calibrate_here(device_type: str, out: Path, threads: int, level: str = "quick", architecture: str | None = None,
+                   progress: bool = True) -> Path:
+    """Calibrate this machine now (the `quick` plan: <= 60 s on a 2-core CPU) into `out`, for a command that
+    then measures on it (demo, crosscheck): the profile and the timings it is compared with come from the same
+    machine in the same run. Returns `out`."""
+    architecture = architecture or ("qwen2-7b" if device_type == "cuda" else "tiny")
+    cal = measure(device_type, architecture, plan_for(device_type, level), threads, progress=progress)
+    profile, sources = build_profile(cal, out.stem)
+    write_profile(profile, sources, out)
+    print(summary_line(profile), file=sys.stderr)
+    return out
 
 
 def summary_line(profile) -> str:
