@@ -282,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         for kind, variant in variants:
             frame = simulate_steps(run_dir, variant, options)
             sim_frames.append(frame.assign(label=spec.label, profile_kind=kind, profile=variant.name,
-                                           overheads=overhead_source if kind != "datasheet" else "none"))
+                                           overheads={"datasheet": "none", "datasheet+hf-eager": "hf-eager"}.get(kind, overhead_source)))
     table = step_errors(measured, pd.concat(sim_frames, ignore_index=True))
     summary = summarise(table)
     table.to_parquet(out / "steps.parquet", index=False)
@@ -293,6 +293,8 @@ def run(args: argparse.Namespace) -> int:
         "settings": settings, "clock": clock, "statistic": statistic, "async_offload": async_offload, "profile": calibrated.name, "datasheet_profile":
         datasheet.name if datasheet else None, "repeats_identical": consistent,
         "goal": {"median_rel_error": GOAL_MEDIAN, "p95_rel_error": GOAL_P95},
+        # Which machine each side came from (traces/host.py); a warning when they differ.
+        "measured_host": here, "profile_host": calibrated.provenance.get("host_facts"), "host_warning": host_warning,
         "calibrated": {k: overall[k] for k in ("n_steps", "median_rel_error", "p95_rel_error",
                                                "mean_signed_rel_error")},
         "goal_met": bool(overall["median_rel_error"] <= GOAL_MEDIAN and overall["p95_rel_error"] <= GOAL_P95),
