@@ -9,8 +9,9 @@ the new tokens at prefill), hands the new queries' weights (mean and max over he
 then scores and places blocks (offload/evict/promote) after attention. Without a pending tiered layer (e.g.
 a plain DynamicCache) it is exactly sdpa.
 
-The mask HF would build is None here (this name has no mask function): batch 1 without padding needs none,
-and the causal part inside the prefill is applied below.
+The mask HF would build is None here (this name has no mask function): each row is attended on its own
+without padding, so none is needed, and the causal part inside the prefill is applied below. A batched
+forward pends a list of layers (one per row of `TieredCache.active`).
 """
 
 from __future__ import annotations
@@ -58,18 +59,25 @@ def attend(
 
 
 def tiered_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    layer, _pending[0] = _pending[0], None
-    if layer is None or layer.layer_idx != module.layer_idx:
+    pending, _pending[0] = _pending[0], None
+    layers = pending if isinstance(pending, list) else [pending]
+    if pending is None or layers[0].layer_idx != module.layer_idx:
         output, _ = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
         return output, None
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    key, value = layer.recall(query)
-    output, weights_mean, weights_max = attend(query, key, value, scaling, layer.new_start, layer.hidden_keys)
-    layer.after_attention(weights_mean, weights_max)
-    return output, None
+    outputs = []
+    # A batched forward (TieredCache rows): each row attends its own tiers; rows differ in length, so they
+    # run one after another on the same kernels (the batched work of the step is the model's dense layers).
+    for index, layer in enumerate(layers):
+        row_query = query[index : index + 1] if len(layers) > 1 else query
+        row_key, row_value = layer.recall(row_query)
+        output, weights_mean, weights_max = attend(row_query, row_key, row_value, scaling, layer.new_start, layer.hidden_keys)
+        layer.after_attention(weights_mean, weights_max)
+        outputs.append(output)
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), None
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, tiered_attention_forward)

@@ -348,12 +348,64 @@ class TieredLayer(DynamicLayer):
 
 
 class TieredCache(Cache):
-    """A transformers Cache of `TieredLayer`s; works with a manual loop and with `model.generate(cache=...)`."""
+    """A transformers Cache of `TieredLayer`s, one set per batch *row*; works with a manual loop, with
+    `model.generate(cache=...)` (batch 1: row 0) and with the batched decode loop (tracer/decode.py).
+
+    Batching: row r holds one sequence (its own `TierSettings`, scorer state and recorder: each sample is
+    placed exactly as it would be alone). `set_active(rows)` says which rows the next forward's batch entries
+    are (entry i -> row rows[i]); the model's dense work (projections, MLP) runs batched, and each row's
+    attention, recall and placement run on that row's layers, so a sample's logits do not depend on its
+    neighbours. A freed row is reused for the next sample with `reset_row` (continuous refill). HF sees row 0's
+    layers as `self.layers` (its length and mask queries; the tiered attention needs no HF mask).
+    """
 
     def __init__(self, n_layers: int, settings: TierSettings, recorder=None):
         super().__init__(layers=[TieredLayer(i, settings, recorder) for i in range(n_layers)])
-        self.settings = settings
+        self.settings, self.n_layers = settings, n_layers
+        self.rows: list[list[TieredLayer]] = [self.layers]
+        self.row_settings: list[TierSettings] = [settings]
+        self.active: list[int] = [0]
+
+    def reset_row(self, row: int, settings: TierSettings, recorder=None) -> None:
+        """Fresh, empty layers for `row` (a new sample), growing the row list when needed."""
+        layers = [TieredLayer(i, settings, recorder) for i in range(self.n_layers)]
+        while len(self.rows) <= row:
+            self.rows.append([])
+            self.row_settings.append(settings)
+        self.rows[row], self.row_settings[row] = layers, settings
+        if row == 0:
+            self.layers = layers
+            self.settings = settings
+
+    def set_active(self, rows: list[int]) -> None:
+        self.active = list(rows)
+
+    def row_view(self, row: int) -> TieredRow:
+        return TieredRow(self.rows[row], self.row_settings[row])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if key_states.shape[0] == 1 and len(self.active) == 1:
+            return self.rows[self.active[0]][layer_idx].update(key_states, value_states)
+        if key_states.shape[0] != len(self.active):
+            raise UnsupportedBatch(
+                f"a batch of {key_states.shape[0]} for {len(self.active)} active rows: the tiered cache decodes batch "
+                "size 1 unless TieredCache.set_active(rows) names a row per batch entry (tracer.decode.decode_batch)"
+            )
+        layers = [self.rows[row][layer_idx] for row in self.active]
+        for index, layer in enumerate(layers):
+            layer.update(key_states[index : index + 1], value_states[index : index + 1])
+        set_pending(layers)  # the attention function runs each row's recall/attend/placement in turn
+        return key_states, value_states
 
     @property
     def logical_len(self) -> int:
         return self.layers[0].logical_len
+
+
+@dataclass
+class TieredRow:
+    """One row of a batched `TieredCache`, shaped like a batch-1 cache (`layers`, `settings`) for code that
+    reads a single sequence's cache (the gradient scorer's backward pass, the tokens table)."""
+
+    layers: list[TieredLayer]
+    settings: TierSettings

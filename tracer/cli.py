@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hierarchy: recall per layer and step a fraction of the logical length or a token count "
                         "(whole blocks; replaces --recall-k)")
     parser.add_argument("--recall-rule", default="quest", help="hierarchy: quest | quest-per-head, each KV head its own top blocks (default: quest)")
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="samples decoded per step, freed rows refilled at once; per-sample results as at 1 (default: 1)")
     parser.add_argument("--sink-tokens", type=int, default=4, help="first tokens always kept in HBM (default: 4)")
     parser.add_argument("--window-tokens", type=int, default=32, help="recent tokens always kept in HBM (default: 32)")
     parser.add_argument("--promote", action="store_true", help="hierarchy: recalled blocks that outscore HBM blocks stay in HBM (swap)")
@@ -55,6 +57,7 @@ def config_from_args(args: argparse.Namespace):
         model=args.model, task=args.task, out=args.out, n_samples=args.n_samples, data_file=args.data_file,
         policy=args.policy, hbm_budget=args.hbm_budget, evict_ratio=args.evict_ratio, block_size=args.block_size,
         scorer=args.scorer, recall_k=args.recall_k, recall_budget=args.recall_budget, recall_rule=args.recall_rule,
+        batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
         sink_tokens=args.sink_tokens, window_tokens=args.window_tokens, promote=args.promote,
         seed=args.seed, device=args.device, dtype=args.dtype, access=not args.no_access,

@@ -1,14 +1,22 @@
-"""Greedy decoding of one sample with a tiered cache, step by step, always with true logical positions.
+"""Greedy decoding with a tiered cache, step by step, always with true logical positions.
 
 Step 0 is the prefill (it produces the first generated token); each later step feeds the previous token at
 position `prompt_len + generated - 1`. Stops at EOS or `max_new_tokens`; NaN/inf logits stop the sample
 and flag it (that step's token is never emitted).
+
+`greedy_decode`: one sample (any cache, e.g. a plain DynamicCache as the untraced reference).
+`decode_batch`: up to `batch_size` samples per step on one `TieredCache`, one row each, with continuous
+refill: a sample that stops frees its row, and the next sample is prefilled into it (alone: prompts differ
+in length) before the next batched decode step, so the batch stays full. Every sample sees exactly the steps
+it would see alone (same tokens, positions, tiers, recall, stop); only the wall times are shared: a
+batched step's time is recorded for every sample in it.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,7 +32,8 @@ class DecodeResult:
     generated_ids: list[int]
     stop_reason: str  # eos | max_new_tokens | nonfinite
     wall_s: float
-    cache: TieredCache
+    cache: TieredCache  # or the sample's TieredRow of a batched cache (valid until its row is refilled)
+    logits: list[torch.Tensor] | None = None  # each step's logits when asked for (tests)
 
 
 def use_tiered_attention(model) -> None:
@@ -86,6 +95,101 @@ def greedy_decode(
         input_ids = torch.tensor([[token]], device=device)
         position_ids = torch.tensor([[len(prompt_ids) + len(generated) - 1]], device=device)
     return DecodeResult(prompt_ids, generated, stop_reason, time.perf_counter() - started, cache)
+
+
+@dataclass
+class DecodeJob:
+    """One sample to decode: its prompt, its own placement settings (scorer state is per sample) and recorder."""
+
+    key: object  # the caller's handle (e.g. the task sample)
+    prompt_ids: list[int]
+    settings: object  # tracer.cache.TierSettings
+    recorder: Recorder | None = None
+
+
+@dataclass
+class _Row:
+    job: DecodeJob
+    started: float
+    generated: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] | None = None
+    stop_reason: str | None = None
+
+    @property
+    def next_position(self) -> int:
+        return len(self.job.prompt_ids) + len(self.generated) - 1
+
+
+def _advance(row: _Row, token: int, finite: bool, max_new_tokens: int, eos_ids: set[int], after_step, model, view) -> None:
+    """Apply one step's token to a row, exactly as `greedy_decode` does (nonfinite: the token is dropped)."""
+    if not finite:
+        row.stop_reason = "nonfinite"
+        return
+    row.generated.append(token)
+    if after_step is not None:
+        after_step(model, view, row.job.prompt_ids + row.generated, len(row.generated) - 1)
+    if token in eos_ids:
+        row.stop_reason = "eos"
+    elif len(row.generated) >= max_new_tokens:
+        row.stop_reason = "max_new_tokens"
+
+
+@torch.no_grad()
+def decode_batch(
+    model, jobs: Iterable[DecodeJob], cache: TieredCache, batch_size: int, max_new_tokens: int, eos_ids: set[int],
+    progress=None, keep_logits: bool = False,
+) -> Iterator[tuple[DecodeJob, DecodeResult]]:
+    """Decode `jobs` with up to `batch_size` in flight; yields (job, result) as each finishes (completion
+    order). Consume each result (e.g. `tokens_table`) before asking for the next: its row is then refilled."""
+    device = model.device
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    pending = iter(jobs)
+    free, active = list(range(batch_size)), {}
+    exhausted = False
+
+    def step(rows: list[int], input_ids: torch.Tensor, position_ids: torch.Tensor) -> Iterator[tuple[DecodeJob, DecodeResult]]:
+        started = time.perf_counter()
+        cache.set_active(rows)
+        logits = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        tokens = logits.argmax(-1).tolist()  # the step's one device->host copy of its result
+        finite = torch.isfinite(logits).all(-1).tolist()
+        synchronize()
+        wall_us = (time.perf_counter() - started) * 1e6
+        for index, row_id in enumerate(rows):
+            row = active[row_id]
+            if row.job.recorder is not None:
+                row.job.recorder.end_step(wall_us)
+            if progress is not None:
+                progress.update(1)
+            if row.logits is not None:
+                row.logits.append(logits[index].clone())
+            after_step = getattr(row.job.settings.scorer, "after_step", None)
+            _advance(row, tokens[index], finite[index], max_new_tokens, eos_ids, after_step, model, cache.row_view(row_id))
+            if row.stop_reason is not None:
+                del active[row_id]
+                result = DecodeResult(row.job.prompt_ids, row.generated, row.stop_reason,
+                                      time.perf_counter() - row.started, cache.row_view(row_id), row.logits)
+                yield row.job, result
+                free.append(row_id)
+
+    while True:
+        while free and not exhausted:
+            job = next(pending, None)
+            if job is None:
+                exhausted = True
+                break
+            row_id = min(free)
+            free.remove(row_id)
+            cache.reset_row(row_id, job.settings, job.recorder)
+            active[row_id] = _Row(job, time.perf_counter(), logits=[] if keep_logits else None)
+            prompt = job.prompt_ids
+            yield from step([row_id], torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device)[None])
+        if not active:
+            return
+        rows = sorted(active)
+        input_ids = torch.tensor([[active[r].generated[-1]] for r in rows], device=device)
+        position_ids = torch.tensor([[active[r].next_position] for r in rows], device=device)
+        yield from step(rows, input_ids, position_ids)
 
 
 def tokens_table(result: DecodeResult) -> dict[str, object]:

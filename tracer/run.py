@@ -33,6 +33,7 @@ class TraceConfig:
     recall_k: int = 4
     recall_budget: str | float | None = None  # hierarchy: per step, a fraction of L or tokens (instead of recall_k)
     recall_rule: str = "quest"  # quest | quest-per-head (traces.policy.TRACER_RECALL_RULES)
+    batch_size: int = 1  # samples decoded per step (continuous refill; per-sample results as at batch 1)
     max_new_tokens: int = 256
     sink_tokens: int = 4
     window_tokens: int = 32
@@ -78,7 +79,7 @@ class TraceConfig:
         from tracer.preflight import resolve_device, resolve_threads
 
         resolve_threads(resolve_device(self.device), self.threads)
-        for name in ("n_samples", "max_new_tokens"):
+        for name in ("n_samples", "max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise BadTraceConfig(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
         if self.data_file is not None and not Path(self.data_file).is_file():
@@ -194,9 +195,8 @@ def run_trace(config: TraceConfig, progress: bool = True, loaded=None) -> Path:
                           "samples_already_done": len(samples) - len(todo)})
     bar = tqdm(samples, desc=f"trace {config.policy}", unit="sample", disable=not progress,
                initial=len(samples) - len(todo), total=len(samples))
-    for sample in todo:
-        row, steps, tokens, access = trace_sample(loaded, task, sample, config, progress=progress)
-        writer.write_sample(row, steps, tokens, access)
+    for row, steps, tokens, access in trace_samples(loaded, task, todo, config, progress=progress):
+        writer.write_sample(row, steps, tokens, access)  # each sample commits as it finishes (resume-safe)
         bar.update(1)
         bar.set_postfix(tokens=row["generated_tokens"], stop=row["stop_reason"])
     bar.close()
@@ -206,28 +206,54 @@ def run_trace(config: TraceConfig, progress: bool = True, loaded=None) -> Path:
 
 def trace_sample(loaded, task, sample, config: TraceConfig, progress: bool = False):
     """Decode one sample (an oracle run first does a full-cache pass); returns the four trace parts."""
+    [parts] = list(trace_samples(loaded, task, [sample], dataclasses.replace(config, batch_size=1), progress))
+    return parts
+
+
+def trace_samples(loaded, task, samples, config: TraceConfig, progress: bool = False):
+    """Decode `samples` `config.batch_size` at a time (tracer.decode.decode_batch); yields each sample's four
+    trace parts as it finishes (completion order)."""
     from tqdm.auto import tqdm
 
     from tracer.cache import TieredCache
-    from tracer.decode import encode_prompt, eos_token_ids, greedy_decode, tokens_table, use_tiered_attention
-    from tracer.recorder import Recorder
-    from tracer.tasks import grading_columns
+    from tracer.decode import decode_batch, eos_token_ids, use_tiered_attention
 
-    model, tokenizer = loaded.model, loaded.tokenizer
+    model = loaded.model
     use_tiered_attention(model)
-    prompt_ids = encode_prompt(tokenizer, sample.prompt, task.use_chat_template)
-    eos_ids = eos_token_ids(model, tokenizer)
-    n_layers = model.config.num_hidden_layers
+    eos_ids = eos_token_ids(model, loaded.tokenizer)
+    jobs = (prepare_job(loaded, task, sample, config) for sample in samples)
+    first = TieredCache(model.config.num_hidden_layers, make_settings(config))
+    with tqdm(desc="decode", unit="tok", leave=False, disable=not progress) as bar:
+        for job, result in decode_batch(model, jobs, first, config.batch_size, config.max_new_tokens, eos_ids, bar):
+            yield sample_parts(loaded, task, job, result)
+
+
+def prepare_job(loaded, task, sample, config: TraceConfig):
+    """The sample's prompt ids, its own settings (scorer state is per sample) and recorder; the oracle scorer's
+    full-cache teacher pass runs here, before the sample is admitted."""
+    from tracer.cache import TieredCache
+    from tracer.decode import DecodeJob, encode_prompt, eos_token_ids, greedy_decode
+    from tracer.recorder import Recorder
+
+    model = loaded.model
+    prompt_ids = encode_prompt(loaded.tokenizer, sample.prompt, task.use_chat_template)
     settings = make_settings(config)
     if config.scorer == "oracle" and config.policy != "full":
         teacher_config = dataclasses.replace(config, policy="full", ddr_dtype="same")
-        teacher = TieredCache(n_layers, make_settings(teacher_config, scorer=settings.scorer))
-        greedy_decode(model, prompt_ids, teacher, config.max_new_tokens, eos_ids)
+        teacher = TieredCache(model.config.num_hidden_layers, make_settings(teacher_config, scorer=settings.scorer))
+        greedy_decode(model, prompt_ids, teacher, config.max_new_tokens, eos_token_ids(model, loaded.tokenizer))
         settings.scorer.future_importance = [layer.importance[: layer.logical_len].clone() for layer in teacher.layers]
-    recorder = Recorder(record_access=config.access)
-    cache = TieredCache(n_layers, settings, recorder)
-    with tqdm(total=config.max_new_tokens, desc=sample.sample_id, unit="tok", leave=False, disable=not progress) as bar:
-        result = greedy_decode(model, prompt_ids, cache, config.max_new_tokens, eos_ids, recorder, bar)
+    return DecodeJob(sample, prompt_ids, settings, Recorder(record_access=config.access))
+
+
+def sample_parts(loaded, task, job, result):
+    """(samples row, steps, tokens, access) of one decoded sample."""
+    from tracer.decode import tokens_table
+    from tracer.tasks import grading_columns
+
+    tokenizer, sample, prompt_ids = loaded.tokenizer, job.key, job.prompt_ids
+    settings, recorder = job.settings, job.recorder
+    n_layers = loaded.model.config.num_hidden_layers
     text = tokenizer.decode(result.generated_ids, skip_special_tokens=True)
     scored = not loaded.random_weights
     row = {
