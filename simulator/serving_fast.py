@@ -72,6 +72,7 @@ class FastServing:
             raise ServingError(f"{shape.name}: weights ({shape.weight_bytes / 1e9:.1f} GB) do not fit in "
                                f"{profile.name}'s HBM; pick a larger GPU")
         self.tier = costs.offload_tier(profile, config.options.offload_tier)
+        self.layer_overhead_s = costs.overheads_for(shape, profile).layer_s
         self.ddr_capacity_bytes = self.tier.capacity_bytes
         self.requests = [Request(i, a.arrival_s, works[a.sample].truncated(a.n_steps)) for i, a in enumerate(arrivals)]
         self.sample_of = np.array([a.sample for a in arrivals], dtype=np.int64)
@@ -87,13 +88,16 @@ class FastServing:
         n_layers = self.shape.n_layers
         self.base = np.concatenate([[0], np.cumsum([w.n_steps for w in works])[:-1]]).astype(np.int64)
         # [rows, layers] compute demand, [rows, ops] transfers, [rows] occupancy
-        self.flops = np.concatenate([w.flops for w in works]).reshape(-1, n_layers)
-        self.kv_bytes = np.concatenate([w.kv_read_bytes for w in works]).reshape(-1, n_layers)
+        # FLOPs and KV bytes side by side: one gather per iteration for both
+        self.demand = np.stack([np.concatenate([w.flops for w in works]).reshape(-1, n_layers),
+                                np.concatenate([w.kv_read_bytes for w in works]).reshape(-1, n_layers)], axis=1)
         self.recall_s = np.concatenate([w.recall_s for w in works])
         self.recall_bytes = np.concatenate([w.recall_bytes for w in works])
         self.offload_s = np.concatenate([w.offload_s for w in works])
         self.offload_bytes = np.concatenate([w.offload_bytes for w in works])
+        self.copies = (self.recall_s > 0).any(1) | (self.offload_s > 0).any(1)  # rows with any transfer
         self.hbm_kv = np.concatenate([w.hbm_kv_bytes for w in works])
+        self.head_s: dict[int, float] = {}  # the LM head's time by batch size
         self.ddr_kv = np.concatenate([w.ddr_kv_bytes for w in works])
 
     def fits_alone(self, request: Request) -> bool:
@@ -179,11 +183,15 @@ class FastServing:
         """The iteration's operation times: one roofline over the batch per layer (weights once, every
         request's FLOPs and KV bytes), then the LM head for the batch."""
         shape, profile = self.shape, self.profile
-        flops = self.flops[rows].sum(axis=0)
-        kv_bytes = self.kv_bytes[rows].sum(axis=0)
-        layer_s = costs.roofline(flops, shape.layer_weight_bytes + kv_bytes, profile,
-                                 costs.overheads_for(shape, profile).layer_s).total_s
-        return [*layer_s.tolist(), float(costs.head_times(shape, profile, batch=len(rows)).total_s)]
+        flops, kv_bytes = self.demand[rows].sum(axis=0)
+        # costs.roofline's total, operation for operation (the same divisions, max and overhead)
+        layer_s = np.maximum(flops / profile.gpu.matmul_flops_per_s,
+                             (shape.layer_weight_bytes + kv_bytes) / profile.gpu.hbm_bytes_per_s) + self.layer_overhead_s
+        batch = len(rows)
+        head_s = self.head_s.get(batch)
+        if head_s is None:
+            head_s = self.head_s[batch] = float(costs.head_times(shape, profile, batch=batch).total_s)
+        return [*layer_s.tolist(), head_s]
 
     def _lean_iteration(self, running: np.ndarray, rows: np.ndarray, link_wait: np.ndarray) -> None:
         """`_iteration` without prefetch on channels with one copy engine, in closed form per operation.
@@ -195,6 +203,9 @@ class FastServing:
         a Python loop; the per-request sums are numpy over the batch."""
         clock = self.clock
         op_s = self._op_s(rows)
+        if not self.copies[rows].any():  # nothing moves: the operations back to back
+            clock.now = self._no_copies(op_s)
+            return
         recall_s, offload_s = self.recall_s[rows], self.offload_s[rows]  # [batch, ops]
         h2d, d2h = self.hw.h2d, self.hw.d2h
         coalesce = self.config.batch_copies
@@ -252,6 +263,12 @@ class FastServing:
             if busy[direction] > 0:
                 channel.last_end_s[direction] = max(channel.last_end_s[direction], free[direction])
         clock.now = t
+
+    def _no_copies(self, op_s: list[float]) -> float:
+        t = self.clock.now
+        for c in op_s:  # t += c one by one, as the schedule's clock does
+            t += c
+        return t
 
     def _iteration(self, running: np.ndarray, rows: np.ndarray, nxt, link_wait: np.ndarray, iteration: int) -> None:
         """schedule.StepSchedule.run for one iteration, with the clock as a float and channel tokens as end
@@ -357,7 +374,7 @@ class FastServing:
             r.first_token_s = float(times[0])
             r.finish_s = r.last_token_s = float(times[-1])
             r.step = int(n_steps[rid])
-            r.tbt_s = np.diff(times).tolist()
+            r.tbt_s = np.diff(times)  # an array (serving.summarise takes lists or arrays)
 
 
 def simulate_serving_fast(run_dir: str | Path, profile: str | HardwareProfile, config: ServingConfig) -> ServingResult:
