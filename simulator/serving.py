@@ -429,14 +429,16 @@ def summarise(sim: ServingSim, manifest: dict, run_dir: str, overhead_source: st
         "tokens": r.work.n_steps, "rejected": r.rejected, "arrival_s": r.arrival_s, "admitted_s": r.admitted_s,
         "first_token_s": r.first_token_s, "finish_s": r.finish_s,
         "queue_delay_s": r.admitted_s - r.arrival_s, "ttft_s": r.first_token_s - r.arrival_s,
-        "tbt_mean_s": float(np.mean(r.tbt_s)) if r.tbt_s else math.nan,
-        "tbt_max_s": float(np.max(r.tbt_s)) if r.tbt_s else math.nan, "link_wait_s": r.link_wait_s,
+        "tbt_mean_s": float(np.mean(r.tbt_s)) if len(r.tbt_s) else math.nan,
+        "tbt_max_s": float(np.max(r.tbt_s)) if len(r.tbt_s) else math.nan, "link_wait_s": r.link_wait_s,
         "peak_hbm_kv_bytes": r.work.peak_hbm_kv_bytes, "peak_ddr_kv_bytes": r.work.peak_ddr_kv_bytes,
     } for r in sim.requests])
     timeline = pd.DataFrame(sim.occupancy, columns=["time_s", "running", "waiting", "hbm_bytes",
                                                    "hbm_reserved_bytes", "ddr_bytes", "ddr_reserved_bytes"])
     served = requests[~requests["rejected"]] if len(requests) else requests
-    tbt = np.array([x for r in sim.requests for x in r.tbt_s])
+    # (tbt_s may be a list or an array: serving_fast keeps each request's as an array)
+    tbt = np.concatenate([np.asarray(r.tbt_s, dtype=np.float64) for r in sim.requests]) if sim.requests \
+        else np.zeros(0)
     end_s = sim.end_s
     tokens = int(served["tokens"].sum()) if len(served) else 0
     good = served["tbt_mean_s"].fillna(0.0) <= config.tbt_slo_s if len(served) else pd.Series([], dtype=bool)
