@@ -16,7 +16,7 @@ from analysis import stats
 from simulator.columns import CORE_COLUMNS, KEY_COLUMNS, POLICY_COLUMNS
 from thoughtkv_base import UserError
 from traces import TraceFormatError, TraceRun, open_run
-from traces.stats import run_traffic
+from traces.stats import completion_summary, run_traffic
 
 SIM_REQUIRED = CORE_COLUMNS  # the simulator's results schema (simulator/columns.py)
 SIM_SUFFIXES = (".parquet", ".csv")
@@ -214,6 +214,7 @@ def run_row(run: TraceRun) -> dict:
         "ci_high": ci_high,
         "evicted_frac": evicted_fraction(run),
         **run_traffic(run),  # issue 14: what the run moved over the link (traces.stats.traffic_summary)
+        **completion_summary(samples),  # issue 18: samples stopped by the token limit, accuracy of finished ones
     }
 
 

@@ -306,6 +306,9 @@ def _tables(data: Data) -> list[tuple[str, str, pd.DataFrame]]:
         if not accuracy.empty:
             out.append(("table_capacity_accuracy", "Capacity vs accuracy (95% Wilson CI)",
                         tables.display_capacity_accuracy(tables.capacity_accuracy_table(accuracy))))
+            out.append(("table_long_generations", "Long generations: samples stopped by the token limit, "
+                        "accuracy over all and over finished samples (95% Wilson CI)",
+                        tables.display_completion(data.run_table)))
     if not data.latency.empty:
         budget = data.budget if data.budget is not None else _default_budget(data.latency)
         out.append(("table_latency", f"Projected ms/token per profile (budget nearest {budget:.0%})",

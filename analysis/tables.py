@@ -70,6 +70,24 @@ def capacity_accuracy_table(accuracy: pd.DataFrame) -> pd.DataFrame:
     return table[CAPACITY_COLUMNS].reset_index(drop=True)
 
 
+def display_completion(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per run (issue 18, long generations): the share of samples stopped by the token limit, and accuracy
+    over all scored samples and over the finished ones (EOS), each as `p% [low–high] (k/n)`, 95% Wilson CI.
+    `runs` is `analysis.load.run_table` (columns from traces.stats.completion_summary)."""
+    def cell(k, n) -> str:
+        if not n:
+            return "–"
+        low, high = stats.wilson_interval(int(k), int(n))
+        return f"{k / n:.0%} [{low:.0%}–{high:.0%}] ({int(k)}/{int(n)})"
+
+    return pd.DataFrame({
+        "run": runs["run_label"],
+        "stopped by token limit": [cell(k, n) for k, n in zip(runs["n_token_limit"], runs["n_samples"])],
+        "accuracy, all": [cell(k, n) for k, n in zip(runs["n_correct"], runs["n_scored"])],
+        "accuracy, finished": [cell(k, n) for k, n in zip(runs["n_finished_correct"], runs["n_finished_scored"])],
+    })
+
+
 def latency_table(latency: pd.DataFrame, hbm_budget: float, stall_method: str | None = None) -> pd.DataFrame:
     """Projected ms/token per hardware profile: full cache, then each method at (its budget nearest) `hbm_budget`.
 

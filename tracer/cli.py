@@ -66,13 +66,13 @@ def config_from_args(args: argparse.Namespace):
     )
 
 
-def run_accuracy_line(run_dir) -> str:
-    """Accuracy of every scored sample in the run (resumed samples included), with its 95% CI."""
+def run_accuracy_lines(run_dir) -> list[str]:
+    """Share stopped by the token limit, accuracy over all scored samples and over the finished ones (resumed
+    samples included), each with n and its 95% CI (traces.stats.completion_lines)."""
     from traces import open_run
-    from traces.stats import accuracy_line
+    from traces.stats import completion_lines
 
-    scored = open_run(run_dir).samples()["correct"].dropna()
-    return accuracy_line(int(scored.sum()), len(scored))
+    return [f"{label}: {text}" for label, text in completion_lines(open_run(run_dir).samples())]
 
 
 def run_traffic_line(run_dir) -> str:
@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         huggingface_hub.utils.disable_progress_bars()
     out = run_trace(config, progress=not args.quiet)
     print(f"trace written to {out}")
-    print(f"accuracy: {run_accuracy_line(out)}")
+    for line in run_accuracy_lines(out):
+        print(line)
     print(f"traffic: {run_traffic_line(out)}")
     return 0

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from traces.errors import TraceFormatError
-from traces.stats import accuracy_line, run_traffic, traffic_line
+from traces.stats import completion_lines, run_traffic, traffic_line
 
 
 def add_arguments(parser: argparse.ArgumentParser):
@@ -88,9 +88,8 @@ def info_lines(trace) -> list[str]:
         ),
         f"samples     {len(samples)} committed",
     ]
-    scored = samples["correct"].dropna()
-    if len(scored):
-        lines.append(f"accuracy    {accuracy_line(int(scored.sum()), len(scored))}")
+    # Token-limit share, accuracy over all and over finished samples (issue 18: long generations).
+    lines += [f"{label:<11} {text}" for label, text in completion_lines(samples)]
     if len(samples):
         steps = trace.steps(columns=["step", "bytes_h2d", "bytes_d2h"])
         lines += [

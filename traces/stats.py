@@ -32,8 +32,48 @@ def accuracy_line(correct: int, n: int) -> str:
     """'12/20 = 60.0% [38.7%, 78.1%] (95% Wilson CI, n=20)'."""
     if n == 0:
         return "no scored samples (random weights or no gold answers)"
-    low, high = wilson_interval(correct, n)
-    return f"{correct}/{n} = {correct / n:.1%} [{low:.1%}, {high:.1%}] (95% Wilson CI, n={n})"
+    return share_line(correct, n)
+
+
+# -- long generations: samples the token limit stopped (issue 18) ---------------------------------------------
+
+TOKEN_LIMIT_STOP, FINISHED_STOP = "max_new_tokens", "eos"  # samples.stop_reason values
+
+
+def completion_summary(samples) -> dict[str, int]:
+    """Counts behind the long-generation accounting of a samples table (columns stop_reason, correct):
+    samples stopped by the token limit (`--max-new-tokens`), and correct / scored over all samples and over
+    the finished ones (stopped by EOS; a NaN-stopped sample is neither finished nor cut by the limit)."""
+    scored = samples[samples["correct"].notna()]
+    finished = scored[scored["stop_reason"] == FINISHED_STOP]
+    return {
+        "n_samples": len(samples),
+        "n_token_limit": int((samples["stop_reason"] == TOKEN_LIMIT_STOP).sum()),
+        "n_scored": len(scored),
+        "n_correct": int(scored["correct"].astype(bool).sum()),
+        "n_finished_scored": len(finished),
+        "n_finished_correct": int(finished["correct"].astype(bool).sum()),
+    }
+
+
+def completion_lines(samples) -> list[tuple[str, str]]:
+    """(label, text) lines for a run summary: the token-limit share, then accuracy over all samples and over
+    the finished ones, each with n and a 95% Wilson CI. Accuracy lines only when something is scored."""
+    c = completion_summary(samples)
+    if c["n_samples"] == 0:
+        return []
+    lines = [("token limit", f"{share_line(c['n_token_limit'], c['n_samples'])} stopped by --max-new-tokens")]
+    if c["n_scored"]:
+        lines += [("accuracy", f"{accuracy_line(c['n_correct'], c['n_scored'])} over all samples"),
+                  ("finished", f"{accuracy_line(c['n_finished_correct'], c['n_finished_scored'])} over samples "
+                               "that ended (EOS)" if c["n_finished_scored"] else "no scored sample ended (EOS)")]
+    return lines
+
+
+def share_line(k: int, n: int) -> str:
+    """'3/20 = 15.0% [5.2%, 36.0%] (95% Wilson CI, n=20)' for any share, n > 0."""
+    low, high = wilson_interval(k, n)
+    return f"{k}/{n} = {k / n:.1%} [{low:.1%}, {high:.1%}] (95% Wilson CI, n={n})"
 
 
 # -- traffic: what a policy moved over the link to reach its accuracy (issue 14) -----------------------------
