@@ -98,3 +98,13 @@ def test_decode_batch_at_one_equals_greedy_decode():
     [(_, result)] = list(decode_batch(model, [job], TieredCache(2, job.settings), 1, MAX_NEW, set()))
     assert result.generated_ids == reference.generated_ids
     assert job.recorder.columns["recalled_block_ids"] == recorder.columns["recalled_block_ids"]
+
+
+def test_layer_times_are_recorded_per_step_and_layer():
+    model = tiny_model("qwen2")
+    job = DecodeJob(0, prompts()[1], settings("hierarchy"), Recorder())
+    list(decode_batch(model, [job], TieredCache(2, job.settings), 1, 6, set()))
+    table = job.recorder.steps_table()
+    assert len(table["measured_layer_us"]) == 12  # 6 steps x 2 layers
+    for step_us, layer_us in zip(table["measured_step_us"], table["measured_layer_us"], strict=True):
+        assert 0 < layer_us < step_us  # each layer is part of its step

@@ -134,6 +134,58 @@ def _advance(row: _Row, token: int, finite: bool, max_new_tokens: int, eos_ids: 
         row.stop_reason = "max_new_tokens"
 
 
+class LayerTimer:
+    """Each decoder layer's time in a forward pass (`measured_layer_us`), from hooks around the layers.
+
+    CUDA: a pair of timing events per layer, recorded on the compute stream and read only after the step's
+    own synchronisation (`read_us`), so timing adds no host sync; the time is the GPU time between the layer's
+    first and last kernel. CPU: the wall time between the hooks. A batched step's layer time covers all its
+    rows (as the step time does).
+    """
+
+    def __init__(self, model):
+        from tracer.calibrate.measured import decoder_layers
+
+        self.cuda = model.device.type == "cuda"
+        self.layers = decoder_layers(model)
+        n = len(self.layers)
+        if self.cuda:
+            self.events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        self.begun, self.ended = [0.0] * n, [0.0] * n
+        self.handles = []
+        for index, layer in enumerate(self.layers):
+            self.handles.append(layer.register_forward_pre_hook(self._begin(index)))
+            self.handles.append(layer.register_forward_hook(self._end(index)))
+
+    def _begin(self, index: int):
+        def hook(*_):
+            if self.cuda:
+                self.events[index][0].record()
+            else:
+                self.begun[index] = time.perf_counter()
+        return hook
+
+    def _end(self, index: int):
+        def hook(*_):
+            if self.cuda:
+                self.events[index][1].record()
+            else:
+                self.ended[index] = time.perf_counter()
+        return hook
+
+    def read_us(self) -> list[float] | None:
+        """The last forward's per-layer times (µs); call after the step has synchronised."""
+        if not self.layers:
+            return None
+        if self.cuda:
+            return [start.elapsed_time(end) * 1e3 for start, end in self.events]
+        return [(end - begin) * 1e6 for begin, end in zip(self.begun, self.ended, strict=True)]
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 @torch.no_grad()
 def decode_batch(
     model, jobs: Iterable[DecodeJob], cache: TieredCache, batch_size: int, max_new_tokens: int, eos_ids: set[int],
@@ -146,19 +198,21 @@ def decode_batch(
     pending = iter(jobs)
     free, active = list(range(batch_size)), {}
     exhausted = False
+    timer = LayerTimer(model)
 
     def step(rows: list[int], input_ids: torch.Tensor, position_ids: torch.Tensor) -> Iterator[tuple[DecodeJob, DecodeResult]]:
         started = time.perf_counter()
         cache.set_active(rows)
         logits = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        tokens = logits.argmax(-1).tolist()  # the step's one device->host copy of its result
-        finite = torch.isfinite(logits).all(-1).tolist()
+        # The step's one device->host copy: each row's next token and whether its logits were finite.
+        tokens, finite = torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()]).tolist()
         synchronize()
         wall_us = (time.perf_counter() - started) * 1e6
+        layer_us = timer.read_us()
         for index, row_id in enumerate(rows):
             row = active[row_id]
             if row.job.recorder is not None:
-                row.job.recorder.end_step(wall_us)
+                row.job.recorder.end_step(wall_us, layer_us)
             if progress is not None:
                 progress.update(1)
             if row.logits is not None:
@@ -172,24 +226,27 @@ def decode_batch(
                 yield row.job, result
                 free.append(row_id)
 
-    while True:
-        while free and not exhausted:
-            job = next(pending, None)
-            if job is None:
-                exhausted = True
-                break
-            row_id = min(free)
-            free.remove(row_id)
-            cache.reset_row(row_id, job.settings, job.recorder)
-            active[row_id] = _Row(job, time.perf_counter(), logits=[] if keep_logits else None)
-            prompt = job.prompt_ids
-            yield from step([row_id], torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device)[None])
-        if not active:
-            return
-        rows = sorted(active)
-        input_ids = torch.tensor([[active[r].generated[-1]] for r in rows], device=device)
-        position_ids = torch.tensor([[active[r].next_position] for r in rows], device=device)
-        yield from step(rows, input_ids, position_ids)
+    try:  # the continuous-refill schedule: fill free rows (one prefill each), then one step of all rows
+        while True:
+            while free and not exhausted:
+                job = next(pending, None)
+                if job is None:
+                    exhausted = True
+                    break
+                row_id = min(free)
+                free.remove(row_id)
+                cache.reset_row(row_id, job.settings, job.recorder)
+                active[row_id] = _Row(job, time.perf_counter(), logits=[] if keep_logits else None)
+                prompt = job.prompt_ids
+                yield from step([row_id], torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device)[None])
+            if not active:
+                return
+            rows = sorted(active)
+            input_ids = torch.tensor([[active[r].generated[-1]] for r in rows], device=device)
+            position_ids = torch.tensor([[active[r].next_position] for r in rows], device=device)
+            yield from step(rows, input_ids, position_ids)
+    finally:
+        timer.close()
 
 
 def tokens_table(result: DecodeResult) -> dict[str, object]:

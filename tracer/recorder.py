@@ -1,8 +1,8 @@
 """Per-sample recording buffers -> the columns of trace v1 (traces/schema.py).
 
 The tiered layers call `add_layer_row` once per (step, layer) with scalars, id lists and the block masses
-already reduced on the device (one small host copy per layer and step); the decode loop sets `step` and the
-step's wall time. Nothing here touches torch.
+already reduced on the device (one small host copy per layer and step); the decode loop sets `step`, the
+step's wall time and (tracer.decode.LayerTimer) each decoder layer's time. Nothing here touches torch.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ class Recorder:
     columns: dict[str, list] = field(default_factory=lambda: {name: [] for name in STEP_COLUMNS + OPTIONAL_STEP_COLUMNS})
     block_mass: list[np.ndarray] = field(default_factory=list)
     step_us: list[float] = field(default_factory=list)
+    layer_us: list[list[float] | None] = field(default_factory=list)  # per step: each decoder layer's time
 
     def add_layer_row(self, *, block_mass: np.ndarray, **values) -> None:
         values["step"] = self.step
@@ -37,13 +38,18 @@ class Recorder:
         if self.record_access:
             self.block_mass.append(block_mass)
 
-    def end_step(self, wall_us: float) -> None:
+    def end_step(self, wall_us: float, layer_us: list[float] | None = None) -> None:
         self.step_us.append(wall_us)
+        self.layer_us.append(layer_us)
         self.step += 1
 
     def steps_table(self) -> dict[str, list]:
         table = dict(self.columns)
         table["measured_step_us"] = [self.step_us[s] for s in self.columns["step"]]
+        table["measured_layer_us"] = [
+            None if self.layer_us[s] is None else self.layer_us[s][layer]
+            for s, layer in zip(self.columns["step"], self.columns["layer"], strict=True)
+        ]
         return table
 
     def access_table(self) -> dict[str, list] | None:
