@@ -160,3 +160,17 @@ def test_a_hanging_comparison_is_cut_at_the_deadline_and_grading_goes_on(where):
     assert slow.timed_out and slow.correct is False and slow.predicted is None
     assert elapsed_s < 4.0  # 1 s bound (+ rounding to whole seconds on the main thread, + kill)
     assert after.correct is True and not after.timed_out
+
+
+def test_grading_in_a_spawned_worker_process_is_bounded_too():
+    """Sweeps and the demo trace in spawned worker processes: there grading runs on the worker's main thread,
+    so math-verify's signal timeouts apply."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        assert pool.submit(grade, "\\boxed{3}", "3", "number", 1).result(timeout=120).correct is True  # warm
+        started = time.perf_counter()
+        slow = pool.submit(grade, HANGS, "3", "number", 1).result(timeout=120)
+        elapsed_s = time.perf_counter() - started
+    assert slow.timed_out and slow.correct is False and elapsed_s < 4.0
