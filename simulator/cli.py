@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from simulator import options as sim_options
@@ -65,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
             results.append(simulate_run(run_, profile, options, what_if=args.what_if, timeline=timeline,
                                         progress=bar.update))
             written = write_results(results[-1:], out)  # after each profile: an interrupt keeps finished ones
+            for warning in results[-1].warnings:
+                tqdm.write(warning, file=sys.stderr)
     if timeline is not None:
         timeline.write(args.timeline)
     for line in table_lines([r.summary for r in results]):

@@ -27,9 +27,11 @@ RESULT_COLUMNS: dict[str, str] = {
     "recall_rule": "how recalled blocks are chosen",
     "profile": "hardware profile name",
     **{name: f"simulator option {name} (simulator.options.SimOptions)" for name in OPTION_COLUMNS},
+    # overhead_mode (an option column) holds the mode charged: measured | kernel-only | hf-eager
     "engine": "engine that computed the row: des or fast",
     "overhead_set": "which of the profile's overhead sets was charged: streaming or cached",
     "overhead_source": "whose decode path's calibrated overheads were charged (tiered/<policy> or the profile's)",
+    "same_host": "a measured profile and the run were recorded on the same host (traces/host.py; null: unknown)",
     "sample_id": "sample id; the summary row (one per run and profile) has SUMMARY_SAMPLE_ID",
     "steps": "steps simulated (prefill + decode steps)",
     "prompt_tokens": "prompt length",

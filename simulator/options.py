@@ -27,9 +27,11 @@ from dataclasses import MISSING, dataclass, field, fields
 from simulator.errors import OptionError
 
 OVERLAP_MODES = ("none", "layer-prefetch")
+OVERHEAD_MODES = ("measured", "kernel-only", "hf-eager")  # hwprofiles.overhead_modes (a test keeps them equal)
 ENGINES = ("auto", "des", "fast")
-# How copies move between HBM and the offload tier; issue 17 adds mechanisms (dma-batched, sm-copy, ...).
-TRANSFERS = ("dma-per-block",)
+# How KV blocks cross the host link: the names of simulator.mechanisms.MECHANISMS (not imported here, to keep
+# `thoughtkv --help` light; tests/test_mechanisms.py keeps the two equal).
+TRANSFERS = ("dma-per-block", "dma-batched", "sm-copy", "zero-copy", "cpu-attention")
 
 
 @dataclass(frozen=True)
@@ -46,10 +48,20 @@ class SimOptions:
     offload_tier: str = field(default="ddr", metadata={
         "help": "where offloaded KV lives: ddr (host memory) or a profile's extra tier (e.g. cxl-expander)"})
     transfer: str = field(default="dma-per-block", metadata={
-        "help": "how KV blocks move: dma-per-block (one copy-engine copy per block group and layer-step)",
+        "help": "how KV blocks cross the link: dma-per-block (one copy per sequence and layer-step), dma-batched "
+                "(one call per layer-step for the batch), sm-copy (a copy kernel on a few SMs), zero-copy (attention "
+                "reads host memory), cpu-attention (the host attends the offloaded blocks); simulator/README.md",
         "choices": TRANSFERS})
 
+    overhead_mode: str | None = field(default=None, metadata={
+        "help": "framework overheads charged: measured (calibrated), kernel-only (none: kernels and copies only), "
+                "hf-eager (datasheet GPUs + a cited launch-count estimate of a transformers eager loop; "
+                "hwprofiles/overhead_modes.py)", "type": str, "choices": OVERHEAD_MODES,
+        "default_text": "the profile's own: measured for a calibrated profile, kernel-only for a datasheet one"})
+
     def __post_init__(self) -> None:
+        if self.overhead_mode is not None and self.overhead_mode not in OVERHEAD_MODES:
+            raise OptionError(f"overhead_mode {self.overhead_mode!r} is unknown; use one of {', '.join(OVERHEAD_MODES)}")
         _choice(self, "overlap")
         _choice(self, "engine")
         _choice(self, "transfer")
@@ -156,7 +168,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls=SimOptions, only: tuple[s
         if "help" not in f.metadata or (only is not None and f.name not in only) or f.name in exclude:
             continue
         default = f.default if f.default is not MISSING else f.default_factory()
-        note = (default_note or {}).get(f.name, "on" if default is True else "off" if default is False else default)
+        note = (default_note or {}).get(f.name, f.metadata.get(
+            "default_text", "on" if default is True else "off" if default is False else default))
         kwargs = {"dest": f.name, "default": None, "help": f"{f.metadata['help']} (default: {note})"}
         if isinstance(default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction

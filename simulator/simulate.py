@@ -19,7 +19,8 @@ import numpy as np
 import pandas as pd
 
 from hwprofiles import HardwareProfile, load_profile
-from simulator import costs, fastpath
+from hwprofiles.overhead_modes import apply_mode, mode_of
+from simulator import costs, fastpath, mechanisms
 from simulator.columns import (
     KEY_COLUMNS,
     MAX_COLUMNS,
@@ -32,8 +33,10 @@ from simulator.costs import ModelShape
 from simulator.engine import Timeline, engines_per_channel, run_des
 from simulator.errors import SimulationError
 from simulator.options import KEY_FIELDS, SimOptions
+from simulator.project import Projection
 from simulator.whatif import parse_what_if, replay, replays_own_recalls, traced_config, what_if_config
-from simulator.workload import STEP_COLUMNS, Timing, Workload, build_workload, step_arrays
+from simulator.workload import STEP_COLUMNS, Timing, Workload, step_arrays
+from traces.host import provenance_warning, same_host
 from traces.policy import PolicySpec
 from traces.reader import TraceRun, open_run
 
@@ -45,6 +48,7 @@ class SimResult:
     samples: pd.DataFrame  # one row per sample (columns.RESULT_COLUMNS)
     steps: pd.DataFrame  # one row per (sample, step)
     summary: dict = field(default_factory=dict)  # the run as one row: sums / maxima over samples
+    warnings: list[str] = field(default_factory=list)  # one line each, for the CLI to print (e.g. another host)
 
 
 def simulate_run(
@@ -54,10 +58,12 @@ def simulate_run(
     what_if: str | dict | None = None,
     timeline: Timeline | None = None,
     progress: Callable[[int], object] | None = None,
+    projection: Projection | None = None,
 ) -> SimResult:
     """Simulate every committed sample of a run on one profile (see the module docstring and README).
 
     `timeline` records the first sample (with the DES); `progress(1)` is called after each sample.
+    `projection` (project.Projection, `--as-model`) replays the run's access pattern on another architecture.
     """
     options = SimOptions() if options is None else options
     if not isinstance(options, SimOptions):
@@ -76,7 +82,10 @@ def simulate_run(
     config = what_if_config(policy, overrides) if projected else traced_config(policy)
     if overlap == "layer-prefetch":
         check_prefetch(run, config, projected)
+    host_warning = provenance_warning(profile.name, profile.provenance, str(run.path), run.manifest.get("hardware"))
+    profile = apply_mode(profile, options.overhead_mode)  # measured | kernel-only | hf-eager
     profile, overhead_source = costs.profile_for_policy(profile, config.policy)
+    mechanism = mechanisms.mechanism_for(options.transfer, profile)  # refused on a profile lacking its parameters
 
     sample_ids = run.sample_ids()
     if not sample_ids:
@@ -100,10 +109,13 @@ def simulate_run(
             decode = slice(1, None) if len(played.mass_evicted) > 1 else slice(None)
             mass_evicted = float(played.mass_evicted[decode].mean())
             mass_not_recalled = float(played.mass_not_recalled[decode].mean())
-        work = build_workload(
-            sample_id, shape, profile, arrays["query_tokens"], arrays["hbm_tokens"] + arrays["recalled_tokens"],
-            arrays["bytes_h2d"], arrays["bytes_d2h"], arrays["hbm_kv_bytes"], arrays["ddr_kv_bytes"], options.batch,
-            options.offload_tier,
+        cost_shape = shape if projection is None else projection.shape  # --as-model: the target's shapes
+        if projection is not None:
+            arrays = projection.apply(arrays, shape)
+        work = mechanisms.build_workload(  # --transfer: how blocks cross the link (dma-per-block: as before)
+            mechanism, sample_id, cost_shape, profile, arrays["query_tokens"], arrays["hbm_tokens"],
+            arrays["recalled_tokens"], arrays["bytes_h2d"], arrays["bytes_d2h"], arrays["hbm_kv_bytes"],
+            arrays["ddr_kv_bytes"], options.batch, options.offload_tier, overlap, async_offload,
         )
         record = timeline if index == 0 else None  # a timeline shows the first sample (the DES records it)
         use_fast = engine == "fast" or (engine == "auto" and record is None
@@ -117,9 +129,13 @@ def simulate_run(
             if record is not None:
                 record.begin_process(f"{profile.name} {sample_id}")
             timing = run_des(work, profile, overlap, async_offload, record)
-        rows.append(_sample_row(run, shape, profile, config, options, work, timing, arrays,
-                                "fast" if use_fast else "des", projected, overrides, mass_evicted, mass_not_recalled,
-                                overhead_source))
+        row = _sample_row(run, cost_shape, profile, config, options, work, timing, arrays,
+                          "fast" if use_fast else "des", projected, overrides, mass_evicted, mass_not_recalled,
+                          overhead_source)
+        if projection is not None:  # labelled "projected", the source run named
+            row.update(result_kind="projected", run_label=projection.label(row["run_label"]))
+        row["overhead_mode"] = mode_of(profile)  # the mode charged (the option may leave it to the profile)
+        rows.append(row)
         if progress is not None:
             progress(1)
         step_frames.append(_step_frame(work, timing))
@@ -128,7 +144,8 @@ def simulate_run(
     for key in KEY_COLUMNS:
         if key != "sample_id" and key in samples:
             steps[key] = samples[key].iloc[0] if len(samples) else None
-    return SimResult(samples=samples, steps=steps, summary=summarise(samples))
+    return SimResult(samples=samples, steps=steps, summary=summarise(samples),
+                     warnings=[host_warning] if host_warning else [])
 
 
 def recorded_recalls(run: TraceRun, sample_id: str, n_layers: int) -> list[list]:
@@ -222,6 +239,7 @@ def _sample_row(run, shape, profile, config: PolicySpec, options: SimOptions, wo
         "max_concurrency_ddr": _fit(ddr_capacity, kv_ddr_per_seq) if kv_ddr_per_seq > 0 else None,
         "mass_lost_evicted": mass_evicted,
         "mass_lost_not_recalled": mass_not_recalled,
+        "same_host": same_host(profile.provenance.get("host_facts"), (run.manifest.get("hardware") or {}).get("host_facts")),
     }
     return {name: values[name] for name in RESULT_COLUMNS}  # a column missing from `values` fails here
 

@@ -124,8 +124,11 @@ def hardware_manifest(device) -> dict:
     import transformers
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    from traces.host import host_facts
+
     return {
         "device": f"{device.type}: {name}",
+        "host_facts": host_facts(),  # which machine the timings are from (traces/host.py)
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "transformers": transformers.__version__,

@@ -174,7 +174,11 @@ class PolicySpec:
         name = policy.get("name", "full")
         if name not in POLICIES:
             raise PolicyError(f"run.json policy {name!r} is not one of {', '.join(POLICIES)}; re-collect the trace")
-        rule = policy.get("recall_rule") or "quest"
+        rule = str(policy.get("recall_rule") or "quest")
+        if name != "hierarchy" or rule.split(":")[0].strip().lower() in ("none", "null", ""):
+            rule = "quest"  # nothing is recalled outside the hierarchy: v1 writers put none/null/their own text here
+        elif rule.split(":")[0].strip() not in RECALL_RULES:
+            rule = "query"  # a v1 text naming no known rule: a recall by the current query, as v1's simulator read it
         return cls(
             policy=name,
             hbm_budget=policy.get("hbm_budget") or 1.0,
