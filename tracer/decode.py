@@ -144,7 +144,7 @@ class LayerTimer:
     """
 
     def __init__(self, model):
-        from tracer.calibrate.measured import decoder_layers
+        from tracer.models import decoder_layers
 
         self.cuda = model.device.type == "cuda"
         self.layers = decoder_layers(model)

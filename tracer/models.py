@@ -150,3 +150,9 @@ def _manifest(model, spec: str, dtype: str, revision, random_weights: bool) -> d
         "n_params": n_params,
         "random_weights": random_weights,
     }
+
+
+def decoder_layers(model) -> list:
+    """The decoder layers of an HF causal LM (`model.model.layers`), for per-layer timers and hooks."""
+    base = getattr(model, "model", model)
+    return list(getattr(base, "layers", []))

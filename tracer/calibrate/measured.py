@@ -21,6 +21,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from tracer.models import decoder_layers
+
 CLOCKS = {"thread_cpu": time.thread_time, "wall": time.perf_counter}
 
 
@@ -95,11 +97,6 @@ class StepTimer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    base = getattr(model, "model", model)
-    return list(getattr(base, "layers", []))
 
 
 def measured_run(loaded, config, clock_name: str) -> tuple[Path, pd.DataFrame]:
