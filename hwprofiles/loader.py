@@ -18,24 +18,91 @@ PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 MEASURED_DIR = Path(__file__).resolve().parent / "measured"
 YAML_SUFFIXES = (".yaml", ".yml")
 
+# Bounds of any YAML file the project reads as settings (profiles, sweep grids): far above a real one (a
+# profile is ~5 KB and ~300 nodes), far below what an alias bomb expands to ("billion laughs": 9 nested lists
+# of 9 aliases is 9^9 nodes from a few hundred bytes).
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_NODES = 100_000
+
+
+def read_yaml_file(path: str | Path, error: type[Exception] = ProfileError, what: str = "a hardware profile"):
+    """`yaml.safe_load` of a settings file, bounded: at most MAX_YAML_BYTES, and at most MAX_YAML_NODES nodes
+    once every alias is expanded (counted on the composed graph before anything is built, so a bomb is
+    refused in microseconds); recursive aliases are refused. Any problem -> `error` with one line."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > MAX_YAML_BYTES:
+            raise error(f"{path}: {size:,} bytes is too large for {what} (at most {MAX_YAML_BYTES:,}); "
+                        "check the file")
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"{path}: cannot read the file ({type(exc).__name__}); check it is UTF-8 text") from None
+    loader = None
+    try:
+        loader = yaml.SafeLoader(text)  # checks the characters already (ReaderError)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        expanded = _expanded_nodes(node)
+        if expanded > MAX_YAML_NODES:
+            raise error(f"{path}: its aliases expand to more than {MAX_YAML_NODES:,} YAML nodes (an alias bomb?); "
+                        f"{what} needs no such thing, write the values out")
+        return loader.construct_document(node)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise error(f"{path}: not valid YAML{where}: {problem}") from None
+    except RecursionError:
+        raise error(f"{path}: YAML nested too deeply to be {what}") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def _expanded_nodes(root) -> int:
+    """Nodes of the document with every alias expanded, without expanding anything: size(n) = 1 + the sizes of
+    its children, each shared node computed once. Stops counting (returns > MAX_YAML_NODES) as soon as the
+    bound is passed; a node that contains itself raises."""
+    size: dict[int, int] = {}
+    stack = [(root, False)]
+    on_path: set[int] = set()
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        if done:
+            on_path.discard(key)
+            children = _children(node)
+            size[key] = min(MAX_YAML_NODES + 1, 1 + sum(size[id(c)] for c in children))
+            continue
+        if key in size:
+            continue
+        on_path.add(key)
+        stack.append((node, True))
+        for child in _children(node):
+            if id(child) in on_path:
+                raise yaml.composer.ComposerError(None, None, "a recursive alias (a node that contains itself)",
+                                                  child.start_mark)
+            if id(child) not in size:
+                stack.append((child, False))
+    return size[id(root)]
+
+
+def _children(node) -> list:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
+
 
 def load_profile_file(path: str | Path) -> HardwareProfile:
     """Reads and validates one YAML profile file; any problem -> ProfileError naming the file and field."""
     path = Path(path)
     if not path.is_file():
         raise ProfileError(f"{path}: no such profile file; pass an existing .yaml file or a profile name")
-    try:
-        text = path.read_text(encoding="utf-8")
-        data = yaml.safe_load(text)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ProfileError(f"{path}: cannot read the file ({type(exc).__name__}); check it is UTF-8 text") from exc
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or type(exc).__name__
-        raise ProfileError(f"{path}: not valid YAML{where}: {problem}") from exc
-    except RecursionError as exc:
-        raise ProfileError(f"{path}: YAML nested too deeply to be a hardware profile") from exc
+    data = read_yaml_file(path)
     profile = profile_from_dict(data, str(path))
     if profile.name != path.stem:
         raise ProfileError(f"{path}: name: {profile.name!r} differs from the file name; rename the file to "
@@ -77,16 +144,21 @@ def _single(name: str, paths: list[Path]) -> Path:
     return paths[0]
 
 
-def load_profile(name_or_path: str | Path, profiles_dir: str | Path | None = None) -> HardwareProfile:
-    """A profile by name (searched in `profiles_dir`, shipped, measured) or by path to a .yaml file."""
+def profile_file(name_or_path: str | Path, profiles_dir: str | Path | None = None) -> Path:
+    """The file `load_profile` reads for a name (searched in `profiles_dir`, shipped, measured) or a path."""
     text = str(name_or_path)
     if text.endswith(YAML_SUFFIXES) or "/" in text or "\\" in text:
-        return load_profile_file(text)
+        return Path(text)
     by_name = _profile_files(search_dirs(profiles_dir))
     if text not in by_name:
         known = ", ".join(sorted(by_name)) or "none"
         raise ProfileError(f"unknown hardware profile {text!r}; known: {known} (or pass a path to a .yaml file)")
-    return load_profile_file(_single(text, by_name[text]))
+    return _single(text, by_name[text])
+
+
+def load_profile(name_or_path: str | Path, profiles_dir: str | Path | None = None) -> HardwareProfile:
+    """A profile by name (searched in `profiles_dir`, shipped, measured) or by path to a .yaml file."""
+    return load_profile_file(profile_file(name_or_path, profiles_dir))
 
 
 def list_profiles(profiles_dir: str | Path | None = None) -> list[HardwareProfile]:

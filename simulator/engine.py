@@ -73,7 +73,9 @@ class Timeline:
         return {"traceEvents": self.events, "displayTimeUnit": "ms"}
 
     def write(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json()))
+        from traces.layout import write_bytes_atomic
+
+        write_bytes_atomic(Path(path), json.dumps(self.to_json()).encode())
 
 
 class Channel:

@@ -179,13 +179,21 @@ def load_arrivals_csv(path: str | Path, works: list[SampleWork]) -> list[Arrival
     path = Path(path)
     if not path.is_file():
         raise ServingError(f"arrival file {path} not found; pass an existing CSV")
-    frame = pd.read_csv(path)
+    try:
+        frame = pd.read_csv(path)
+    except pd.errors.EmptyDataError:
+        raise ServingError(f"{path}: empty; write a header arrival_s,prompt_tokens,output_tokens and one row per "
+                           "request") from None
+    except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as exc:
+        raise ServingError(f"{path}: not a readable CSV ({str(exc).splitlines()[0][:120]}); fix the file") from None
     picked = {}
     for ours, names in CSV_COLUMNS.items():
         found = [n for n in names if n in frame.columns]
         if not found:
             raise ServingError(f"{path}: no column for {ours} (one of {', '.join(names)}); add it")
         picked[ours] = frame[found[0]]
+    if frame.empty:
+        raise ServingError(f"{path}: a header but no requests; add one row per request")
     times = picked["arrival_s"]
     if not pd.api.types.is_numeric_dtype(times):
         try:
@@ -193,13 +201,19 @@ def load_arrivals_csv(path: str | Path, works: list[SampleWork]) -> list[Arrival
         except (ValueError, TypeError):
             raise ServingError(f"{path}: arrival times must be seconds or timestamps like 2023-11-16 "
                                "18:15:46.68; fix the column") from None
+        if times.isna().any():
+            raise ServingError(f"{path}: row {int(times.isna().to_numpy().argmax()) + 2} has no arrival time; "
+                               "fill it in")
         times = (times - times.min()).dt.total_seconds()
-    times = times.to_numpy(dtype=np.float64)
+    times = _numbers(path, times, "arrival time (seconds)", whole=False)
+    prompt = _numbers(path, picked["prompt_tokens"], "prompt tokens", whole=True)
+    output = _numbers(path, picked["output_tokens"], "output tokens", whole=True)
+    for values, name, low in ((prompt, "prompt tokens", 0), (output, "output tokens", 1)):
+        if (values < low).any():
+            row = int(np.argmax(values < low)) + 2  # line in the file: 1-based, after the header
+            raise ServingError(f"{path}: line {row}: {name} {int(values[row - 2])} must be >= {low}; fix the row")
     times = times - times.min()
-    prompt = picked["prompt_tokens"].to_numpy(dtype=np.int64)
-    output = picked["output_tokens"].to_numpy(dtype=np.int64)
-    if np.isnan(times).any() or (prompt < 0).any() or (output < 1).any():
-        raise ServingError(f"{path}: arrival times must be numbers and output tokens >= 1 in every row")
+    prompt, output = prompt.astype(np.int64), output.astype(np.int64)
     lengths = np.array([[w.prompt_tokens, w.n_steps] for w in works], dtype=np.int64)
     order = np.argsort(times, kind="stable")
     arrivals = []
@@ -208,6 +222,19 @@ def load_arrivals_csv(path: str | Path, works: list[SampleWork]) -> list[Arrival
         sample = int(np.argmin(distance))
         arrivals.append(Arrival(float(times[i]), sample, int(min(output[i], works[sample].n_steps))))
     return arrivals
+
+
+def _numbers(path: Path, column: pd.Series, what: str, whole: bool) -> np.ndarray:
+    """A CSV column as finite float64 numbers (whole ones if `whole`); the first bad cell -> one line."""
+    values = pd.to_numeric(column, errors="coerce").to_numpy(dtype=np.float64)
+    bad = ~np.isfinite(values)
+    if whole:  # and within what int64 and a sample length can mean
+        bad |= (values != np.round(values)) | (np.abs(values) > 2**53)
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise ServingError(f"{path}: line {row + 2}: {what} {column.iloc[row]!r} is not a finite "
+                           f"{'whole number' if whole else 'number'}; fix the cell")
+    return values
 
 
 # ---------------------------------------------------------------- the simulation -----------------------------

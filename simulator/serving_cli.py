@@ -50,6 +50,8 @@ def serving_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    import io
+
     import pandas as pd
     from tqdm import tqdm
 
@@ -57,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from simulator.engine import Timeline
     from simulator.serving import ServingError, simulate_serving
     from traces import open_run
+    from traces.layout import write_bytes_atomic
 
     if not args.profile:
         raise ServingError("no hardware given; add --profile NAME (see `thoughtkv profiles list`)")
@@ -84,10 +87,13 @@ def run(args: argparse.Namespace) -> int:
         timelines.append(result.timeline.assign(**keys))
     out.mkdir(parents=True, exist_ok=True)
     summary = pd.DataFrame(summaries)
-    summary.to_parquet(out / "serving_summary.parquet", index=False)
-    summary.to_csv(out / "serving_summary.csv", index=False)
-    pd.concat(requests, ignore_index=True).to_parquet(out / "serving_requests.parquet", index=False)
-    pd.concat(timelines, ignore_index=True).to_parquet(out / "serving_timeline.parquet", index=False)
+    tables = {"serving_summary.parquet": summary, "serving_requests.parquet": pd.concat(requests, ignore_index=True),
+              "serving_timeline.parquet": pd.concat(timelines, ignore_index=True)}
+    for name, frame in tables.items():  # atomically: an interrupted run never leaves half a table
+        buffer = io.BytesIO()
+        frame.to_parquet(buffer, index=False)
+        write_bytes_atomic(out / name, buffer.getvalue())
+    write_bytes_atomic(out / "serving_summary.csv", summary.to_csv(index=False).encode())
     if timeline is not None:
         timeline.write(args.timeline)
     for line in table_lines(summaries):

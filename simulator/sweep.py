@@ -14,7 +14,7 @@ the trace runs must be on a path every node sees (and thoughtkv installed on eve
 directory only on the driver. Collection cells are the exception: `thoughtkv trace` writes its run itself,
 under OUT/runs/<key>/, which must then be shared too.
 
-Grid files (YAML, `yaml.safe_load`): a scalar is fixed, a list is an axis, the cells are the cross product.
+Grid files (YAML, `yaml.safe_load` bounded by hwprofiles.loader.read_yaml_file): a scalar is fixed, a list is an axis, the cells are the cross product.
 See `examples/sweeps/` and GRID_KEYS below for the keys each kind accepts.
 """
 
@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import yaml
 
 from simulator.options import ServingConfig, SimOptions, grid_keys
 from thoughtkv_base import UserError
@@ -127,10 +126,61 @@ NOT_IN_KEY = ("num_gpus", "out_root", "cwd")
 
 
 def cell_key(cell) -> str:
-    """Stable 16-hex key of what a cell computes: the file name of its cached result."""
-    params = {f.name: getattr(cell, f.name) for f in fields(cell) if f.name not in NOT_IN_KEY}
-    text = json.dumps({"kind": cell_kind(cell), **params}, sort_keys=True, default=str)
+    """Stable 16-hex key of what a cell computes: the file name of its cached result. It covers the cell's
+    parameters and the *content* of what it reads (`cell_inputs`), so a cached result is reused only while the
+    trace run, the profile file and the project version it was computed from are unchanged."""
+    params = {name: value for name, value in asdict(cell).items() if name not in NOT_IN_KEY}
+    text = json.dumps({"kind": cell_kind(cell), **params, "inputs": cell_inputs(cell)}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cell_inputs(cell) -> dict:
+    """Digests of what a cell's result depends on besides its parameters: the project version (the code),
+    and for simulations the trace run (run.json and every committed sample's parts) and the profile file."""
+    import thoughtkv_base
+    from hwprofiles.loader import profile_file
+
+    inputs = {"version": thoughtkv_base.__version__}
+    if isinstance(cell, (SimulateCell, ServeCell)):
+        inputs["run"] = run_digest(cell.run_dir)
+        inputs["profile"] = file_digest(profile_file(cell.profile))
+    if isinstance(cell, ServeCell) and cell.config.arrivals_csv:
+        inputs["arrivals"] = file_digest(Path(cell.config.arrivals_csv))
+    return inputs
+
+
+def run_digest(run_dir: str | Path) -> str:
+    """sha256 over run.json and the part files of the run's committed samples (those with a samples part), in
+    every table: a sample added, removed or rewritten changes it; a sample still being written does not."""
+    from traces.layout import MANIFEST_NAME, list_parts
+
+    run_dir = Path(run_dir)
+    digest = hashlib.sha256(file_digest(run_dir / MANIFEST_NAME).encode())
+    committed = set(list_parts(run_dir, "samples"))
+    for table in sorted(p.name.removesuffix(".parquet") for p in run_dir.glob("*.parquet") if p.is_dir()):
+        for sample_id, part in sorted(list_parts(run_dir, table).items()):
+            if sample_id in committed:
+                digest.update(f"{table}/{sample_id}:{file_digest(part)};".encode())
+    return digest.hexdigest()
+
+
+_FILE_DIGESTS: dict[tuple, str] = {}  # (path, size, mtime, inode) -> sha256: each file is read once per process
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes (a missing file: the string "missing", so the cell fails where it runs)."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return "missing"
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    if key not in _FILE_DIGESTS:
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+        _FILE_DIGESTS[key] = digest.hexdigest()
+    return _FILE_DIGESTS[key]
 
 
 def cell_kind(cell) -> str:
@@ -155,11 +205,12 @@ def cell_from_dict(data: dict):
     return cls(**data)
 
 
-def run_cell_to_parquet(cell_data: dict) -> bytes:
-    """Worker entry point (process pool or Ray task): run one cell, return its result table as Parquet bytes."""
+def run_cell_to_parquet(cell_data: dict, key: str) -> bytes:
+    """Worker entry point (process pool or Ray task): run one cell, return its result table as Parquet bytes.
+    `key` is the cell's key as the driver computed it (from the inputs it saw when it planned the sweep)."""
     cell = cell_from_dict(cell_data)
     table = cell.run()
-    table.insert(0, "cell_key", cell_key(cell))
+    table.insert(0, "cell_key", key)
     buffer = io.BytesIO()
     table.to_parquet(buffer, index=False)
     return buffer.getvalue()
@@ -203,10 +254,9 @@ def load_grid(path: str | Path, out_dir: str | Path | None = None) -> Grid:
     path = Path(path)
     if not path.is_file():
         raise SweepError(f"grid file {path} not found; pass an existing YAML file to --grid")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise SweepError(f"{path}: not valid YAML ({str(exc).splitlines()[0]}); fix the syntax") from None
+    from hwprofiles.loader import read_yaml_file
+
+    data = read_yaml_file(path, SweepError, "a sweep grid")  # bounded: size, expanded aliases
     return grid_from_dict(data, base_dir=path.parent, where=str(path), out_dir=out_dir)
 
 
@@ -252,8 +302,7 @@ def _simulation_cells(kind: str, data: dict, base_dir: Path, where: str) -> list
     profiles = _as_list(data["profiles"])
     if profiles == ["all"]:
         profiles = [p.name for p in list_profiles()]
-    for name in profiles:
-        load_profile(name)  # unknown profile -> ProfileError (one line) before anything runs
+    loaded = {name: load_profile(name) for name in profiles}  # unknown profile -> ProfileError (one line)
     option_names = [f.name for f in fields(SimOptions) if f.name in data]
     config_names = [f.name for f in fields(ServingConfig) if f.name in data] if kind == "serve" else []
     what_ifs = _what_if_combinations(data.get("what_if"), where) if kind == "simulate" else [()]
@@ -262,8 +311,8 @@ def _simulation_cells(kind: str, data: dict, base_dir: Path, where: str) -> list
             runs, profiles, what_ifs, _combinations(data, option_names), _combinations(data, config_names)):
         try:
             options = SimOptions(**option_values)
+            _check_cell(run_dir, loaded[profile], options, what_if)
             if kind == "simulate":
-                _check_what_if(run_dir, what_if)
                 cells.append(SimulateCell(run_dir=run_dir, profile=profile, options=options, what_if=what_if))
             else:
                 cells.append(ServeCell(run_dir=run_dir, profile=profile,
@@ -285,14 +334,20 @@ def _describe_cell(run_dir: str, profile: str, what_if: tuple, *values: dict) ->
     return "cell " + ", ".join(parts)
 
 
-def _check_what_if(run_dir: str, what_if: tuple) -> None:
-    """The what-if of a cell as simulate_run will read it, against its run's traced policy."""
-    if not what_if:
-        return
-    from simulator.whatif import parse_what_if, what_if_config
+def _check_cell(run_dir: str, profile, options: SimOptions, what_if: tuple) -> None:
+    """What simulate_run / simulate_serving check before they work, for one cell: the what-if against its run's
+    traced policy, the offload tier on the profile, layer-prefetch against the recall rule."""
+    from simulator.costs import offload_tier
+    from simulator.simulate import check_prefetch
+    from simulator.whatif import parse_what_if, traced_config, what_if_config
     from traces.reader import open_run
 
-    what_if_config(open_run(run_dir).manifest["policy"], parse_what_if(dict(what_if)))
+    run = open_run(run_dir)
+    policy = run.manifest["policy"]
+    config = what_if_config(policy, parse_what_if(dict(what_if))) if what_if else traced_config(policy)
+    offload_tier(profile, options.offload_tier)
+    if options.overlap == "layer-prefetch":
+        check_prefetch(run, config, bool(what_if))
 
 
 def _what_if_combinations(spec: Any, where: str) -> list[tuple]:
@@ -336,18 +391,18 @@ def _collect_cells(data: dict, base_dir: Path, where: str, out_dir: str | Path |
 Executor = Callable[[list, int], Iterator[tuple[Any, bytes | BaseException]]]
 
 
-def execute_local(cells: list, workers: int) -> Iterator[tuple[Any, bytes | BaseException]]:
+def execute_local(cells: list, workers: int, keys: dict | None = None) -> Iterator[tuple[Any, bytes | BaseException]]:
     """A process pool (spawned workers: safe next to a Ray driver's threads); yields cells as they finish."""
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from multiprocessing import get_context
 
     if workers == 1:  # no pool: same code path, no start-up cost
         for cell in cells:
-            yield cell, _call(cell)
+            yield cell, _call(cell, keys)
         return
     pool = ProcessPoolExecutor(max_workers=min(workers, len(cells) or 1), mp_context=get_context("spawn"))
     try:
-        futures = {pool.submit(run_cell_to_parquet, cell_to_dict(cell)): cell for cell in cells}
+        futures = {pool.submit(run_cell_to_parquet, cell_to_dict(cell), _key(cell, keys)): cell for cell in cells}
         for future in as_completed(futures):
             exc = future.exception()
             yield futures[future], exc if exc is not None else future.result()
@@ -355,14 +410,19 @@ def execute_local(cells: list, workers: int) -> Iterator[tuple[Any, bytes | Base
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _call(cell) -> bytes | BaseException:
+def _key(cell, keys: dict | None) -> str:
+    return keys[cell] if keys is not None else cell_key(cell)
+
+
+def _call(cell, keys: dict | None = None) -> bytes | BaseException:
     try:
-        return run_cell_to_parquet(cell_to_dict(cell))
+        return run_cell_to_parquet(cell_to_dict(cell), _key(cell, keys))
     except Exception as exc:  # a failed cell is reported at the end; the others still run
         return exc
 
 
-def execute_ray(cells: list, workers: int, address: str | None = None) -> Iterator[tuple[Any, bytes | BaseException]]:
+def execute_ray(cells: list, workers: int, address: str | None = None,
+                keys: dict | None = None) -> Iterator[tuple[Any, bytes | BaseException]]:
     """Ray tasks, one per cell (`num_cpus=1`, `num_gpus` from the cell); yields cells as they finish.
 
     Joins the running Ray if this process already initialised one, else `ray.init(address)`: None starts a
@@ -382,7 +442,8 @@ def execute_ray(cells: list, workers: int, address: str | None = None) -> Iterat
     try:
         remote = ray.remote(run_cell_to_parquet)
         pending = {
-            remote.options(num_cpus=1, num_gpus=cell.num_gpus, max_retries=0).remote(cell_to_dict(cell)): cell
+            remote.options(num_cpus=1, num_gpus=cell.num_gpus, max_retries=0).remote(cell_to_dict(cell),
+                                                                                    _key(cell, keys)): cell
             for cell in cells
         }
         while pending:
@@ -406,6 +467,7 @@ class SweepReport:
     computed: int
     cached: int
     failed: dict[str, str]  # cell key -> one-line error
+    results_path: Path | None = None  # the merged table, None when no cell has a result (nothing written)
 
 
 def cell_result_path(out_dir: Path, cell) -> Path:
@@ -420,17 +482,16 @@ def run_sweep(
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise SweepError(f"--out {out_dir} is a file; pass a directory")
+    if executor not in ("local", "ray"):
+        raise SweepError(f"executor {executor!r} is unknown; use local or ray")
     workers = workers or os.cpu_count() or 1
-    if len({cell_key(c) for c in cells}) != len(cells):
+    paths = {cell: cell_result_path(out_dir, cell) for cell in cells}  # keys from the inputs as they are now
+    if len(set(paths.values())) != len(cells):
         raise SweepError("the grid lists the same cell twice; remove duplicate values from its axes")
     (out_dir / "cells").mkdir(parents=True, exist_ok=True)
-    todo = [c for c in cells if not cell_result_path(out_dir, c).is_file()]
-    if executor == "local":
-        finished = execute_local(todo, workers)
-    elif executor == "ray":
-        finished = execute_ray(todo, workers, address)
-    else:
-        raise SweepError(f"executor {executor!r} is unknown; use local or ray")
+    todo = [c for c in cells if not paths[c].is_file()]
+    keys = {cell: path.stem for cell, path in paths.items()}
+    finished = execute_local(todo, workers, keys) if executor == "local" else execute_ray(todo, workers, address, keys)
     failed: dict[str, str] = {}
     from tqdm import tqdm
 
@@ -439,19 +500,22 @@ def run_sweep(
         for cell, result in finished:
             if isinstance(result, BaseException):
                 lines = str(result).strip().splitlines() or [""]
-                failed[cell_key(cell)] = f"{type(result).__name__}: {lines[-1]}"
+                failed[paths[cell].stem] = f"{type(result).__name__}: {lines[-1]}"
             else:
-                write_bytes_atomic(cell_result_path(out_dir, cell), result)
+                write_bytes_atomic(paths[cell], result)
             bar.update(1)
-    table = merge_results(cells, out_dir)
-    return SweepReport(table=table, computed=len(todo) - len(failed), cached=len(cells) - len(todo), failed=failed)
+    table, written = merge_results(cells, out_dir, [paths[c] for c in cells])
+    return SweepReport(table=table, computed=len(todo) - len(failed), cached=len(cells) - len(todo), failed=failed,
+                       results_path=written)
 
 
-def merge_results(cells: list, out_dir: Path) -> pd.DataFrame:
-    """One table of every finished cell of this grid, sorted so that any executor gives the same table."""
-    parts = [pd.read_parquet(p) for c in cells if (p := cell_result_path(out_dir, c)).is_file()]
+def merge_results(cells: list, out_dir: Path, paths: list[Path] | None = None) -> tuple[pd.DataFrame, Path | None]:
+    """One table of every finished cell of this grid, sorted so that any executor gives the same table, and
+    where it was written (None when no cell has a result: nothing is written then)."""
+    paths = paths if paths is not None else [cell_result_path(out_dir, c) for c in cells]
+    parts = [pd.read_parquet(p) for p in paths if p.is_file()]
     if not parts:
-        return pd.DataFrame()
+        return pd.DataFrame(), None
     table = pd.concat(parts, ignore_index=True)
     sort_by = ["cell_key"] + [c for c in ("sample_id",) if c in table.columns]
     table = table.sort_values(sort_by, kind="stable").reset_index(drop=True)
@@ -459,4 +523,4 @@ def merge_results(cells: list, out_dir: Path) -> pd.DataFrame:
     table.to_parquet(buffer, index=False)
     write_bytes_atomic(out_dir / "results.parquet", buffer.getvalue())
     write_bytes_atomic(out_dir / "results.csv", table.to_csv(index=False).encode())
-    return table
+    return table, out_dir / "results.parquet"

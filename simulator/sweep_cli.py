@@ -42,8 +42,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {cell_key(cell)} {state} {cell}")
         return 0
     report = run_sweep(grid.cells, out_dir, executor=args.executor, workers=args.workers, address=args.address)
-    print(f"computed {report.computed}, cached {report.cached}, failed {len(report.failed)}; "
-          f"{len(report.table)} rows -> {out_dir / 'results.parquet'}")
+    where = f"{len(report.table)} rows -> {report.results_path}" if report.results_path else \
+        "no cell has a result, nothing written"
+    print(f"computed {report.computed}, cached {report.cached}, failed {len(report.failed)}; {where}")
     for key, error in sorted(report.failed.items()):
         print(f"  failed {key}: {error}")
     return 1 if report.failed else 0

@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_policy_arguments(parser, skip=("ddr_dtype",))
     parser.add_argument("--samples", type=int, default=1, help="number of sequences (each its own seed)")
     parser.add_argument("--dtype", default="bfloat16", help="KV and weight dtype (bfloat16, float16, float32, float8)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the access model (sample i uses 100003 x seed + i) (default: 0)")
     parser.add_argument("--no-access", action="store_true", help="do not write access.parquet (smaller; no what-if)")
     parser.add_argument("--out", type=Path, required=True, help="run directory to write (resumes if it exists)")
 

@@ -1,0 +1,243 @@
+"""Issue 19's simulator items, each reproduced: sweep caches keyed by the content of their inputs, grids checked
+cell by cell before anything runs, serve-sim's numeric options and arrival files, bounded YAML, help texts."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from hwprofiles import PROFILES_DIR
+from simulator.sweep import load_grid, run_sweep
+from simulator.synth import synth_run
+from thoughtkv.cli import main
+
+
+@pytest.fixture()
+def runs(tmp_path):
+    """Two small hierarchy runs; run `a` has a third sample whose parts are held back (not yet committed)."""
+    a = synth_run(tmp_path / "runs" / "a", model="tiny", prompt_tokens=32, decode_steps=12, policy="hierarchy",
+                  hbm_budget=0.3, recall_k=2, recall_rule="score", samples=3)
+    b = synth_run(tmp_path / "runs" / "b", model="tiny", prompt_tokens=32, decode_steps=12, policy="hierarchy",
+                  hbm_budget=0.5, recall_k=2, recall_rule="score", samples=2)
+    held = tmp_path / "held"
+    for part in a.glob("*.parquet/part-synth%2F0002.parquet"):
+        (held / part.parent.name).mkdir(parents=True, exist_ok=True)
+        part.rename(held / part.parent.name / part.name)
+    return a, b, held
+
+
+def own_profile(directory: Path, hbm_efficiency: str = "0.85") -> Path:
+    """A copy of h100-pcie under another name, as a user's profile file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    text = (PROFILES_DIR / "h100-pcie.yaml").read_text().replace("name: h100-pcie", "name: my-gpu", 1)
+    path = directory / "my-gpu.yaml"
+    path.write_text(text.replace("value: 0.85\n", f"value: {hbm_efficiency}\n", 1))
+    return path
+
+
+def sweep(grid_file: Path, out: Path):
+    report = run_sweep(load_grid(grid_file).cells, out, workers=1, progress=False)
+    assert report.failed == {}
+    return report
+
+
+def test_sweep_cache_covers_the_content_of_runs_profiles_and_version(tmp_path, runs, monkeypatch):
+    a, b, held = runs
+    profile = own_profile(tmp_path / "profiles")
+    grid_file = tmp_path / "g.yaml"
+    grid_file.write_text(yaml.safe_dump({"kind": "simulate", "runs": [str(a), str(b)],
+                                         "profiles": ["h100-pcie", str(profile)]}))
+    out = tmp_path / "out"
+    first = sweep(grid_file, out)
+    assert (first.computed, first.cached) == (4, 0)
+    again = sweep(grid_file, out)
+    assert (again.computed, again.cached) == (0, 4)
+    steps_before = first.table.set_index(["run_dir", "profile"])["steps"].sort_index()
+
+    # The run grows by one committed sample: its two cells recompute (with the new sample), b's stay cached.
+    for part in held.glob("*/*.parquet"):
+        part.rename(a / part.parent.name / part.name)
+    grown = sweep(grid_file, out)
+    assert (grown.computed, grown.cached) == (2, 2)
+    steps_after = grown.table.set_index(["run_dir", "profile"])["steps"].sort_index()
+    assert (steps_after.loc[str(a)] == steps_before.loc[str(a)] * 3 // 2).all()
+    assert (steps_after.loc[str(b)] == steps_before.loc[str(b)]).all()
+
+    # The profile file changes: the cells on that profile recompute, the others stay cached.
+    own_profile(tmp_path / "profiles", hbm_efficiency="0.5")
+    edited = sweep(grid_file, out)
+    assert (edited.computed, edited.cached) == (2, 2)
+    def total_s(report, profile: str) -> pd.Series:
+        table = report.table
+        return table[table["profile"] == profile].set_index("run_dir")["total_s"].sort_index()
+
+    assert (total_s(edited, "my-gpu") > total_s(grown, "my-gpu")).all()  # less HBM bandwidth: slower
+    assert (total_s(edited, "h100-pcie") == total_s(grown, "h100-pcie")).all()
+
+    # Another project version: everything recomputes, then stays cached under it.
+    monkeypatch.setattr("thoughtkv_base.__version__", "99.0.0")
+    upgraded = sweep(grid_file, out)
+    assert (upgraded.computed, upgraded.cached) == (4, 0)
+    again = sweep(grid_file, out)
+    assert (again.computed, again.cached) == (0, 4)
+
+
+@pytest.mark.parametrize("what_if", [{"budget": [0.3, -1]}, {"budget": [0.3, "abc"]}, {"budget": [0, 0.3]},
+                                     {"block": [16, 24]}, {"colour": ["red"]}])
+def test_a_grid_with_one_bad_cell_is_refused_before_any_runs(tmp_path, runs, capsys, what_if):
+    a, _, _ = runs
+    grid_file = tmp_path / "g.yaml"
+    grid_file.write_text(yaml.safe_dump({"kind": "simulate", "runs": [str(a)], "profiles": ["h100-pcie"],
+                                         "what_if": what_if}))
+    assert main(["sweep", "--grid", str(grid_file), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and "what-if" in err, err
+    assert not (tmp_path / "out").exists()  # nothing ran, nothing written
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"offload_tier": "cxl-expander"}, "no memory tier 'cxl-expander'"),
+    ({"overlap": "layer-prefetch", "what_if": {"recall_rule": ["query"]}}, "layer-prefetch"),
+])
+def test_grid_cells_are_checked_against_their_run_and_profile(tmp_path, runs, capsys, change, message):
+    a, _, _ = runs
+    grid_file = tmp_path / "g.yaml"
+    grid_file.write_text(yaml.safe_dump({"kind": "simulate", "runs": [str(a)], "profiles": ["h100-pcie"], **change}))
+    assert main(["sweep", "--grid", str(grid_file), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_a_sweep_where_every_cell_fails_names_no_results_file(tmp_path, runs, capsys):
+    a, _, _ = runs
+    grid_file = tmp_path / "g.yaml"
+    grid_file.write_text(yaml.safe_dump({"kind": "simulate", "runs": [str(a)], "profiles": ["h100-pcie"],
+                                         "what_if": {"scorer": ["no-such-scorer"]}}))  # fails in its worker
+    assert main(["sweep", "--grid", str(grid_file), "--out", str(tmp_path / "out"), "--workers", "1"]) == 1
+    printed = capsys.readouterr().out
+    assert "failed 1" in printed and "results.parquet" not in printed and "nothing written" in printed
+    assert not (tmp_path / "out" / "results.parquet").exists()
+
+
+# ---------------------------------------------------------------- serve-sim ---------------------------------
+
+
+@pytest.mark.parametrize("extra, names, not_names", [
+    (["--rate", "nan"], ["--rate-per-s"], []),
+    (["--rate", "inf"], ["--rate-per-s"], []),
+    (["--rate-per-s", "-1"], ["--rate-per-s"], ["--duration", "--max-batch"]),
+    (["--duration-s", "0"], ["--duration-s"], ["--rate", "--max-batch"]),
+    (["--max-batch", "0"], ["--max-batch"], ["--rate", "--duration"]),
+    (["--tbt-slo-s", "-1"], ["--tbt-slo-s"], []),
+    (["--tbt-slo-s", "nan"], ["--tbt-slo-s"], []),
+    (["--ttft-slo-s", "0"], ["--ttft-slo-s"], []),
+    (["--seed", "-3"], ["--seed"], []),
+    (["--offload-tier", "nvme-9"], ["no memory tier"], []),
+])
+def test_serve_sim_bad_numbers_are_one_line_naming_the_option(tmp_path, runs, capsys, extra, names, not_names):
+    a, _, _ = runs
+    assert main(["serve-sim", str(a), "--profile", "h100-pcie", "--out", str(tmp_path / "o"), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert all(n in err for n in names) and not any(n in err for n in not_names), err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("arrival_s,prompt_tokens,output_tokens\n", "no requests"),
+    ("arrival_s,prompt_tokens,output_tokens\n0.0,32,5\n0.5,abc,5\n", "line 3: prompt tokens 'abc'"),
+    ("arrival_s,prompt_tokens,output_tokens\nsoon,32,5\n", "arrival times"),
+    ("arrival_s,prompt_tokens,output_tokens\n0.0,32,inf\n", "line 2: output tokens"),
+    ("arrival_s,prompt_tokens,output_tokens\n0.0,32,2.5\n", "whole number"),
+    ("arrival_s,prompt_tokens,output_tokens\n0.0,32,0\n", "must be >= 1"),
+    ("arrival_s,prompt_tokens,output_tokens\nnan,32,3\n", "line 2: arrival time"),
+    ("", "empty"),
+])
+def test_serve_sim_bad_arrival_files_are_one_line(tmp_path, runs, capsys, text, message):
+    a, _, _ = runs
+    csv = tmp_path / "arrivals.csv"
+    csv.write_text(text)
+    assert main(["serve-sim", str(a), "--profile", "h100-pcie", "--arrivals-csv", str(csv),
+                 "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_serve_sim_arrival_file_that_works(tmp_path, runs):
+    a, _, _ = runs
+    csv = tmp_path / "arrivals.csv"
+    csv.write_text("arrival_s,prompt_tokens,output_tokens\n0.0,32,5\n0.25,32,13\n")
+    assert main(["serve-sim", str(a), "--profile", "h100-pcie", "--arrivals-csv", str(csv),
+                 "--out", str(tmp_path / "o")]) == 0
+    summary = pd.read_parquet(tmp_path / "o" / "serving_summary.parquet")
+    assert int(summary["n_completed"].iloc[0]) == 2 and int(summary["tokens"].iloc[0]) == 5 + 13
+
+
+# ---------------------------------------------------------------- bounded YAML -------------------------------
+
+
+def billion_laughs(levels: int = 9) -> str:
+    lines = ["lol0: &lol0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    for i in range(1, levels):
+        lines.append(f"lol{i}: &lol{i} [" + ", ".join([f"*lol{i - 1}"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+def test_alias_bombs_in_profiles_and_grids_are_refused_within_a_second(tmp_path, capsys):
+    profile = own_profile(tmp_path / "profiles")
+    text = profile.read_text()
+    bomb = billion_laughs()
+    profile.write_text(bomb + text.replace("description: ", "description: *lol8\nold_description: ", 1))
+    grid = tmp_path / "g.yaml"
+    grid.write_text(bomb + "kind: simulate\nruns: [x]\nprofiles: *lol8\n")
+    for argv in (["profiles", "validate", str(profile)], ["simulate", str(tmp_path), "--profile", str(profile)],
+                 ["sweep", "--grid", str(grid), "--out", str(tmp_path / "out")]):
+        start = time.perf_counter()
+        assert main(argv) == 2
+        assert time.perf_counter() - start < 1.0
+        err = capsys.readouterr().err.strip()
+        assert "alias" in err and len(err.splitlines()) == 1, err
+
+
+def test_yaml_bounds_refuse_big_and_recursive_files_but_read_benign_anchors(tmp_path):
+    from hwprofiles import ProfileError
+    from hwprofiles.loader import MAX_YAML_BYTES, read_yaml_file
+
+    big = tmp_path / "big.yaml"
+    big.write_text("a: " + "x" * (MAX_YAML_BYTES + 1) + "\n")
+    with pytest.raises(ProfileError, match="too large"):
+        read_yaml_file(big)
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("a: &a [1, *a]\n")
+    with pytest.raises(ProfileError, match="recursive alias"):
+        read_yaml_file(loop)
+    shared = tmp_path / "shared.yaml"
+    shared.write_text("base: &b {x: 1, y: [2, 3]}\nfirst: *b\nsecond: [*b, *b]\n")
+    assert read_yaml_file(shared) == {"base": {"x": 1, "y": [2, 3]}, "first": {"x": 1, "y": [2, 3]},
+                                      "second": [{"x": 1, "y": [2, 3]}] * 2}
+    for path in PROFILES_DIR.glob("*.yaml"):  # every shipped profile reads as plain yaml.safe_load does
+        assert read_yaml_file(path) == yaml.safe_load(path.read_text())
+
+
+# ---------------------------------------------------------------- help texts ---------------------------------
+
+
+@pytest.mark.parametrize("module", ["simulator.cli", "simulator.serving_cli", "simulator.sweep_cli",
+                                    "simulator.synth"])
+def test_every_simulator_option_has_help_that_points_somewhere(module):
+    import importlib
+
+    parser = argparse.ArgumentParser()
+    importlib.import_module(module).add_arguments(parser)
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        text = (action.help or "").lower()
+        assert text.strip(), f"{action.option_strings or action.dest}: no help"
+        for pointer in ("--help", "see above", "see below", "see the command"):
+            assert pointer not in text, f"{action.option_strings}: help points to {pointer!r}: {action.help}"
