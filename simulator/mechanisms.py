@@ -246,8 +246,8 @@ class ZeroCopy(Mechanism):
 
     def layer_times(self, ctx, load):
         """max(FLOPs / F, HBM bytes / B, latency + remote bytes / min(zero-copy rate, tier rate)) + overhead: the
-        kernel streams HBM and host blocks at once; an op bound by the link counts as neither compute nor HBM
-        (its excess shows as link stall)."""
+        kernel streams HBM and host blocks at once; compute / HBM keep the GPU's own part, so the time a link-bound
+        op takes beyond it shows as link stall."""
         base = Mechanism.layer_times(self, ctx, load)
         t = ctx.profile.transfer
         rate = min(t.zero_copy_bytes_per_s, ctx.tier.h2d_bytes_per_s if ctx.tier.name != "ddr"
@@ -257,10 +257,8 @@ class ZeroCopy(Mechanism):
                                                               - ctx.profile.link.transfer_overhead_s)
                           + remote / rate, 0.0)
         gpu_s = base.total_s - base.overhead_s
-        bound = link_s > gpu_s
-        return costs.OpTimes(total_s=np.maximum(gpu_s, link_s) + base.overhead_s,
-                             compute_s=np.where(bound, 0.0, base.compute_s), hbm_s=np.where(bound, 0.0, base.hbm_s),
-                             overhead_s=base.overhead_s)
+        return costs.OpTimes(total_s=np.maximum(gpu_s, link_s) + base.overhead_s, compute_s=base.compute_s,
+                             hbm_s=base.hbm_s, overhead_s=base.overhead_s)
 
 
 class CpuAttention(Mechanism):
@@ -284,10 +282,9 @@ class CpuAttention(Mechanism):
         o = profile.link.transfer_overhead_s
         path_s = np.where(load.has_host_work, 2.0 * o + np.asarray(load.query_bytes) / profile.link.d2h_bytes_per_s
                           + host_s + np.asarray(load.partial_bytes) / profile.link.h2d_bytes_per_s, 0.0)
-        extra = np.maximum(0.0, path_s - attn_s)
-        bound = extra > 0
-        return costs.OpTimes(total_s=base.total_s + extra, compute_s=np.where(bound, 0.0, base.compute_s),
-                             hbm_s=np.where(bound, 0.0, base.hbm_s), overhead_s=base.overhead_s)
+        extra = np.maximum(0.0, path_s - attn_s)  # the host path beyond the GPU's attention: a stall
+        return costs.OpTimes(total_s=base.total_s + extra, compute_s=base.compute_s, hbm_s=base.hbm_s,
+                             overhead_s=base.overhead_s)
 
 
 MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (DmaPerBlock(), DmaBatched(), SmCopy(), ZeroCopy(),
@@ -379,3 +376,30 @@ def build_workload(mechanism: Mechanism, sample_id: str, shape: costs.ModelShape
     beside = overlapping_copy_s(work.recall_s, work.offload_s, overlap, async_offload)
     work.compute_s = mechanism.stretch(ctx, work.compute_s, beside)
     return work
+
+
+# ---------------------------------------------------------------- a serving iteration -----------------------
+
+
+def custom_layers(mechanism: Mechanism) -> bool:
+    """Whether the mechanism changes the layer operations' time (zero-copy, cpu-attention) beyond the roofline."""
+    return type(mechanism).layer_times is not Mechanism.layer_times
+
+
+def batch_op_s(mechanism: Mechanism, ctx: TransferContext, load: LayerLoad, batch: int, offload_group_s,
+               following_group_s=None, async_offload: bool = True) -> list[float]:
+    """The operation times of one serving iteration (the layers, then the LM head) for the batch's summed
+    `load` ([layers] arrays); `offload_group_s` [ops] is the channel time of each operation's offload group,
+    `following_group_s` [ops] (layer-prefetch) that of the recalls issued beside each operation. sm-copy
+    stretches an operation by the copies beside it (as in `build_workload` for one sequence)."""
+    shape, profile = ctx.shape, ctx.profile
+    layer = mechanism.layer_times(ctx, load).total_s
+    op_s = np.append(layer, float(costs.head_times(shape, profile, batch=batch).total_s))
+    if type(mechanism).stretch is Mechanism.stretch:
+        return op_s.tolist()
+    beside = np.zeros_like(op_s)
+    if async_offload:
+        beside[1:] += np.asarray(offload_group_s, dtype=np.float64)[:-1]
+    if following_group_s is not None:
+        beside += np.asarray(following_group_s, dtype=np.float64)
+    return mechanism.stretch(ctx, op_s, beside).tolist()

@@ -1,0 +1,118 @@
+"""Projection to other model shapes (simulator/project.py, `simulate --as-model`): a micro-model run projected to
+qwen2-7b equals, to 1e-9, a 7B trace written independently here with the same per-step fractions."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from simulator import simulate_run
+from simulator.options import SimOptions
+from simulator.project import Projection, ProjectionError, layer_map
+from traces import TraceWriter, model_manifest, open_run
+
+SAMPLES = Path(__file__).resolve().parents[1] / "traces" / "samples"
+MICRO = SAMPLES / "micro-hierarchy-b30-e0"
+COMPARED = ("total_s", "prefill_s", "decode_s", "ms_per_token", "compute_s", "hbm_s", "overhead_s", "link_stall_s",
+            "bytes_h2d", "bytes_d2h", "peak_hbm_bytes", "peak_ddr_bytes", "kv_bytes_per_seq_full",
+            "kv_hbm_bytes_per_seq", "kv_ddr_bytes_per_seq", "max_concurrency_full", "max_concurrency_policy",
+            "max_concurrency_ddr")
+
+
+def synthetic_7b(source: Path, out: Path, n_samples: int = 3) -> Path:
+    """The source run's per-step shares of each tier, written as a qwen2-7b (bf16) trace: target layer l copies
+    source layer l * L_src // 28; every token column is share x logical length (the traced lengths), every byte
+    column the same tokens x the 7B's KV bytes per token and layer."""
+    run = open_run(source)
+    manifest = json.loads((source / "run.json").read_text())
+    src_kvpl = manifest["model"]["kv_bytes_per_token"] / manifest["model"]["n_layers"]
+    model = model_manifest("qwen2-7b", dtype="bfloat16")
+    tgt_layers, tgt_kvpl = model["n_layers"], model["kv_bytes_per_token"] // model["n_layers"]
+    sample_ids = run.sample_ids()[:n_samples]
+    manifest.update(kind="synthetic", model=model, access={"enabled": False, **{k: v for k, v in
+                                                                                manifest["access"].items()
+                                                                                if k != "enabled"}})
+    manifest["task"] = dict(manifest["task"], sample_ids=sample_ids)
+    writer = TraceWriter(out, manifest)
+    samples = run.samples().set_index("sample_id")
+    for sample_id in sample_ids:
+        steps = run.steps(sample_id).sort_values(["step", "layer"])
+        n_src = manifest_layers = int(steps["layer"].max()) + 1
+        assert manifest_layers == 3
+        rows = []
+        for step, group in steps.groupby("step", sort=True):
+            group = group.set_index("layer")
+            length = float(group["logical_len"].iloc[0])
+            for layer in range(tgt_layers):
+                src = group.loc[layer * n_src // tgt_layers]
+                share = {c: float(src[c]) / length for c in ("hbm_tokens", "ddr_tokens", "recalled_tokens",
+                                                             "evicted_tokens")}
+                byte_share = {c: float(src[c]) / src_kvpl / length for c in ("bytes_h2d", "bytes_d2h", "hbm_kv_bytes",
+                                                                           "ddr_kv_bytes")}
+                row = {c: src[c] for c in steps.columns if c not in ("sample_id", "layer")}
+                row.update(step=step, layer=layer, logical_len=int(length),
+                           **{c: int(round(v * length)) for c, v in share.items()},
+                           **{c: int(round(v * length * tgt_kvpl)) for c, v in byte_share.items()})
+                rows.append(row)
+        columns = {c: [r[c] for r in rows] for c in rows[0]}
+        sample = samples.loc[sample_id].to_dict()
+        sample["sample_id"] = sample_id
+        sample.pop("sample_index", None)
+        writer.write_sample(sample, columns, run.tokens(sample_id).drop(columns=["sample_id"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("project")
+    micro = root / "micro"
+    shutil.copytree(MICRO, micro)
+    return micro, synthetic_7b(micro, root / "synth-7b")
+
+
+@pytest.mark.parametrize("profile", ["h100-pcie", "gh200-96gb"])
+@pytest.mark.parametrize("transfer", ["dma-per-block", "zero-copy"])
+def test_projected_micro_run_equals_the_synthetic_7b(runs, profile, transfer):
+    micro, synth = runs
+    options = SimOptions(transfer=transfer)
+    n = len(open_run(synth).sample_ids())
+    projected = simulate_run(micro, profile, options, projection=Projection("qwen2-7b"))
+    reference = simulate_run(synth, profile, options)
+    got = projected.samples.iloc[:n]
+    want = reference.samples
+    assert (got["result_kind"] == "projected").all()
+    assert got["run_label"].str.endswith("[as qwen2-7b bfloat16]").all() and micro.name in got["run_label"].iloc[0]
+    assert (got["model"] == want["model"]).all()
+    for column in COMPARED:
+        for a, b in zip(got[column], want[column]):
+            if a is None or (isinstance(a, float) and math.isnan(a)):
+                assert b is None or math.isnan(b), column
+            else:
+                assert math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-12), (column, a, b)
+
+
+def test_layers_map_proportionally_and_bad_projections_are_one_line_errors():
+    assert layer_map(3, 28).tolist() == [0] * 10 + [1] * 9 + [2] * 9
+    assert layer_map(28, 28).tolist() == list(range(28))
+    with pytest.raises(ProjectionError, match="--as-model 'gpt5' is not a known architecture; use one of qwen2-7b"):
+        Projection("gpt5")
+    with pytest.raises(ProjectionError, match="--context-scale 0 must be a number > 0"):
+        Projection("qwen2-7b", context_scale=0)
+    with pytest.raises(ProjectionError, match="--as-dtype 'int3' is unknown"):
+        Projection("qwen2-7b", dtype="int3")
+
+
+def test_context_scale_scales_lengths_and_bytes(runs):
+    micro, _ = runs
+    one = simulate_run(micro, "h100-pcie", projection=Projection("qwen2-7b")).samples.iloc[0]
+    four = simulate_run(micro, "h100-pcie", projection=Projection("qwen2-7b", context_scale=4)).samples.iloc[0]
+    assert four["kv_bytes_per_seq_full"] == pytest.approx(4 * one["kv_bytes_per_seq_full"], rel=1e-9)
+    assert four["bytes_h2d"] == pytest.approx(4 * one["bytes_h2d"], rel=1e-6)
+    assert four["ms_per_token"] > one["ms_per_token"]
+    assert "context x4" in four["run_label"]
+    assert np.isfinite(four["total_s"])
