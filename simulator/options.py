@@ -27,6 +27,9 @@ from dataclasses import MISSING, dataclass, field, fields
 from simulator.errors import OptionError
 
 OVERLAP_MODES = ("none", "layer-prefetch")
+# Far beyond any study here (a 7B hierarchy at 20 req/s for 600 s is 12,000 requests), far below a hang.
+MAX_BATCH = 1 << 16
+MAX_REQUESTS = 10_000_000
 OVERHEAD_MODES = ("measured", "kernel-only", "hf-eager")  # hwprofiles.overhead_modes (a test keeps them equal)
 ENGINES = ("auto", "des", "fast")
 # How KV blocks cross the host link: the names of simulator.mechanisms.MECHANISMS (not imported here, to keep
@@ -71,6 +74,9 @@ class SimOptions:
         if not _is_whole(self.batch) or self.batch < 1:
             raise OptionError(f"batch must be a positive integer, got {self.batch!r} (--batch: sequences "
                               "decoded in lockstep)")
+        if self.batch > MAX_BATCH:  # the DES issues every copy of every sequence: this would not finish
+            raise OptionError(f"batch {self.batch} is more than {MAX_BATCH:,} sequences in lockstep (--batch); "
+                              "for capacity at scale read max_concurrency_* or use serve-sim")
         if not isinstance(self.offload_tier, str) or not self.offload_tier.strip():
             raise OptionError(f"offload_tier must be a tier name such as ddr, got {self.offload_tier!r} "
                               "(--offload-tier)")
@@ -110,6 +116,10 @@ class ServingConfig:
         if self.ttft_slo_s is not None and not is_positive_number(self.ttft_slo_s):
             raise OptionError(f"ttft_slo_s must be a finite number > 0 (seconds) or unset, got {self.ttft_slo_s!r} "
                               "(--ttft-slo-s)")
+        expected = self.rate_per_s * self.duration_s
+        if self.arrivals_csv is None and expected > MAX_REQUESTS:  # every request is simulated one by one
+            raise OptionError(f"rate_per_s x duration_s = {expected:.3g} requests, more than {MAX_REQUESTS:,} "
+                              "(--rate-per-s, --duration-s); shorten the window or lower the rate")
         for name, low in (("max_batch", 1), ("seed", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:

@@ -34,6 +34,7 @@ from traces import TraceFormatError
     ({"batch": 0}, "batch must be a positive integer"),
     ({"batch": 1.5}, "batch must be a positive integer"),
     ({"batch": True}, "batch must be a positive integer"),
+    ({"batch": 10**9}, "more than 65,536 sequences"),
     ({"async_offload": "yes"}, "async_offload must be true or false"),
     ({"offload_tier": ""}, "offload_tier must be a tier name"),
     ({"transfer": "carrier-pigeon"}, "transfer 'carrier-pigeon' is unknown"),
@@ -55,6 +56,7 @@ def test_bad_options_are_one_line_errors_of_every_command(change, message):
     ({"tbt_slo_s": float("nan")}, "--tbt-slo-s"),
     ({"ttft_slo_s": 0.0}, "--ttft-slo-s"),
     ({"seed": -1}, "--seed"),
+    ({"rate_per_s": 1e6, "duration_s": 1e6}, "--rate-per-s, --duration-s"),
     ({"options": SimOptions(batch=2)}, "--max-batch"),
     ({"options": SimOptions(engine="fast")}, "engine fast"),
 ])
