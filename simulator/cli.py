@@ -30,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--what-if", metavar="SPEC", default=None,
                         help="replay recorded masses under another placement, e.g. budget=0.3,block=32,recall_k=8,"
                              "scorer=h2o,policy=hierarchy,evict=0.1,recall_rule=score (results are 'projected')")
+    parser.add_argument("--as-model", metavar="ARCH", default=None,
+                        help="replay the run's access pattern on another architecture of traces.architectures, e.g. "
+                             "qwen2-7b (results are 'projected'; simulator/README.md)")
+    parser.add_argument("--as-dtype", default="bfloat16", help="with --as-model: its weight and KV dtype")
+    parser.add_argument("--context-scale", type=float, default=1.0,
+                        help="with --as-model: scale every logical length (and the prompt) by this factor")
     parser.add_argument("--timeline", type=Path, metavar="FILE",
                         help="Chrome-trace JSON of the first sample on each profile (open in ui.perfetto.dev)")
     parser.add_argument("--out", type=Path, default=None, help="results directory (default RUN_DIR/sim)")
@@ -48,6 +54,13 @@ def run(args: argparse.Namespace) -> int:
     if not args.all_profiles and not args.profile:
         raise SimulateOptionError("no hardware given; add --profile NAME (see `thoughtkv profiles list`) or --all-profiles")
     options = sim_options.from_args(args)
+    projection = None
+    if args.as_model is not None:
+        from simulator.project import Projection
+
+        projection = Projection(args.as_model, args.as_dtype, args.context_scale)
+    elif args.as_dtype != "bfloat16" or args.context_scale != 1.0:
+        raise SimulateOptionError("--as-dtype and --context-scale go with --as-model ARCH; add it or drop them")
     if options.engine == "fast" and args.timeline is not None:
         raise SimulateOptionError("--timeline records the DES; drop --engine fast")
     run_ = open_run(args.run_dir)  # checks run.json and its schema version before anything else
@@ -64,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         for profile in profiles:
             bar.set_postfix_str(profile.name)
             results.append(simulate_run(run_, profile, options, what_if=args.what_if, timeline=timeline,
-                                        progress=bar.update))
+                                        progress=bar.update, projection=projection))
             written = write_results(results[-1:], out)  # after each profile: an interrupt keeps finished ones
             for warning in results[-1].warnings:
                 tqdm.write(warning, file=sys.stderr)

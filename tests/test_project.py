@@ -116,3 +116,22 @@ def test_context_scale_scales_lengths_and_bytes(runs):
     assert four["ms_per_token"] > one["ms_per_token"]
     assert "context x4" in four["run_label"]
     assert np.isfinite(four["total_s"])
+
+
+def test_simulate_cli_as_model_and_transfer(runs, tmp_path, capsys):
+    import pandas as pd
+
+    from thoughtkv.cli import main
+
+    micro, _ = runs
+    out = tmp_path / "sim"
+    assert main(["simulate", str(micro), "--profile", "gh200-96gb", "--transfer", "zero-copy", "--as-model",
+                 "qwen2-7b", "--out", str(out)]) == 0
+    summary = pd.read_parquet(out / "summary.parquet").iloc[0]
+    assert summary["result_kind"] == "projected" and summary["transfer"] == "zero-copy"
+    assert summary["run_label"].endswith("[as qwen2-7b bfloat16]")
+    capsys.readouterr()
+    assert main(["simulate", str(micro), "--profile", "h100-pcie", "--context-scale", "2", "--out", str(out)]) == 2
+    assert "--as-dtype and --context-scale go with --as-model" in capsys.readouterr().err
+    assert main(["simulate", str(micro), "--profile", "l40s", "--transfer", "cpu-attention", "--out", str(out)]) == 2
+    assert "needs transfer.host_attention_flops in profile l40s" in capsys.readouterr().err
