@@ -10,6 +10,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hwprofiles import PROFILES_DIR
 from simulator.sweep import load_grid, run_sweep
@@ -241,3 +243,70 @@ def test_every_simulator_option_has_help_that_points_somewhere(module):
         assert text.strip(), f"{action.option_strings or action.dest}: no help"
         for pointer in ("--help", "see above", "see below", "see the command"):
             assert pointer not in text, f"{action.option_strings}: help points to {pointer!r}: {action.help}"
+
+
+# ---------------------------------------------------------------- property tests of the input surfaces -------
+
+CELL_TEXT = st.one_of(st.sampled_from(["", "nan", "inf", "-inf", "-1", "0", "1", "2.5", "1e309", "9" * 30, "abc",
+                                       "2023-11-16 18:15:46.68", "\"", ",", " 3 "]),
+                      st.integers(-10, 10**6).map(str), st.floats(allow_nan=True).map(repr),
+                      st.text(max_size=6))
+HEADERS = st.lists(st.sampled_from(["arrival_s", "prompt_tokens", "output_tokens", "TIMESTAMP", "ContextTokens",
+                                    "GeneratedTokens", "other"]), min_size=1, max_size=4)
+
+
+@pytest.fixture(scope="module")
+def works(tmp_path_factory):
+    from hwprofiles import load_profile
+    from simulator.serving import load_run_work
+
+    run = synth_run(tmp_path_factory.mktemp("fz") / "r", model="tiny", prompt_tokens=16, decode_steps=6,
+                    policy="full", samples=2)
+    return load_run_work(run, load_profile("h100-pcie"))[2]
+
+
+@settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(header=HEADERS, rows=st.lists(st.lists(CELL_TEXT, min_size=1, max_size=5), max_size=5))
+def test_any_arrival_csv_gives_arrivals_or_one_serving_error(tmp_path_factory, works, header, rows):
+    from simulator.errors import ServingError
+    from simulator.serving import load_arrivals_csv
+
+    path = tmp_path_factory.mktemp("csv") / "a.csv"
+    path.write_text("\n".join([",".join(header), *(",".join(r) for r in rows)]) + "\n")
+    try:
+        arrivals = load_arrivals_csv(path, works)
+    except ServingError as exc:
+        assert "\n" not in str(exc)
+        return
+    assert arrivals and all(a.arrival_s >= 0 and 1 <= a.n_steps <= works[a.sample].n_steps for a in arrivals)
+
+
+GRID_VALUES = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=True),
+              st.sampled_from(["none", "layer-prefetch", "ddr", "auto", "des", "fast", "h100-pcie", "all", "abc"])),
+    lambda children: st.one_of(st.lists(children, max_size=3), st.dictionaries(st.sampled_from(
+        ["budget", "block", "recall_k", "scorer", "policy", "x"]), children, max_size=2)), max_leaves=6)
+
+
+@settings(max_examples=120, deadline=5000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(["simulate", "serve"]), values=st.dictionaries(st.sampled_from(
+    ["overlap", "async_offload", "batch", "engine", "offload_tier", "transfer", "what_if", "rate_per_s",
+     "duration_s", "max_batch", "tbt_slo_s", "seed", "batch_copies", "profiles"]), GRID_VALUES, max_size=4))
+def test_any_grid_gives_valid_cells_or_one_line(tmp_path_factory, works, kind, values):
+    """Random values for a grid's keys: every cell built is one its command accepts, or the grid is refused
+    in one line (a UserError) within seconds."""
+    from simulator.sweep import grid_from_dict
+    from thoughtkv_base import UserError
+
+    run = synth_run(tmp_path_factory.getbasetemp() / "grid-run", model="tiny", prompt_tokens=16, decode_steps=4,
+                    policy="hierarchy", hbm_budget=0.5, recall_k=1, recall_rule="score", samples=1)
+    data = {"kind": kind, "runs": [str(run)], "profiles": ["h100-pcie"], **values}
+    start = time.perf_counter()
+    try:
+        grid = grid_from_dict(data, base_dir=Path("."), where="g.yaml")
+    except UserError as exc:
+        assert "\n" not in str(exc)
+        return
+    finally:
+        assert time.perf_counter() - start < 5.0
+    assert grid.cells
