@@ -352,33 +352,20 @@ def sim_vs_measured_frame(sim: pd.DataFrame, measured: pd.DataFrame) -> pd.DataF
 def mass_lost_frame(sim: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
     """Projected attention mass lost (what-if replays) next to the measured accuracy of the same policy.
 
-    A projected row and a traced run are the same policy when all of POLICY_KEYS match (budgets compared
-    to 6 decimals). Mass lost = evicted + not recalled, mean over samples.
+    A projected row and a traced run are the same policy when their model and `policy_key`
+    (traces.policy.PolicySpec.identity, written by both sides from the one spec) are equal. Mass lost =
+    evicted + not recalled, mean over samples. Results written before `policy_key` existed do not join.
     """
-    if sim.empty or "result_kind" not in sim or runs.empty:
+    if sim.empty or "result_kind" not in sim or runs.empty or "policy_key" not in sim or "policy_key" not in runs:
         return pd.DataFrame()
     projected = _per_sample_rows(sim[sim["result_kind"] == "projected"]).copy()
     if projected.empty:
         return pd.DataFrame()
     projected["mass_lost"] = projected["mass_lost_evicted"].fillna(0) + projected["mass_lost_not_recalled"].fillna(0)
-    keys = [k for k in POLICY_KEYS if k in projected and k in runs]
-    per_policy = _normalise_keys(projected, keys).groupby(keys, as_index=False, dropna=False)[
-        ["mass_lost", "mass_lost_evicted", "mass_lost_not_recalled"]].mean()
-    scored = _normalise_keys(runs[runs["n_scored"] > 0], keys)
-    joined = per_policy.merge(scored[[*keys, "accuracy", "ci_low", "ci_high", "n_scored", "run_dir"]], on=keys)
+    keys = ["model", "policy_key"]
+    per_policy = projected.groupby(keys, as_index=False)[["mass_lost", "mass_lost_evicted", "mass_lost_not_recalled"]].mean()
+    scored = runs[runs["n_scored"] > 0]
+    columns = [*keys, *(c for c in POLICY_KEYS if c not in keys), "accuracy", "ci_low", "ci_high", "n_scored", "run_dir"]
+    joined = per_policy.merge(scored[[c for c in columns if c in scored]], on=keys)
     return add_method(joined) if not joined.empty else joined
-
-
-def _normalise_keys(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
-    """Comparable policy knobs: budgets rounded, null recall_k as 0, scorers as strings (run.json may hold null)."""
-    frame = frame.copy()
-    for column in ("hbm_budget", "evict_ratio"):
-        if column in keys:
-            frame[column] = pd.to_numeric(frame[column]).round(6)
-    if "recall_k" in keys:
-        frame["recall_k"] = pd.to_numeric(frame["recall_k"]).fillna(0).astype(int)
-    for column in ("policy", "scorer", "model"):
-        if column in keys:
-            frame[column] = frame[column].astype(str)
-    return frame
 

@@ -16,6 +16,7 @@ from analysis import stats
 from simulator.columns import CORE_COLUMNS, KEY_COLUMNS, POLICY_COLUMNS
 from thoughtkv_base import UserError
 from traces import TraceFormatError, TraceRun, open_run
+from traces.policy import PolicySpec
 from traces.stats import completion_summary, run_traffic
 
 SIM_REQUIRED = CORE_COLUMNS  # the simulator's results schema (simulator/columns.py)
@@ -200,6 +201,7 @@ def run_row(run: TraceRun) -> dict:
         "model": model["id"],
         "task": manifest["task"]["name"],
         "policy": policy["name"],
+        "policy_key": PolicySpec.from_manifest(policy).identity(),  # what projections of this policy join on
         "hbm_budget": float(policy["hbm_budget"]),
         "evict_ratio": float(policy["evict_ratio"]),
         "block_size": int(policy["block_size"]),

@@ -25,6 +25,7 @@ RESULT_COLUMNS: dict[str, str] = {
     "recall_k": "hierarchy: blocks recalled per layer-step",
     "scorer": "block importance scorer",
     "recall_rule": "how recalled blocks are chosen",
+    "policy_key": "the policy's identity (traces.policy.PolicySpec.identity): traced runs and projections join on it",
     "profile": "hardware profile name",
     **{name: f"simulator option {name} (simulator.options.SimOptions)" for name in OPTION_COLUMNS},
     # overhead_mode (an option column) holds the mode charged: measured | kernel-only | hf-eager

@@ -202,6 +202,7 @@ def _sample_row(run, shape, profile, config: PolicySpec, options: SimOptions, wo
         "recall_k": config.recall_k,
         "scorer": config.scorer if projected else str(run.manifest["policy"].get("scorer")),
         "recall_rule": config.recall_rule if projected else str(run.manifest["policy"].get("recall_rule")),
+        "policy_key": (config if projected else PolicySpec.from_manifest(run.manifest["policy"])).identity(),
         "profile": profile.name,
         **{name: getattr(options, name) for name in KEY_FIELDS},
         "engine": engine_used,

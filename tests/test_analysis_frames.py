@@ -5,6 +5,7 @@ import pandas as pd
 import pytest
 
 from analysis import frames, stats, tables
+from traces.policy import PolicySpec
 
 
 def make_tokens(per_sample_layers: dict[str, list[list[float]]]) -> pd.DataFrame:
@@ -25,6 +26,8 @@ def make_run(policy, budget, ratio, correct, n, scorer="h2o", evicted_frac=0.0, 
         "scorer": None if policy == "full" else scorer, "recall_k": None if policy != "hierarchy" else 4,
         "n_samples": n, "n_scored": n, "n_correct": correct, "accuracy": correct / n if n else np.nan,
         "ci_low": low, "ci_high": high, "evicted_frac": evicted_frac, "device": "cpu",
+        "policy_key": PolicySpec(policy=policy, hbm_budget=budget, evict_ratio=ratio, block_size=16, scorer=scorer,
+                                 recall_k=4 if policy == "hierarchy" else 0).identity(),  # as load.run_row writes it
     }
 
 
@@ -35,6 +38,7 @@ def sim_row(run: dict, profile: str, sample_id: str, steps: int, decode_s: float
         "run_dir": run["run_dir"], "run_label": run["run_label"], "result_kind": "traced", "model": run["model"],
         "policy": run["policy"], "hbm_budget": run["hbm_budget"], "evict_ratio": run["evict_ratio"],
         "block_size": 16, "recall_k": run["recall_k"] or 0, "scorer": str(run["scorer"]), "profile": profile,
+        "policy_key": run["policy_key"],
         "overlap": "none", "async_offload": True, "batch": 1, "sample_id": sample_id, "steps": steps,
         "total_s": total, "decode_s": decode_s, "prefill_s": prefill_s, "ms_per_token": 1e3 * decode_s / (steps - 1),
         "compute_s": 0.25 * (total - stall_s), "hbm_s": 0.75 * (total - stall_s), "overhead_s": 0.0,
@@ -204,7 +208,8 @@ def test_mass_lost_joins_projected_rows_to_the_measured_policy(study):
     projected = []
     for target, lost in [(runs.iloc[1], 0.30), (runs.iloc[2], 0.10)]:
         what_if = {**full, "policy": target["policy"], "hbm_budget": target["hbm_budget"],
-                   "evict_ratio": target["evict_ratio"], "recall_k": target["recall_k"], "scorer": target["scorer"]}
+                   "evict_ratio": target["evict_ratio"], "recall_k": target["recall_k"], "scorer": target["scorer"],
+                   "policy_key": target["policy_key"]}  # as simulate writes it for a what-if of that policy
         for sample_id, factor in [("s0", 0.5), ("s1", 1.5)]:
             projected.append(sim_row(what_if, "fast-gpu", sample_id, 11, 0.1, 0.01, 0.0, result_kind="projected",
                                      mass_lost_evicted=lost * factor * 0.5, mass_lost_not_recalled=lost * factor * 0.5))

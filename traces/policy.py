@@ -135,6 +135,12 @@ class PolicySpec:
         """A hashable identity of the effective settings (analysis joins on it; floats exact, never rounded)."""
         return tuple(getattr(self.effective(), f.name) for f in fields(self))
 
+    def identity(self) -> str:
+        """`key()` as one canonical string: a column analysis joins traced runs and projections on (exact
+        values from the one spec, so no rounding is needed for two copies of a setting to meet)."""
+        spec = self.effective()
+        return "|".join(f"{f.name}={getattr(spec, f.name)!r}" for f in fields(self))
+
     def label(self) -> str:
         """A short human label, e.g. `hierarchy b=0.3 e=0 k=4` or `evict b=512t h2o`."""
         spec = self.effective()
