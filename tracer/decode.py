@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tracer.attention import ATTN_IMPLEMENTATION
 from tracer.cache import TieredCache
@@ -95,6 +96,78 @@ def greedy_decode(
         input_ids = torch.tensor([[token]], device=device)
         position_ids = torch.tensor([[len(prompt_ids) + len(generated) - 1]], device=device)
     return DecodeResult(prompt_ids, generated, stop_reason, time.perf_counter() - started, cache)
+
+
+class HostSyncCounter(TorchDispatchMode):
+    """Counts the operations that make the host wait for the device, inside a `with` block.
+
+    Dispatch level: `aten._local_scalar_dense` (`.item()`, `int(t)`, `bool(t)`), `aten.nonzero`,
+    `aten.masked_select`, indexing with a boolean mask, and copies out of a non-CPU tensor into CPU memory. `Tensor.tolist`,
+    `Tensor.numpy` and `Tensor.cpu` are counted too (wrapped for the block): on a CPU run they reach no
+    dispatched op, yet on CUDA each is a device->host copy the host waits for, so a CPU test sees what a GPU
+    would pay. `count` is the total; `by_op` names them.
+    """
+
+    SYNC_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique2", "aten._unique2"}
+
+    def __init__(self):
+        super().__init__()
+        self.by_op: dict[str, int] = {}
+        self._wrapped: list[tuple[str, object]] = []
+        self._inside_wrapped = 0  # the copy inside a wrapped tolist/cpu is that call's, counted once
+
+    @property
+    def count(self) -> int:
+        return sum(self.by_op.values())
+
+    def _add(self, name: str) -> None:
+        self.by_op[name] = self.by_op.get(name, 0) + 1
+
+    def __enter__(self):
+        for name in ("tolist", "numpy", "cpu"):
+            original = getattr(torch.Tensor, name)
+            self._wrapped.append((name, original))
+            setattr(torch.Tensor, name, self._counting(name, original))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, original in self._wrapped:
+            setattr(torch.Tensor, name, original)
+        self._wrapped.clear()
+        return super().__exit__(*exc)
+
+    def _counting(self, name: str, original):
+        counter = self
+
+        def wrapper(tensor, *args, **kwargs):
+            if name != "cpu" or tensor.device.type != "cpu":  # .cpu() of a CPU tensor copies nothing
+                counter._add(f"Tensor.{name}")
+            counter._inside_wrapped += 1
+            try:
+                return original(tensor, *args, **kwargs)
+            finally:
+                counter._inside_wrapped -= 1
+
+        return wrapper
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func.overloadpacket)
+        if self._inside_wrapped:
+            pass
+        elif name in self.SYNC_OPS:
+            self._add(name)
+        elif name in ("aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_"):
+            indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ()):
+                self._add("boolean-mask index")  # its result size needs the mask's count on the host
+        elif name in ("aten._to_copy", "aten.copy_"):
+            source = args[1] if name == "aten.copy_" else args[0]
+            target_device = args[0].device if name == "aten.copy_" else kwargs.get("device")
+            if isinstance(source, torch.Tensor) and source.device.type != "cpu" and target_device is not None \
+                    and torch.device(target_device).type == "cpu":
+                self._add("device->host copy")
+        return func(*args, **kwargs)
 
 
 @dataclass

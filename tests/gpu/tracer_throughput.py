@@ -1,0 +1,136 @@
+"""Tracer throughput on one H200 (prepared; <= 8 minutes; no network; installs nothing): traced vs untraced
+tokens/s on random:qwen2-7b (DeepSeek-R1-Distill-Qwen-7B shapes, random bf16 weights) at B = 1 and B = 16,
+host synchronisations per decode step, and per-layer CUDA event timings.
+
+- untraced: HF `generate` with a plain DynamicCache + sdpa, `B` prompts of `--prompt` tokens, `--steps` new;
+- traced: `thoughtkv trace`'s loop (tracer.decode.decode_batch) with hierarchy 30% (recall_k 4, block 16)
+  and recording, the same prompts and tokens; full (recording only) at B = 1 for reference;
+- syncs: tracer.decode.HostSyncCounter over the traced decode steps (goal: <= 1 per step);
+- layer times: the traced runs' `measured_layer_us` (timing events read after each step's own sync).
+Goals (issue 15): traced/untraced >= 0.9 at B = 1 and >= 0.95 at B = 16.
+
+Run (repo root; torch + transformers from the machine's python3, the repo from PYTHONPATH):
+    device run: command "OUT=$OUT PYTHONPATH=$PWD PYTHONUNBUFFERED=1 timeout 470 python3 tests/gpu/tracer_throughput.py"
+Writes under $OUT (3 files): throughput.json (every figure), layer_us.csv (per step and layer), log.txt.
+Commit them under docs/gpu/ with the date and the commit they measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from tracer.cache import TieredCache
+from tracer.decode import DecodeJob, HostSyncCounter, decode_batch, use_tiered_attention
+from tracer.models import load_model
+from tracer.recorder import Recorder
+from tracer.run import TraceConfig, make_settings
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="random:qwen2-7b")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--batches", default="1,16")
+    args = parser.parse_args()
+    out = Path(os.environ.get("OUT", "gpu-out"))
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "log.txt", "w")
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+        log.write(text + "\n")
+        log.flush()
+
+    assert torch.cuda.is_available(), "no CUDA device visible to torch"
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    say(f"torch {torch.__version__} cuda {torch.version.cuda} {torch.cuda.get_device_name(0)}; commit {commit}")
+    started = time.perf_counter()
+    loaded = load_model(args.model, "cuda", "bfloat16")
+    model, n_layers = loaded.model, loaded.model.config.num_hidden_layers
+    say(f"{args.model}: {loaded.manifest['n_params'] / 1e9:.2f}B params loaded in {time.perf_counter() - started:.0f}s")
+    batches = [int(b) for b in args.batches.split(",")]
+    prompts = torch.randint(3, 259, (max(batches), args.prompt), generator=torch.Generator().manual_seed(0))
+    configs = {
+        "hierarchy": TraceConfig(model=args.model, task="chains", out="-", policy="hierarchy", hbm_budget=0.3,
+                                 block_size=16, recall_k=4, max_new_tokens=args.steps),
+        "full": TraceConfig(model=args.model, task="chains", out="-", policy="full", block_size=16,
+                            max_new_tokens=args.steps),
+    }
+
+    def untraced(batch: int) -> float:
+        model.set_attn_implementation("sdpa")
+        ids = prompts[:batch].cuda()
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.steps, min_new_tokens=args.steps,
+                       do_sample=False, cache=DynamicCache(config=model.config), pad_token_id=0)
+        torch.cuda.synchronize()
+        return batch * args.steps / (time.perf_counter() - begin)
+
+    def traced(batch: int, policy: str, counter: HostSyncCounter | None = None) -> tuple[float, list[Recorder]]:
+        use_tiered_attention(model)
+        config = configs[policy]
+        jobs = [DecodeJob(i, prompts[i].tolist(), make_settings(config), Recorder()) for i in range(batch)]
+        begin = time.perf_counter()
+        if counter is None:
+            list(decode_batch(model, jobs, TieredCache(n_layers, jobs[0].settings), batch, args.steps, set()))
+        else:
+            with counter:
+                list(decode_batch(model, jobs, TieredCache(n_layers, jobs[0].settings), batch, args.steps, set()))
+        return batch * args.steps / (time.perf_counter() - begin), [job.recorder for job in jobs]
+
+    untraced(1), traced(1, "hierarchy")  # warm-up (kernels, allocator)
+    results: dict = {"model": args.model, "prompt": args.prompt, "steps": args.steps, "commit": commit,
+                     "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "by_batch": {}}
+    layer_rows = []
+    for batch in batches:
+        base, tiered = [], []
+        for _ in range(args.rounds):
+            base.append(untraced(batch))
+            tok_s, recorders = traced(batch, "hierarchy")
+            tiered.append(tok_s)
+        entry = {"untraced_tok_s": statistics.median(base), "traced_hierarchy_tok_s": statistics.median(tiered)}
+        entry["traced_over_untraced"] = entry["traced_hierarchy_tok_s"] / entry["untraced_tok_s"]
+        if batch == 1:
+            entry["traced_full_tok_s"] = statistics.median(traced(1, "full")[0] for _ in range(args.rounds))
+        counter = HostSyncCounter()
+        traced(batch, "hierarchy", counter)
+        forwards = batch + args.steps - 1  # one prefill per sample, then the batched decode steps
+        entry["host_syncs_per_step"] = counter.count / forwards
+        entry["host_syncs_by_op"] = counter.by_op
+        table = recorders[0].steps_table()
+        per_layer: dict[int, list[float]] = {}
+        for step, layer, us, step_us in zip(table["step"], table["layer"], table["measured_layer_us"],
+                                            table["measured_step_us"], strict=True):
+            layer_rows.append(f"{batch},{step},{layer},{us:.1f},{step_us:.1f}")
+            if step > 0:
+                per_layer.setdefault(layer, []).append(us)
+        entry["decode_layer_us_median"] = [statistics.median(per_layer[k]) for k in sorted(per_layer)]
+        entry["decode_step_us_median"] = statistics.median(
+            us for s, us in zip(table["step"], table["measured_step_us"], strict=True) if s > 0)
+        results["by_batch"][str(batch)] = entry
+        goal = 0.9 if batch == 1 else 0.95
+        say(f"B={batch}: untraced {entry['untraced_tok_s']:.1f} tok/s, traced hierarchy "
+            f"{entry['traced_hierarchy_tok_s']:.1f} tok/s, ratio {entry['traced_over_untraced']:.3f} (goal >= {goal}); "
+            f"host syncs/step {entry['host_syncs_per_step']:.1f} (goal <= 1); decode layer us median "
+            f"{statistics.median(entry['decode_layer_us_median']):.0f}, step {entry['decode_step_us_median']:.0f}")
+    (out / "throughput.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "layer_us.csv").write_text("batch,step,layer,measured_layer_us,measured_step_us\n" + "\n".join(layer_rows) + "\n")
+    say(f"done in {time.perf_counter() - started:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
