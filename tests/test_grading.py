@@ -158,6 +158,7 @@ def test_a_hanging_comparison_is_cut_at_the_deadline_and_grading_goes_on(where):
 
     slow, elapsed_s, after = run() if where == "main thread" else _in_thread(run)
     assert slow.timed_out and slow.correct is False and slow.predicted is None
+    assert slow.grader == f"{grader_id()} (timed out after 1 s)"  # what the samples table records
     assert elapsed_s < 4.0  # 1 s bound (+ rounding to whole seconds on the main thread, + kill)
     assert after.correct is True and not after.timed_out
 

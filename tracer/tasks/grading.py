@@ -13,7 +13,8 @@ Torch-free (the tracer and `thoughtkv traces regrade` both import it). For one g
 The thin project layer (`normalize_region`, `final_boxes`) adds only what math-verify lacks, each with a test
 in tests/test_grading.py:
 
-* the Unicode minus sign (U+2212 and look-alikes) outside LaTeX: math-verify does not read `−3` in plain text;
+* the Unicode minus sign (U+2212; also U+FE63, U+FF0D) outside LaTeX: math-verify does not read `−3` in plain
+  text;
 * thin-space thousands separators (`70\\,000`, `70\\!000`, `70\\ 000`): latex2sympy reads them as `70*000`;
 * a number written in text mode with its unit (`\\text{18 dollars}`): math-verify keeps it as a string;
 * several `\\boxed{}` in the answer region: math-verify joins boxes up to 70 characters apart when a comma,
@@ -25,8 +26,8 @@ in tests/test_grading.py:
 **Time bound.** math-verify bounds its parse and compare steps with `signal.alarm`, which only works on the
 main thread (elsewhere it raises ValueError). On the main thread we use it, with the remaining share of the
 sample's `timeout_s` as each step's limit (whole seconds, at least 1). Off the main thread (a worker thread of
-a server or a sweep), grading runs in a child process that is killed at the deadline; a timed-out sample is
-graded incorrect with `predicted` null and `timed_out` set.
+a server or a sweep), grading runs in a child process that is killed at the deadline. A timed-out sample is
+graded incorrect with `predicted` null; its `grader` column says `... (timed out after 5 s)`.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ GRADER_NAME = "math-verify"
 DEFAULT_TIMEOUT_S = 5.0  # one sample's whole grading (gold parse, answer parse, compare)
 
 THINK_END = "</think>"
-# Minus signs that models (and copy-pasted LaTeX) write instead of the ASCII hyphen-minus.
-_MINUS_LOOKALIKES = str.maketrans({"\u2212": "-", "\u2012": "-", "\u2013": "-", "\ufe63": "-", "\uff0d": "-"})
+# Minus signs that models (and copy-pasted LaTeX) write instead of the ASCII hyphen-minus: the minus sign, the
+# small and the fullwidth hyphen-minus. Dashes are left alone (`3–5` is a range, not 3 - 5).
+_MINUS_LOOKALIKES = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
 # A LaTeX thin/negative/normal space between digit groups: `70\,000` -> `70000` (only before exactly 3 digits).
 _SPACED_THOUSANDS = re.compile(r"(?<=\d)\\[,!; ](?=\d{3}(?!\d))")
 # A number written inside text mode with its unit, `\text{18 dollars}`: math-verify reads it as a string.
@@ -172,10 +174,16 @@ def _grade_here(text: str, gold: str | None, gold_kind: str, timeout_s: float | 
         correct = bool(gold_parsed and predicted) and verify(gold_parsed, predicted, timeout_seconds=remaining(),
                                                               raise_on_error=True)
     except TimeoutException:
-        return Grade(None, failed, after_think, grader_id(), timed_out=True)
+        return timed_out(gold, after_think, timeout_s)
     except Exception:  # noqa: BLE001 - sympy/antlr fail in many ways on odd text; all mean "no usable answer"
         return Grade(None, failed, after_think, grader_id())
     return Grade(_as_written(predicted), bool(correct), after_think, grader_id())
+
+
+def timed_out(gold: str | None, after_think: bool, timeout_s: float | None) -> Grade:
+    """A sample whose grading hit the time bound: incorrect, no answer; the grader column says why."""
+    return Grade(None, None if gold is None else False, after_think,
+                 f"{grader_id()} (timed out after {timeout_s or 0:g} s)", timed_out=True)
 
 
 def _as_written(parsed: list) -> str | None:
@@ -235,7 +243,7 @@ class _GradingWorker:
         with self._lock:
             if self._process is None or self._process.poll() is not None:
                 self._start()
-            failed = Grade(None, None if gold is None else False, answer_region(text)[1], grader_id(), timed_out=True)
+            failed = timed_out(gold, answer_region(text)[1], timeout_s)
             try:
                 self._process.stdin.write(json.dumps([text, gold, gold_kind, timeout_s]) + "\n")
                 self._process.stdin.flush()
