@@ -403,3 +403,31 @@ def batch_op_s(mechanism: Mechanism, ctx: TransferContext, load: LayerLoad, batc
     if following_group_s is not None:
         beside += np.asarray(following_group_s, dtype=np.float64)
     return mechanism.stretch(ctx, op_s, beside).tolist()
+
+
+def needs_batch_op_s(mechanism: Mechanism) -> bool:
+    """Whether a serving iteration must ask `batch_op_s` for its operation times (else the plain roofline)."""
+    return custom_layers(mechanism) or type(mechanism).stretch is not Mechanism.stretch
+
+
+def offload_mechanism(mechanism: Mechanism) -> Mechanism:
+    """Who moves offloads: the mechanism itself, or DMA per block for those that read recalls in place."""
+    return mechanism if mechanism.copies_recalls else MECHANISMS[DEFAULT_MECHANISM]
+
+
+def coalesced_copy_s(mechanism: Mechanism, ctx: TransferContext, direction: str, n_bytes: float) -> float:
+    """One copy moving a whole group's bytes of one operation (a batched mechanism, or --batch-copies)."""
+    mover = mechanism if direction == "h2d" else offload_mechanism(mechanism)
+    return float(mover.copy_s(ctx, direction, n_bytes))
+
+
+def group_s(durations_s: np.ndarray, n_bytes: np.ndarray, coalesce) -> np.ndarray:
+    """[ops] the channel time of each operation's group of copies ([members, ops] arrays): the members' summed
+    durations, or with `coalesce(n_bytes)` one copy of their summed bytes when more than one member copies."""
+    durations_s = np.asarray(durations_s, dtype=np.float64)
+    total = durations_s.sum(axis=0)
+    if coalesce is None:
+        return total
+    many = (durations_s > 0).sum(axis=0) > 1
+    summed = np.asarray(n_bytes, dtype=np.float64).sum(axis=0)
+    return np.array([coalesce(b) if m else t for t, b, m in zip(total.tolist(), summed.tolist(), many.tolist())])

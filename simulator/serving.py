@@ -50,9 +50,24 @@ from hwprofiles import HardwareProfile, load_profile
 from simulator import costs
 from simulator.engine import Hardware, Timeline
 from simulator.errors import ServingError
+from simulator.mechanisms import (
+    DEFAULT_MECHANISM,
+    LOAD_FIELDS,
+    LayerLoad,
+    batch_op_s,
+    coalesced_copy_s,
+    custom_layers,
+    group_s,
+    mechanism_for,
+    needs_batch_op_s,
+    offload_mechanism,
+    sequence_load,
+)
+from simulator.mechanisms import build_workload as mechanism_workload
+from simulator.mechanisms import context as transfer_context
 from simulator.options import KEY_FIELDS, ServingConfig
 from simulator.schedule import StepSchedule
-from simulator.workload import build_workload, step_arrays
+from simulator.workload import step_arrays
 from traces import open_run
 
 __all__ = ["ServingConfig", "ServingError", "ServingResult", "simulate_serving"]
@@ -80,6 +95,7 @@ class SampleWork:
     offload_s: np.ndarray
     hbm_kv_bytes: np.ndarray  # [steps] KV bytes in HBM at attention, all layers, incl. recall buffers
     ddr_kv_bytes: np.ndarray  # [steps] KV bytes in DDR
+    load: LayerLoad | None = None  # [steps, layers] demand, for mechanisms that change the layers (zero-copy, ...)
 
     @property
     def n_steps(self) -> int:
@@ -88,9 +104,10 @@ class SampleWork:
     def truncated(self, n_steps: int) -> SampleWork:
         """The first n_steps steps (a request asking for fewer output tokens than the sample generated)."""
         n = max(1, min(n_steps, self.n_steps))
+        load = None if self.load is None else LayerLoad(**{f: getattr(self.load, f)[:n] for f in LOAD_FIELDS})
         return SampleWork(self.sample_id, self.prompt_tokens, *(getattr(self, f)[:n] for f in (
             "flops", "kv_read_bytes", "recall_bytes", "recall_s", "offload_bytes", "offload_s", "hbm_kv_bytes",
-            "ddr_kv_bytes")))
+            "ddr_kv_bytes")), load)
 
     @property
     def peak_hbm_kv_bytes(self) -> float:
@@ -102,26 +119,32 @@ class SampleWork:
 
 
 def sample_work(steps: pd.DataFrame, sample: pd.Series, shape: costs.ModelShape,
-                profile: HardwareProfile, tier: str = "ddr") -> SampleWork:
-    """Arrays of one sample from its steps rows: the cost model's FLOPs/KV bytes and the engine's transfers."""
+                profile: HardwareProfile, tier: str = "ddr", transfer: str = DEFAULT_MECHANISM) -> SampleWork:
+    """Arrays of one sample from its steps rows: the cost model's FLOPs/KV bytes and the engine's transfers
+    (their durations, and what sits in HBM, under the `transfer` mechanism: simulator/mechanisms.py)."""
     grid = step_arrays(steps, shape.n_layers, f"sample {sample['sample_id']}")
     query, attended = grid["query_tokens"], grid["hbm_tokens"] + grid["recalled_tokens"]
     n_steps, n_layers = query.shape
     flops, hbm_bytes = costs.layer_flops_bytes(shape, query, attended, batch=1)
-    work = build_workload(str(sample["sample_id"]), shape, profile, query, attended, grid["bytes_h2d"],
-                          grid["bytes_d2h"], grid["hbm_kv_bytes"], grid["ddr_kv_bytes"], tier=tier)
+    mechanism = mechanism_for(transfer, profile)
+    # sync offload and no overlap: the copies' durations only; a serving iteration stretches ops itself
+    work = mechanism_workload(mechanism, str(sample["sample_id"]), shape, profile, query, grid["hbm_tokens"],
+                              grid["recalled_tokens"], grid["bytes_h2d"], grid["bytes_d2h"], grid["hbm_kv_bytes"],
+                              grid["ddr_kv_bytes"], tier=tier, overlap="none", async_offload=False)
+    load = sequence_load(mechanism, shape, query, grid["hbm_tokens"], grid["recalled_tokens"], grid["bytes_h2d"]) \
+        if custom_layers(mechanism) else None
     ops = (n_steps, n_layers + 1)
     return SampleWork(
         sample_id=str(sample["sample_id"]), prompt_tokens=int(sample["prompt_tokens"]),
         flops=flops, kv_read_bytes=hbm_bytes - shape.layer_weight_bytes,
         recall_bytes=work.recall_bytes.reshape(ops), recall_s=work.recall_s.reshape(ops),
         offload_bytes=work.offload_bytes.reshape(ops), offload_s=work.offload_s.reshape(ops),
-        hbm_kv_bytes=work.step_hbm_kv_bytes, ddr_kv_bytes=work.step_ddr_kv_bytes,
+        hbm_kv_bytes=work.step_hbm_kv_bytes, ddr_kv_bytes=work.step_ddr_kv_bytes, load=load,
     )
 
 
-def load_run_work(run_dir: str | Path, profile: HardwareProfile,
-                  tier: str = "ddr") -> tuple[dict, costs.ModelShape, list[SampleWork]]:
+def load_run_work(run_dir: str | Path, profile: HardwareProfile, tier: str = "ddr",
+                  transfer: str = DEFAULT_MECHANISM) -> tuple[dict, costs.ModelShape, list[SampleWork]]:
     """The run's manifest, shape and every committed sample as SampleWork, costed on `profile` as given (the
     caller picks the policy's overheads: simulate_serving)."""
     from simulator.workload import STEP_COLUMNS
@@ -133,7 +156,8 @@ def load_run_work(run_dir: str | Path, profile: HardwareProfile,
         raise ServingError(f"{run_dir}: the run has no committed samples; trace or synthesise some first")
     steps = run.steps(columns=["sample_id", *STEP_COLUMNS])
     by_sample = dict(tuple(steps.groupby("sample_id", sort=False)))
-    works = [sample_work(by_sample[row.sample_id], row, shape, profile, tier) for _, row in samples.iterrows()]
+    works = [sample_work(by_sample[row.sample_id], row, shape, profile, tier, transfer)
+             for _, row in samples.iterrows()]
     return run.manifest, shape, works
 
 
@@ -289,13 +313,18 @@ class ServingSim:
         self.wakeup = self.env.event()
         self.queue_changes: list[tuple[float, int]] = [(0.0, 0)]  # (time, requests waiting) at every change
         self.occupancy: list[tuple] = []  # one row per iteration (the `timeline` table of summarise)
-        rates = {"h2d": self.tier.h2d_bytes_per_s, "d2h": self.tier.d2h_bytes_per_s}
-        overhead_s = self.tier.transfer_overhead_s
-        coalesce = (lambda direction, n_bytes: float(costs.transfer_s(n_bytes, rates[direction], overhead_s))) \
-            if config.batch_copies else None
+        # --transfer (simulator/mechanisms.py): the copies' cost, whether a group shares one copy, the layers' time
+        self.mechanism = mechanism_for(config.options.transfer, profile)
+        self.transfer = transfer_context(profile, shape, config.options.offload_tier)
+        ctx, mechanism = self.transfer, self.mechanism
+        coalesce = (lambda direction, n_bytes: coalesced_copy_s(mechanism, ctx, direction, n_bytes)) \
+            if config.batch_copies or mechanism.batched else None
+        self.coalesce = coalesce
         # The engine's schedule; `pending` keeps each request's prefetched recall (layer-prefetch) across iterations.
         self.schedule = StepSchedule(self.env, self.hw, config.options.overlap == "layer-prefetch",
-                                     config.options.async_offload, overhead_s, overhead_s, coalesce, _add_link_wait)
+                                     config.options.async_offload, mechanism.copy_overhead_s(ctx, "h2d"),
+                                     offload_mechanism(mechanism).copy_overhead_s(ctx, "d2h"), coalesce,
+                                     _add_link_wait)
         self.iterations = 0
         self.tokens = 0  # emitted so far (progress)
         self.env.process(self.arrivals())
@@ -379,10 +408,29 @@ class ServingSim:
                    for w, s in rows]
             following_s = np.column_stack([recall_s[:, 1:], [t for t, _ in nxt]])
             following_bytes = np.column_stack([recall_bytes[:, 1:], [b for _, b in nxt]])
+        offload_s = np.array([w.offload_s[s] for w, s in rows])
+        offload_bytes = np.array([w.offload_bytes[s] for w, s in rows])
+        if needs_batch_op_s(self.mechanism):  # zero-copy / cpu-attention layers, sm-copy's stretch
+            op_s = self.mechanism_op_s(rows, offload_s, offload_bytes, following_s, following_bytes)
         yield from self.schedule.run(
-            op_s, recall_s, recall_bytes, np.array([w.offload_s[s] for w, s in rows]),
-            np.array([w.offload_bytes[s] for w, s in rows]), batch, [r.rid for r in batch], following_s,
+            op_s, recall_s, recall_bytes, offload_s, offload_bytes, batch, [r.rid for r in batch], following_s,
             following_bytes, n_layers=self.shape.n_layers)
+
+    def mechanism_op_s(self, rows, offload_s, offload_bytes, following_s, following_bytes) -> list[float]:
+        """The iteration's operation times under a mechanism that changes them (mechanisms.batch_op_s): the
+        batch's summed demand, and the channel time of the copies beside each operation."""
+        if custom_layers(self.mechanism):
+            load = LayerLoad(**{f: np.sum([getattr(w.load, f)[s] for w, s in rows], axis=0) if f != "has_host_work"
+                                else np.any([w.load.has_host_work[s] for w, s in rows], axis=0) for f in LOAD_FIELDS})
+        else:
+            load = LayerLoad(np.sum([w.flops[s] for w, s in rows], axis=0), np.sum([w.kv_read_bytes[s] for w, s in rows],
+                                                                                 axis=0), *([0.0] * 6))
+        coalesce = self.coalesce
+        offload_group = group_s(offload_s, offload_bytes, coalesce and (lambda b: coalesce("d2h", b)))
+        following_group = None if following_s is None else \
+            group_s(following_s, following_bytes, coalesce and (lambda b: coalesce("h2d", b)))
+        return batch_op_s(self.mechanism, self.transfer, load, len(rows), offload_group, following_group,
+                          self.config.options.async_offload)
 
     def _emit_tokens(self) -> None:
         now = self.env.now
@@ -530,7 +578,7 @@ def simulate_serving(run_dir: str | Path, profile: str | HardwareProfile, config
         check_prefetch(run, traced_config(run.manifest["policy"]), projected=False)
     # The same per-policy overheads simulate_run charges (calibrated profiles measure each decode path).
     profile, overhead_source = costs.profile_for_policy(profile, run.manifest["policy"]["name"])
-    manifest, shape, works = load_run_work(run_dir, profile, config.options.offload_tier)
+    manifest, shape, works = load_run_work(run_dir, profile, config.options.offload_tier, config.options.transfer)
     if config.arrivals_csv:
         arrivals = load_arrivals_csv(config.arrivals_csv, works)
     else:

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from hwprofiles import HardwareProfile, load_profile
-from simulator import costs
+from simulator import costs, mechanisms
 from simulator.engine import Channel, engines_per_channel
 from simulator.serving import (
     Request,
@@ -73,6 +73,12 @@ class FastServing:
                                f"{profile.name}'s HBM; pick a larger GPU")
         self.tier = costs.offload_tier(profile, config.options.offload_tier)
         self.layer_overhead_s = costs.overheads_for(shape, profile).layer_s
+        # --transfer: as ServingSim (the copies' cost, coalescing, per-direction overheads, the layers' time)
+        self.mechanism = mechanisms.mechanism_for(config.options.transfer, profile)
+        self.transfer = mechanisms.context(profile, shape, config.options.offload_tier)
+        self.coalesced = config.batch_copies or self.mechanism.batched
+        self.overhead_s = {"h2d": self.mechanism.copy_overhead_s(self.transfer, "h2d"),
+                           "d2h": mechanisms.offload_mechanism(self.mechanism).copy_overhead_s(self.transfer, "d2h")}
         self.ddr_capacity_bytes = self.tier.capacity_bytes
         self.requests = [Request(i, a.arrival_s, works[a.sample].truncated(a.n_steps)) for i, a in enumerate(arrivals)]
         self.sample_of = np.array([a.sample for a in arrivals], dtype=np.int64)
@@ -96,6 +102,10 @@ class FastServing:
         self.offload_s = np.concatenate([w.offload_s for w in works])
         self.offload_bytes = np.concatenate([w.offload_bytes for w in works])
         self.copies = (self.recall_s > 0).any(1) | (self.offload_s > 0).any(1)  # rows with any transfer
+        self.load = None  # zero-copy / cpu-attention: every LayerLoad field, stacked like `demand`
+        if mechanisms.custom_layers(self.mechanism):
+            self.load = {f: np.concatenate([getattr(w.load, f) for w in works]).reshape(-1, n_layers)
+                         for f in mechanisms.LOAD_FIELDS}
         self.hbm_kv = np.concatenate([w.hbm_kv_bytes for w in works])
         self.head_s: dict[int, float] = {}  # the LM head's time by batch size
         self.ddr_kv = np.concatenate([w.ddr_kv_bytes for w in works])
@@ -179,9 +189,38 @@ class FastServing:
         self.end_s = float(clock.now)
         self._requests_out(iteration_end, first_iteration, admitted, link_wait, n_steps)
 
-    def _op_s(self, rows: np.ndarray) -> list[float]:
+    def _coalesce(self, direction: str, n_bytes):
+        """One copy for a group's summed bytes (array or scalar): mechanisms.coalesced_copy_s, elementwise."""
+        mover = self.mechanism if direction == "h2d" else mechanisms.offload_mechanism(self.mechanism)
+        return mover.copy_s(self.transfer, direction, n_bytes)
+
+    def _group_s(self, direction: str, durations_s: np.ndarray, n_bytes: np.ndarray) -> np.ndarray:
+        """mechanisms.group_s for this machine's coalescing rule."""
+        total = durations_s.sum(axis=0)
+        if not self.coalesced:
+            return total
+        many = (durations_s > 0).sum(axis=0) > 1
+        return np.where(many, self._coalesce(direction, n_bytes.sum(axis=0)), total)
+
+    def _op_s(self, rows: np.ndarray, offload_s=None, offload_bytes=None, following_s=None,
+              following_bytes=None) -> list[float]:
         """The iteration's operation times: one roofline over the batch per layer (weights once, every
-        request's FLOPs and KV bytes), then the LM head for the batch."""
+        request's FLOPs and KV bytes), then the LM head for the batch; under a mechanism that changes them
+        (zero-copy, cpu-attention, sm-copy beside copies) mechanisms.batch_op_s, as ServingSim.mechanism_op_s."""
+        mechanism = self.mechanism
+        if self.load is not None or (mechanisms.needs_batch_op_s(mechanism) and offload_s is not None):
+            if self.load is not None:
+                load = mechanisms.LayerLoad(**{f: self.load[f][rows].any(axis=0) if f == "has_host_work"
+                                               else self.load[f][rows].sum(axis=0) for f in mechanisms.LOAD_FIELDS})
+            else:
+                flops, kv_bytes = self.demand[rows].sum(axis=0)
+                load = mechanisms.LayerLoad(flops, kv_bytes, *([0.0] * 6))
+            if offload_s is None:
+                offload_s, offload_bytes = self.offload_s[rows], self.offload_bytes[rows]
+            following_group = None if following_s is None else self._group_s("h2d", following_s, following_bytes)
+            return mechanisms.batch_op_s(mechanism, self.transfer, load, len(rows),
+                                         self._group_s("d2h", offload_s, offload_bytes), following_group,
+                                         self.config.options.async_offload)
         shape, profile = self.shape, self.profile
         flops, kv_bytes = self.demand[rows].sum(axis=0)
         # costs.roofline's total, operation for operation (the same divisions, max and overhead)
@@ -202,13 +241,13 @@ class FastServing:
         durations (a coalesced copy: s - now for every member). Only the scalar recurrence over operations is
         a Python loop; the per-request sums are numpy over the batch."""
         clock = self.clock
-        op_s = self._op_s(rows)
-        if not self.copies[rows].any():  # nothing moves: the operations back to back
-            clock.now = self._no_copies(op_s)
+        if not self.copies[rows].any():  # nothing moves: the operations back to back (sm-copy: nothing beside)
+            clock.now = self._no_copies(self._op_s(rows))
             return
         recall_s, offload_s = self.recall_s[rows], self.offload_s[rows]  # [batch, ops]
+        op_s = self._op_s(rows, offload_s, self.offload_bytes[rows])
         h2d, d2h = self.hw.h2d, self.hw.d2h
-        coalesce = self.config.batch_copies
+        coalesce = self.coalesced
         totals, waits, group_bytes = {}, {}, {}
         for direction, durations, n_bytes in (("h2d", recall_s, self.recall_bytes[rows]),
                                               ("d2h", offload_s, self.offload_bytes[rows])):
@@ -218,9 +257,7 @@ class FastServing:
             ahead = durations.cumsum(axis=0) - durations  # the earlier members' durations (exclusive)
             if coalesce:
                 many = member.sum(axis=0) > 1
-                rate = self.tier.h2d_bytes_per_s if direction == "h2d" else self.tier.d2h_bytes_per_s
-                total = np.where(many, costs.transfer_s(group_bytes[direction], rate, self.tier.transfer_overhead_s),
-                                 total)
+                total = np.where(many, self._coalesce(direction, group_bytes[direction]), total)
                 ahead = np.where(many[None, :], 0.0, ahead)
             totals[direction] = total.tolist()
             waits[direction] = (member, ahead)
@@ -277,11 +314,11 @@ class FastServing:
         prefetch = nxt is not None
         if not prefetch and self.hw.h2d.n_engines == 1 and self.hw.d2h.n_engines == 1:
             return self._lean_iteration(running, rows, link_wait)
-        op_s = self._op_s(rows)
         recall_s = self.recall_s[rows]  # [batch, ops]
         recall_bytes = self.recall_bytes[rows]
         offload_s = self.offload_s[rows]
         offload_bytes = self.offload_bytes[rows]
+        following_s = following_bytes = None
         if prefetch:
             has_next = nxt >= 0
             first_next_s = np.where(has_next, self.recall_s[np.maximum(nxt, 0), 0], 0.0)
@@ -289,6 +326,7 @@ class FastServing:
             following_s = np.column_stack([recall_s[:, 1:], first_next_s])
             following_bytes = np.column_stack([recall_bytes[:, 1:], first_next_bytes])
             ahead_any = (following_s > 0).any(0).tolist()
+        op_s = self._op_s(rows, offload_s, offload_bytes, following_s, following_bytes)
         pending = self.pending
         h2d, d2h = self.hw.h2d, self.hw.d2h
         needs_any = (recall_s > 0).any(0).tolist()
@@ -337,11 +375,10 @@ class FastServing:
         """The copies of `rids` issued now, in member order (schedule.StepSchedule._issue); returns each one's
         end and adds its time beyond its own duration to `link_wait`."""
         asked_s = self.clock.now
-        overhead_s = self.tier.transfer_overhead_s
-        if self.config.batch_copies and len(rids) > 1:  # one coalesced copy shared by the group
-            rate = self.tier.h2d_bytes_per_s if direction == "h2d" else self.tier.d2h_bytes_per_s
+        overhead_s = self.overhead_s[direction]
+        if self.coalesced and len(rids) > 1:  # one coalesced copy shared by the group
             total_bytes = float(n_bytes.sum())
-            copy_s = float(costs.transfer_s(total_bytes, rate, overhead_s))
+            copy_s = mechanisms.coalesced_copy_s(self.mechanism, self.transfer, direction, total_bytes)
             end = channel.reserve(direction, total_bytes, copy_s, overhead_s)
             link_wait[rids] += end - asked_s - copy_s
             return np.full(len(rids), end)
@@ -389,7 +426,7 @@ def simulate_serving_fast(run_dir: str | Path, profile: str | HardwareProfile, c
     if config.options.overlap == "layer-prefetch":
         check_prefetch(run, traced_config(run.manifest["policy"]), projected=False)
     profile, overhead_source = costs.profile_for_policy(profile, run.manifest["policy"]["name"])
-    manifest, shape, works = load_run_work(run_dir, profile, config.options.offload_tier)
+    manifest, shape, works = load_run_work(run_dir, profile, config.options.offload_tier, config.options.transfer)
     if config.arrivals_csv:
         arrivals = load_arrivals_csv(config.arrivals_csv, works)
     else:

@@ -1,5 +1,6 @@
 """The serving fast path (simulator/serving_fast.py) against the serving DES (simulator/serving.py), the
-reference: the same summary, per-request table and occupancy timeline to 1e-9 on random serving cases."""
+reference: the same summary, per-request table and occupancy timeline to 1e-9 on random serving cases (every
+transfer mechanism, rates, HBM pressure, batch limits, link duplex and engines, overlap, offload, coalescing)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,10 @@ def peak_kv(run) -> float:
     return float(steps.groupby(["sample_id", "step"])["hbm_kv_bytes"].sum().max())
 
 
-def cases(n: int = 24):
+TRANSFERS = ("dma-per-block", "dma-batched", "sm-copy", "zero-copy", "cpu-attention")
+
+
+def cases(n: int = 30):
     rng = np.random.default_rng(17)
     out = []
     for i in range(n):
@@ -70,6 +74,7 @@ def cases(n: int = 24):
             batch_copies=bool(rng.integers(0, 2)),
             overlap="layer-prefetch" if run == "hierarchy" and rng.integers(0, 2) else "none",
             async_offload=bool(rng.integers(0, 2)),
+            transfer=TRANSFERS[i % len(TRANSFERS)],
         ))
     return out
 
@@ -83,14 +88,16 @@ def assert_same(a, b, what: str):
             assert x == y, f"{what}: {key} {x!r} != {y!r}"
 
 
-@pytest.mark.parametrize("case", cases(), ids=lambda c: f"{c['run']}-{c['machine']}-{c['pressure']}-{c['overlap']}"
+@pytest.mark.parametrize("case", cases(), ids=lambda c: f"{c['transfer']}-{c['run']}-{c['machine']}-{c['pressure']}"
+                         f"-{c['overlap']}"
                          f"-{'async' if c['async_offload'] else 'sync'}-{'coalesced' if c['batch_copies'] else 'each'}")
 def test_fast_path_equals_the_des(runs, case):
     run = runs[case["run"]]
     profile = machine(case["machine"], case["pressure"], peak_kv(run))
     config = ServingConfig(rate_per_s=case["rate_per_s"], duration_s=case["duration_s"], max_batch=case["max_batch"],
                            seed=case["seed"], batch_copies=case["batch_copies"],
-                           options=SimOptions(overlap=case["overlap"], async_offload=case["async_offload"]))
+                           options=SimOptions(overlap=case["overlap"], async_offload=case["async_offload"],
+                                              transfer=case["transfer"]))
     des = simulate_serving(run, profile, config)
     fast = simulate_serving_fast(run, profile, config)
     assert des.summary["n_requests"] > 3 and des.summary["tokens"] > 0
