@@ -108,3 +108,29 @@ def test_layer_times_are_recorded_per_step_and_layer():
     assert len(table["measured_layer_us"]) == 12  # 6 steps x 2 layers
     for step_us, layer_us in zip(table["measured_step_us"], table["measured_layer_us"], strict=True):
         assert 0 < layer_us < step_us  # each layer is part of its step
+
+
+def test_kv_buffers_are_sized_from_the_policy_and_a_batch_that_cannot_fit_is_refused(tmp_path):
+    from thoughtkv_base import UserError
+    from tracer.models import load_model
+    from tracer.run import GROWTH_SLACK, TraceConfig, check_kv_fits, kv_buffer_bytes
+
+    full = PolicySpec(policy="full", block_size=16)
+    need = kv_buffer_bytes(full, 1000, 4, 100, 60)  # full: every token of the longest sample, per sample
+    assert need["hbm"] == 4 * GROWTH_SLACK * 160 * 1000 and need["ddr"] == 0
+    hierarchy = PolicySpec(policy="hierarchy", hbm_budget=0.25, block_size=16, sink_tokens=16, window_tokens=32, recall_k=2)
+    # A 1,000-token prompt sits in HBM whole at prefill: more than the decode peak (at 2,000 tokens: 125 blocks,
+    # 122 movable, room for 28 of them -> 31 kept + 1 opening = 512 tokens); plus 2 staging blocks.
+    need = kv_buffer_bytes(hierarchy, 1000, 1, 1000, 1000)
+    assert need["hbm"] == GROWTH_SLACK * (1000 + 2 * 16) * 1000
+    assert need["ddr"] == GROWTH_SLACK * 125 * 16 * 1000
+    # A 100-token prompt decoded to 4,000: the peak is at 3,990 tokens (250 blocks, 246 movable, 54 protected
+    # tokens, room (998 - 54) // 16 = 59 -> 63 kept + 1 opening = 1,024 tokens), plus the staging blocks.
+    assert kv_buffer_bytes(hierarchy, 1000, 1, 100, 3900)["hbm"] == GROWTH_SLACK * (1024 + 2 * 16) * 1000
+    loaded = load_model("random:tiny", "cpu", "float32")
+    config = TraceConfig(model="random:tiny", task="chains", out=str(tmp_path / "run"), batch_size=10**7,
+                         max_new_tokens=4096)
+    with pytest.raises(UserError, match="--batch-size 10000000: the KV buffers need"):
+        check_kv_fits(config, loaded, [300])
+    config.batch_size = 2
+    assert check_kv_fits(config, loaded, [300])["hbm"] > 0

@@ -119,6 +119,57 @@ def protected_excess_note(spec, lengths) -> dict | None:
     return worst
 
 
+# The tiered layer's HBM buffers double when they fill (tracer/cache.py `_ensure_capacity`), so a sample can
+# hold up to twice the entries it needs; the DDR pool doubles likewise (tracer/transfer.py `HostPool`).
+GROWTH_SLACK = 2
+
+
+def kv_buffer_bytes(spec, kv_bytes_per_token: int, batch_size: int, max_prompt: int, max_new_tokens: int) -> dict:
+    """Worst-case KV buffer bytes of a run: `hbm` (device: the resident entries at their peak, the whole prompt
+    at prefill, plus the recall staging slots) and `ddr` (host, hierarchy), for `batch_size` samples at once."""
+    from traces.policy import hbm_target_tokens, max_recall_blocks, movable_range, n_blocks, room_blocks
+
+    bs, max_len = spec.block_size, max_prompt + max_new_tokens
+    resident = max_prompt
+    for length in range(max_prompt, max_len + 1):
+        if hbm_target_tokens(spec, length) is None:
+            resident = max(resident, length)
+            continue
+        first, end = movable_range(spec, length)
+        movable = end - first
+        kept = n_blocks(spec, length) - movable + min(room_blocks(spec, length), movable)
+        resident = max(resident, (kept + 1) * bs)  # + the block the next token opens before placement
+    staging = max_recall_blocks(spec, max_len) * bs
+    per_sample_hbm = GROWTH_SLACK * (resident + staging) * kv_bytes_per_token
+    per_sample_ddr = GROWTH_SLACK * n_blocks(spec, max_len) * bs * kv_bytes_per_token if spec.uses_ddr else 0
+    return {"hbm": batch_size * per_sample_hbm, "ddr": batch_size * per_sample_ddr,
+            "hbm_per_sample": per_sample_hbm, "max_len": max_len}
+
+
+def check_kv_fits(config: TraceConfig, loaded, prompt_lengths: list[int]) -> dict:
+    """Refuse up front, in one line, a run whose KV buffers cannot fit next to the loaded model."""
+    from tracer.preflight import available_bytes
+
+    device = str(loaded.model.device)
+    need = kv_buffer_bytes(config.spec, loaded.manifest["kv_bytes_per_token"], config.batch_size,
+                           max(prompt_lengths, default=1), config.max_new_tokens)
+    free = available_bytes(device)
+    if "GPU memory" in free:  # HBM buffers on the GPU, the DDR tier in (pinned) host RAM
+        checks = [("GPU memory", need["hbm"]), ("host RAM", need["ddr"])]
+    else:  # a CPU run holds both tiers in host RAM
+        checks = [("host RAM", need["hbm"] + need["ddr"])]
+    for where, needed in checks:
+        if needed > free[where]:
+            raise BadTraceConfig(
+                f"--batch-size {config.batch_size}: the KV buffers need ~{needed / 2**30:.1f} GiB of {where} "
+                f"({need['hbm_per_sample'] / 2**20:.0f} MiB per sample in HBM up to {need['max_len']} tokens, "
+                f"x{GROWTH_SLACK} growth slack{', + the DDR tier' if need['ddr'] else ''}) but "
+                f"{free[where] / 2**30:.1f} GiB is free; use a smaller --batch-size, --dtype bfloat16, a smaller "
+                "--hbm-budget or --max-new-tokens"
+            )
+    return need
+
+
 def hardware_manifest(device) -> dict:
     import torch
     import transformers
@@ -175,6 +226,7 @@ def run_trace(config: TraceConfig, progress: bool = True, loaded=None) -> Path:
     if excess is not None:
         print(f"warning: {excess['warning']}", file=sys.stderr)
         tracer_extra["protected_excess"] = excess
+    tracer_extra["kv_buffer_bytes"] = check_kv_fits(config, loaded, prompt_lengths)
     prompt_record, prompt_warning = prompt_manifest(task, loaded.tokenizer)
     if prompt_warning is not None:
         print(f"warning: {prompt_warning}", file=sys.stderr)
