@@ -134,9 +134,6 @@ class ServingConfig:
         if self.options.batch != 1:  # serving batches requests itself (max_batch)
             raise OptionError(f"batch {self.options.batch} is simulate's lockstep copies; serve-sim batches requests "
                               "itself: use max_batch (--max-batch)")
-        if self.options.engine == "fast":
-            raise OptionError("engine fast is not available for serving (every request shares the link); use auto "
-                              "or des")
 
 
 # The options that tell two results apart (result columns and keys); the engine only says how they were computed.

@@ -583,6 +583,15 @@ def simulate_serving(run_dir: str | Path, profile: str | HardwareProfile, config
         arrivals = load_arrivals_csv(config.arrivals_csv, works)
     else:
         arrivals = poisson_arrivals(config.rate_per_s, config.duration_s, works, config.seed)
-    sim = ServingSim(profile, shape, works, arrivals, config, timeline)
-    sim.run(progress)
+    engine = config.options.engine  # auto: the fast path (serving_fast, equal to this DES) unless a timeline
+    if engine == "fast" and timeline is not None:
+        raise ServingError("--timeline records the DES; drop --engine fast")
+    if engine == "des" or timeline is not None:
+        sim = ServingSim(profile, shape, works, arrivals, config, timeline)
+        sim.run(progress)
+    else:
+        from simulator.serving_fast import FastServing
+
+        sim = FastServing(profile, shape, works, arrivals, config)
+        sim.run()
     return summarise(sim, manifest, str(run_dir), overhead_source)

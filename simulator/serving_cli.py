@@ -30,8 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hardware profile name or YAML path (repeatable)")
     # --rate-per-s, --duration-s, --max-batch, --tbt-slo-s, ... : one flag per ServingConfig field
     sim_options.add_arguments(parser, ServingConfig)
-    # --overlap, --async-offload, --offload-tier, --transfer (a serving batch is --max-batch requests)
-    sim_options.add_arguments(parser, exclude=("batch", "engine"))
+    # --overlap, --async-offload, --engine, --offload-tier, --transfer (a serving batch is --max-batch requests)
+    sim_options.add_arguments(parser, exclude=("batch",))
     parser.add_argument("--timeline", type=Path, metavar="FILE",
                         help="Chrome-trace JSON (Perfetto) of the first run on the first profile")
     parser.add_argument("--out", type=Path, default=None,

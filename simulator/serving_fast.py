@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hwprofiles import HardwareProfile, load_profile
+from hwprofiles import HardwareProfile
 from simulator import costs, mechanisms
 from simulator.engine import Channel, engines_per_channel
 from simulator.serving import (
@@ -36,12 +36,8 @@ from simulator.serving import (
     ServingConfig,
     ServingError,
     ServingResult,
-    load_arrivals_csv,
-    load_run_work,
-    poisson_arrivals,
-    summarise,
+    simulate_serving,
 )
-from traces import open_run
 
 
 class _Clock:
@@ -415,22 +411,7 @@ class FastServing:
 
 
 def simulate_serving_fast(run_dir: str | Path, profile: str | HardwareProfile, config: ServingConfig) -> ServingResult:
-    """`serving.simulate_serving` on the fast path (same inputs, same result tables)."""
-    from simulator.simulate import check_prefetch
-    from simulator.whatif import traced_config
+    """`serving.simulate_serving` on the fast path (what its engine "auto" does without a timeline)."""
+    from dataclasses import replace
 
-    if not isinstance(profile, HardwareProfile):
-        profile = load_profile(profile)
-    run = open_run(run_dir)
-    costs.offload_tier(profile, config.options.offload_tier)
-    if config.options.overlap == "layer-prefetch":
-        check_prefetch(run, traced_config(run.manifest["policy"]), projected=False)
-    profile, overhead_source = costs.profile_for_policy(profile, run.manifest["policy"]["name"])
-    manifest, shape, works = load_run_work(run_dir, profile, config.options.offload_tier, config.options.transfer)
-    if config.arrivals_csv:
-        arrivals = load_arrivals_csv(config.arrivals_csv, works)
-    else:
-        arrivals = poisson_arrivals(config.rate_per_s, config.duration_s, works, config.seed)
-    sim = FastServing(profile, shape, works, arrivals, config)
-    sim.run()
-    return summarise(sim, manifest, str(run_dir), overhead_source)
+    return simulate_serving(run_dir, profile, replace(config, options=replace(config.options, engine="fast")))

@@ -98,7 +98,8 @@ def test_fast_path_equals_the_des(runs, case):
                            seed=case["seed"], batch_copies=case["batch_copies"],
                            options=SimOptions(overlap=case["overlap"], async_offload=case["async_offload"],
                                               transfer=case["transfer"]))
-    des = simulate_serving(run, profile, config)
+    des = simulate_serving(run, profile, dataclasses.replace(config, options=dataclasses.replace(config.options,
+                                                                                             engine="des")))
     fast = simulate_serving_fast(run, profile, config)
     assert des.summary["n_requests"] > 3 and des.summary["tokens"] > 0
     assert_same(des.summary, fast.summary, "summary")
@@ -114,3 +115,12 @@ def test_admission_pressure_is_exercised(runs):
     config = ServingConfig(rate_per_s=300, duration_s=0.5, max_batch=64)
     fast = simulate_serving_fast(run, profile, config)
     assert fast.summary["max_concurrency"] <= 2 and fast.summary["queue_delay_p90_s"] > 0
+
+
+def test_serve_sim_engine_auto_is_the_fast_path_and_des_stays_selectable(runs):
+    run = runs["hierarchy"]
+    config = ServingConfig(rate_per_s=100, duration_s=0.3)
+    auto = simulate_serving(run, "h100-pcie", config)
+    des = simulate_serving(run, "h100-pcie", dataclasses.replace(config, options=SimOptions(engine="des")))
+    assert_same(des.summary, auto.summary, "auto vs des")
+
