@@ -225,12 +225,16 @@ def latency_frame(sim: pd.DataFrame, runs: pd.DataFrame | None = None, config: d
         out.append(record)
     latency = add_method(pd.DataFrame(out))
     if runs is not None and not runs.empty:
-        accuracy = runs[["run_dir", "accuracy", "ci_low", "ci_high", "n_scored"]]
+        # Accuracy with what bought it: the run's traffic (traces.stats.traffic_summary), never one without the other.
+        wanted = ["run_dir", "accuracy", "ci_low", "ci_high", "n_scored", *TRAFFIC_COLUMNS]
+        accuracy = runs[[c for c in wanted if c in runs]]
         latency = latency.merge(accuracy, on="run_dir", how="left")
     return latency.sort_values(["profile", "method", "hbm_budget"]).reset_index(drop=True)
 
 
 BREAKDOWN_PARTS = TIME_PARTS  # the parts of a step's time, as the simulator splits it
+TRAFFIC_COLUMNS = ("attended_frac", "hbm_frac", "recalled_frac", "recalled_tokens_per_layer_step", "h2d_bytes_per_token",
+                   "d2h_bytes_per_token", "h2d_bytes_per_token_ref", "d2h_bytes_per_token_ref")
 
 
 def _ms_per_token(group: pd.DataFrame) -> float:

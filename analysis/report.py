@@ -439,6 +439,7 @@ def best_per_profile(latency: pd.DataFrame, max_accuracy_drop: float = 0.05) -> 
         best = eligible.sort_values(["ms_per_token", "accuracy"], ascending=[True, False]).iloc[0]
         rows.append({"profile": profile, "method": best["method"], "hbm_budget": best["hbm_budget"],
                      "accuracy": best["accuracy"], "ci_low": best["ci_low"], "ci_high": best["ci_high"],
-                     "ms_per_token": best["ms_per_token"], "n": best["n_scored"]})
+                     "ms_per_token": best["ms_per_token"], "n": best["n_scored"],
+                     **{c: best[c] for c in ("overhead_mode", *frames.TRAFFIC_COLUMNS) if c in best}})
     return pd.DataFrame(rows).sort_values("ms_per_token").reset_index(drop=True)
 

@@ -11,7 +11,8 @@ from thoughtkv import demo
 from thoughtkv.cli import main
 from traces import open_run
 
-TINY = ["--model", "random:tiny", "--n-samples", "1", "--max-new-tokens", "4", "--budgets", "0.5", "--evict-ratios", "0.2"]
+TINY = ["--model", "random:tiny", "--n-samples", "1", "--max-new-tokens", "4", "--budgets", "0.5", "--evict-ratios", "0.2",
+        "--calibrate", "smoke"]
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +34,12 @@ def test_demo_traces_the_grid_simulates_every_profile_and_reports(demo_out):
         assert run.manifest["policy"]["name"] == label.split("-")[0]
     sim = pd.concat([pd.read_parquet(f) for f in sorted((demo_out / "sim").glob("*.parquet"))], ignore_index=True)
     traced = sim[sim["result_kind"] == "traced"]
-    n_profiles = len(list_profiles())
+    # every datasheet profile (in hf-eager mode) and this machine's in-run calibration, not the shipped example
+    n_profiles = len([p for p in list_profiles() if p.provenance.get("kind") != "measured"]) + 1
     assert traced.groupby("run_label")["profile"].nunique().tolist() == [n_profiles] * 3
+    assert "measured-here-cpu" in set(traced["profile"]) and "example-measured-cpu" not in set(traced["profile"])
+    modes = traced.drop_duplicates("profile").set_index("profile")["overhead_mode"]
+    assert modes.pop("measured-here-cpu") == "measured" and set(modes) == {"hf-eager"}
     projected = sim[sim["result_kind"] == "projected"]
     assert sorted(zip(projected["policy"], projected["hbm_budget"])) == [("evict", 0.5), ("hierarchy", 0.5)]
     # Each projection carries its traced twin's policy knobs, so the report can pair mass lost with accuracy.

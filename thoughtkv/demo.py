@@ -79,6 +79,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="recent tokens always kept in HBM (default: 16)")
     parser.add_argument("--recall-k", type=int, default=24,
                         help="hierarchy: DDR blocks recalled per layer and step (default: 24)")
+    parser.add_argument("--recall-budget", default=None, metavar="R",
+                        help="hierarchy: recall per step at most this fraction of the context (or tokens), "
+                             "instead of --recall-k")
+    parser.add_argument("--calibrate", choices=("quick", "smoke", "none"), default="quick",
+                        help="calibrate this machine first (quick: <= 60 s) and cross-check against it; smoke: "
+                             "seconds, for tests; none: no measured profile, no Figure 6 (default: quick)")
+    parser.add_argument("--overhead-mode", choices=("hf-eager", "kernel-only"), default="hf-eager",
+                        help="framework overheads of the datasheet GPU projections: hf-eager (a cited estimate of "
+                             "a transformers eager loop) or kernel-only (none) (default: hf-eager)")
     parser.add_argument("--device", default="cpu", help="device to trace on (default: cpu)")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                         help="simulation processes at once (default: 2 or the CPU count)")
@@ -95,19 +104,22 @@ def run(args: argparse.Namespace) -> int:
         raise DemoError(f"--n-samples {args.n_samples} must be at least 1")
     if args.workers < 1 or args.trace_workers < 1:
         raise DemoError(f"--workers {args.workers} / --trace-workers {args.trace_workers} must be at least 1")
-    from tracer.preflight import resolve_device
+    from tracer.preflight import check_model_spec, resolve_device
 
     args.device = resolve_device(args.device)  # the one --device check, before anything is written
+    check_model_spec(args.model)
     out = args.out
     _claim_out_dir(out, vars(args))
     cells = grid(budgets, evict_ratios)
 
+    measured = calibrate_here(out / "profiles", args)
     run_dirs = trace_all(cells, out / "runs", args)
-    sim_files = simulate_all(cells, run_dirs, out / "sim", args.workers)
+    sim_files = simulate_all(cells, run_dirs, out / "sim", args.workers, measured, args.overhead_mode)
     from analysis.report import build_report
 
     _stage("report")
-    report = build_report(list(run_dirs.values()), sim_files, out / "report", log=lambda m: print(f"  {m}"))
+    report = build_report(list(run_dirs.values()), sim_files, out / "report", log=lambda m: print(f"  {m}"),
+                          measured_profile=measured.stem if measured else None)
     print_summary(report, time.perf_counter() - started)
     return 0
 
@@ -143,6 +155,33 @@ def _stage(name: str) -> None:
     print(f"== {name}", file=sys.stderr, flush=True)
 
 
+# -- 0. calibrate --------------------------------------------------------------------------------------------
+
+
+def calibrate_here(profiles_dir: Path, args: argparse.Namespace) -> Path | None:
+    """This machine's measured profile, calibrated now (into the demo's output, never into the package): the
+    cross-check (Figure 6) then compares the simulator with timings from the same machine and day. A rerun
+    reuses it when it was calibrated on this host (traces.host), else calibrates again."""
+    if args.calibrate == "none":
+        return None
+    import yaml
+
+    from traces.host import host_facts, same_host
+
+    path = profiles_dir / f"measured-here-{args.device.split(':')[0]}.yaml"
+    if path.is_file():
+        recorded = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("provenance", {}).get("host_facts")
+        if same_host(recorded, host_facts()):
+            _stage(f"calibrate: {path} (this host, reused)")
+            return path
+    _stage(f"calibrate: this machine, {args.calibrate} plan -> {path}")
+    from tracer.calibrate import calibrate_here as calibrate
+    from tracer.preflight import resolve_threads
+
+    profiles_dir.mkdir(parents=True, exist_ok=True)
+    return calibrate(args.device.split(":")[0], path, resolve_threads(args.device, None), level=args.calibrate)
+
+
 # -- 1. trace -------------------------------------------------------------------------------------------------
 
 
@@ -173,7 +212,7 @@ def trace_all(cells: list[Cell], runs_dir: Path, args: argparse.Namespace) -> di
             model=args.model, task=args.task, out=str(run_dirs[cell.label]), n_samples=args.n_samples,
             policy=cell.policy, hbm_budget=cell.hbm_budget, evict_ratio=cell.evict_ratio,
             max_new_tokens=args.max_new_tokens, device=args.device, block_size=args.block_size,
-            window_tokens=args.window_tokens, recall_k=args.recall_k,
+            window_tokens=args.window_tokens, recall_k=args.recall_k, recall_budget=args.recall_budget,
         )
         config.validate()  # before any model loads: a bad option fails in a second, not a minute
         configs.append(config)
@@ -248,29 +287,38 @@ def newest_mtime(run_dir: Path) -> float:
     return max(p.stat().st_mtime for p in paths if p.exists())
 
 
-def simulate_all(cells: list[Cell], run_dirs: dict[str, Path], sim_dir: Path, workers: int = 1) -> list[Path]:
+def simulate_all(cells: list[Cell], run_dirs: dict[str, Path], sim_dir: Path, workers: int = 1,
+                 measured: Path | None = None, overhead_mode: str = "hf-eager") -> list[Path]:
     """One results file per run (all profiles; the full run also carries the what-if replays).
 
-    Each (run, profile) replay is one task for `workers` processes; a run's file is written once all of its
-    tasks are back, so an interrupted simulation leaves either a complete file or none.
+    Profiles: every shipped datasheet profile, charging `overhead_mode` (hf-eager: the cited estimate of a
+    transformers eager loop's launches; kernel-only: none), plus this machine's in-run calibration (`measured`,
+    its measured overheads). The shipped example of a measured profile is not used. Each (run, profile) replay
+    is one task for `workers` processes; a run's file is written once all of its tasks are back, so an
+    interrupted simulation leaves either a complete file or none.
     """
     import pandas as pd
     from tqdm.auto import tqdm
 
     from hwprofiles import list_profiles
 
-    profiles = [p.name for p in list_profiles()]
+    profiles = [(p.name, overhead_mode) for p in list_profiles() if p.provenance.get("kind") != "measured"]
+    if measured is not None:
+        profiles.append((str(measured), None))
     sim_dir.mkdir(parents=True, exist_ok=True)
     files = {cell.label: sim_dir / f"{cell.label}.parquet" for cell in cells}
+    newest_input = max([measured.stat().st_mtime] if measured is not None else [0.0])
     stale = [c for c in cells if not files[c.label].is_file()
-             or files[c.label].stat().st_mtime <= newest_mtime(run_dirs[c.label])]
-    _stage(f"simulate: {len(cells) - len(stale)} of {len(cells)} runs' results up to date, {len(profiles)} profiles")
-    what_if_profile = WHAT_IF_PROFILE if WHAT_IF_PROFILE in profiles else profiles[0]
-    tasks = []  # (label, run_dir, profile, what_if)
+             or files[c.label].stat().st_mtime <= max(newest_mtime(run_dirs[c.label]), newest_input)]
+    _stage(f"simulate: {len(cells) - len(stale)} of {len(cells)} runs' results up to date, {len(profiles)} profiles "
+           f"(datasheet GPUs {overhead_mode}{', this machine measured' if measured is not None else ''})")
+    names = [name for name, _ in profiles]
+    what_if_profile = (WHAT_IF_PROFILE, overhead_mode) if WHAT_IF_PROFILE in names else profiles[0]
+    tasks = []  # (label, run_dir, profile, overhead mode, what_if)
     for cell in stale:
-        tasks += [(cell.label, str(run_dirs[cell.label]), profile, None) for profile in profiles]
+        tasks += [(cell.label, str(run_dirs[cell.label]), profile, mode, None) for profile, mode in profiles]
         if cell.policy == "full":
-            tasks += [(cell.label, str(run_dirs[cell.label]), what_if_profile, what_if_of(run_dirs[t.label]))
+            tasks += [(cell.label, str(run_dirs[cell.label]), *what_if_profile, what_if_of(run_dirs[t.label]))
                       for t in cells if t.policy != "full"]
     results: dict[str, list] = {cell.label: [] for cell in stale}
     remaining = {cell.label: sum(1 for t in tasks if t[0] == cell.label) for cell in stale}
@@ -285,10 +333,10 @@ def simulate_all(cells: list[Cell], run_dirs: dict[str, Path], sim_dir: Path, wo
     return list(files.values())
 
 
-def simulate_one(run_dir: str, profile: str, what_if: dict | None):
-    from simulator import simulate_run
+def simulate_one(run_dir: str, profile: str, overhead_mode: str | None, what_if: dict | None):
+    from simulator import SimOptions, simulate_run
 
-    return simulate_run(run_dir, profile, what_if=what_if).samples
+    return simulate_run(run_dir, profile, SimOptions(overhead_mode=overhead_mode), what_if=what_if).samples
 
 
 def _map_tasks(function, tasks: list[tuple], workers: int, key=lambda task: task):
@@ -321,23 +369,37 @@ def what_if_of(run_dir: Path) -> dict:
 
 
 def print_summary(report, elapsed_s: float) -> None:
+    """The best policy per profile, each with the traffic that bought its accuracy and the overheads charged."""
     from rich.console import Console
     from rich.table import Table
 
     from analysis.report import best_per_profile
+    from traces.stats import REFERENCE_ARCHITECTURE, bytes_text
+
+    def percent(value) -> str:
+        return "-" if value != value else f"{value:.0%}"
 
     console = Console()
     best = best_per_profile(report.latency)
     if best.empty:
         console.print("No accuracy to rank policies by (unscored samples); see the report for latency.")
     else:
-        table = Table(title="Best policy per profile: the fastest within 5 points of the best accuracy (95% CI)")
-        for column in ("profile", "policy", "budget", "accuracy [CI]", "n", "ms/token"):
-            table.add_column(column, justify="left" if column in ("profile", "policy") else "right", no_wrap=True)
-        for row in best.itertuples():
-            table.add_row(row.profile, row.method, f"{row.hbm_budget:.0%}",
-                          f"{row.accuracy:.0%} [{row.ci_low:.0%}, {row.ci_high:.0%}]", str(int(row.n)),
-                          f"{row.ms_per_token:.3g}")
+        table = Table(title="Best policy per profile: the fastest within 5 points of the best accuracy (95% CI), "
+                            "with its traffic (decode steps)")
+        columns = ("profile", "overheads", "policy", "budget", "accuracy [CI]", "n", "ms/token", "attended",
+                   "recalled/step", f"H2D/token ({REFERENCE_ARCHITECTURE})")
+        for column in columns:
+            table.add_column(column, justify="left" if column in ("profile", "overheads", "policy") else "right",
+                             no_wrap=True)
+        for row in best.to_dict("records"):
+            h2d_ref = row.get("h2d_bytes_per_token_ref", float("nan"))
+            table.add_row(row["profile"], str(row.get("overhead_mode", "?")), row["method"], f"{row['hbm_budget']:.0%}",
+                          f"{row['accuracy']:.0%} [{row['ci_low']:.0%}, {row['ci_high']:.0%}]", str(int(row["n"])),
+                          f"{row['ms_per_token']:.3g}", percent(row.get("attended_frac", float("nan"))),
+                          percent(row.get("recalled_frac", float("nan"))),
+                          "-" if h2d_ref != h2d_ref else bytes_text(h2d_ref))
         console.print(table)
+        console.print("overheads: measured = this machine's in-run calibration; hf-eager = datasheet GPU + a cited "
+                      "estimate of a transformers eager loop's kernel launches; kernel-only = kernels and copies only")
     drawn = sum(1 for f in report.figures if f.paths)
     console.print(f"report: {report.path} ({drawn} of {len(report.figures)} figures) in {elapsed_s:.0f} s")
