@@ -170,6 +170,11 @@ def capacity_accuracy(accuracy: pd.DataFrame) -> Figure:
         yerr = np.vstack([rows["accuracy"] - rows["ci_low"], rows["ci_high"] - rows["accuracy"]])
         ax.errorbar(x, rows["accuracy"], yerr=yerr, capsize=2, elinewidth=0.7,
                     label=f"{method} ({_n_text(rows['n_scored'])})", **styles[method])
+        if "attended_frac" in rows:  # the traffic that bought the accuracy (analysis.report's caption has more)
+            for xi, yi, attended in zip(x, rows["accuracy"], rows["attended_frac"]):
+                if attended == attended:
+                    ax.annotate(f"{attended:.0%}", (xi, yi), textcoords="offset points", xytext=(3, 3), fontsize=6,
+                                color=styles[method].get("color", "0.3"))
     ax.set_xlabel(BUDGET_LABEL)
     ax.set_ylabel("accuracy (%), 95% Wilson CI")
     ax.set_ylim(-0.02, 1.02)

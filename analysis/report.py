@@ -19,6 +19,7 @@ from analysis import figures, frames, load, stats, tables
 from analysis.style import save_figure
 from thoughtkv_base import UserError, __version__
 from traces import TraceRun
+from traces.stats import REFERENCE_ARCHITECTURE, bytes_text
 
 REPORT_NAME = "report.md"
 TOP_FRAC = 0.2
@@ -145,9 +146,20 @@ def _capacity_accuracy(data: Data) -> tuple[Figure, str]:
         raise Skip("only full-cache runs: no reduced HBM budget to compare")
     full = pooled[pooled["is_full"]]
     full_text = f"full cache {full['accuracy'].iloc[0]:.0%} (n={int(full['n_scored'].iloc[0])})" if not full.empty else "no full-cache run"
+    # Never an accuracy without the traffic that bought it: each point is labelled with the share of the context
+    # its attention saw (HBM + recalled), and the caption gives the recall traffic at the smallest budget.
+    traffic = tables.capacity_accuracy_table(accuracy)[["method", "hbm_budget", *tables.TRAFFIC_WEIGHTS]]
+    pooled = pooled.merge(traffic, on=["method", "hbm_budget"], how="left")
+    partial = pooled[~pooled["is_full"]]
+    smallest = partial[partial["hbm_budget"] == partial["hbm_budget"].min()]
+    traffic_text = "; ".join(
+        f"{r.method}: attends {r.attended_frac:.0%}, recalls {r.recalled_frac:.0%} of the context per step, H2D "
+        f"{bytes_text(r.h2d_bytes_per_token_ref)}/token at {REFERENCE_ARCHITECTURE}"
+        for r in smallest.itertuples() if r.attended_frac == r.attended_frac)
     caption = (
         f"Accuracy vs HBM budget per method with 95% Wilson intervals; {full_text} shown as the grey band; "
-        f"{plural(len(pooled), 'point')}, n per point in the legend."
+        f"{plural(len(pooled), 'point')}, n per point in the legend; labels: share of the context attended. "
+        f"Traffic at {smallest['hbm_budget'].min():.0%} HBM: {traffic_text or 'not recorded'}."
     )
     return figures.capacity_accuracy(pooled), caption
 
@@ -195,7 +207,23 @@ def link_stall_label(profiles) -> str:
 
 def _config_text(latency: pd.DataFrame) -> str:
     row = latency.iloc[0]
-    return f"overlap={row['overlap']}, async offload={row['async_offload']}, batch={row['batch']}"
+    return (f"overlap={row['overlap']}, async offload={row['async_offload']}, batch={row['batch']}; "
+            f"{overheads_text(latency)}")
+
+
+OVERHEAD_MODE_TEXT = {"measured": "measured (calibrated on the machine)",
+                      "kernel-only": "kernel-only (no framework overhead: a bound no decode loop reaches)",
+                      "hf-eager": "hf-eager (datasheet + a cited transformers-eager launch estimate)"}
+
+
+def overheads_text(latency: pd.DataFrame) -> str:
+    """Which framework-overhead mode each profile's projection charged (hwprofiles/overhead_modes.py)."""
+    if "overhead_mode" not in latency or latency["overhead_mode"].isna().all():
+        return "framework overheads: not recorded (results from before overhead modes)"
+    by_mode = latency.drop_duplicates("profile").groupby("overhead_mode")["profile"].apply(sorted)
+    parts = [f"{OVERHEAD_MODE_TEXT.get(mode, mode)} for {plural(len(names), 'profile')}"
+             + (f" ({', '.join(names)})" if len(names) <= 2 else "") for mode, names in by_mode.items()]
+    return "framework overheads: " + "; ".join(parts)
 
 
 def _pareto(data: Data) -> tuple[Figure, str]:
@@ -207,7 +235,8 @@ def _pareto(data: Data) -> tuple[Figure, str]:
     names = ", ".join(f"{r.method} @ {r.hbm_budget:.0%} on {r.profile}" for r in frontier.head(3).itertuples())
     caption = (
         f"Accuracy vs projected latency ({plural(len(points), 'policy x profile point')}) and vs KV bytes in HBM per "
-        f"sequence; the black step line is the Pareto frontier (fastest frontier points: {names})."
+        f"sequence; the black step line is the Pareto frontier (fastest frontier points: {names}); "
+        f"{overheads_text(latency)}."
     )
     return figures.pareto(points), caption
 
@@ -227,7 +256,8 @@ def _capacity(data: Data) -> tuple[Figure, str]:
     source = (f"throughput simulated with batched replays for {simulated} of {plural(len(capacity), 'point')}, elsewhere "
               "bounded by max sequences x single-sequence tokens/s" if simulated else
               "throughput is the bound max sequences x single-sequence tokens/s (no batched replays simulated)")
-    caption = f"Max concurrent sequences (HBM and DDR limits) vs HBM budget for {method}, per profile{gain}; {source}."
+    caption = (f"Max concurrent sequences (HBM and DDR limits) vs HBM budget for {method}, per profile{gain}; {source}; "
+               f"{overheads_text(latency)}.")
     return figures.capacity(capacity, method), caption
 
 
