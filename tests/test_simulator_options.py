@@ -58,7 +58,6 @@ def test_bad_options_are_one_line_errors_of_every_command(change, message):
     ({"seed": -1}, "--seed"),
     ({"rate_per_s": 1e6, "duration_s": 1e6}, "--rate-per-s, --duration-s"),
     ({"options": SimOptions(batch=2)}, "--max-batch"),
-    ({"options": SimOptions(engine="fast")}, "engine fast"),
 ])
 def test_serving_config_names_the_wrong_option(change, flag):
     with pytest.raises(ServingError, match=flag) as info:
