@@ -335,14 +335,16 @@ def _describe_cell(run_dir: str, profile: str, what_if: tuple, *values: dict) ->
 
 
 def _check_cell(run_dir: str, profile, options: SimOptions, what_if: tuple) -> None:
-    """What simulate_run / simulate_serving check before they work, for one cell: the what-if against its run's
-    traced policy, the offload tier on the profile, layer-prefetch against the recall rule."""
+    """What simulate_run / simulate_serving check before they work, for one cell: the run has samples, the
+    what-if against its traced policy, the offload tier on the profile, layer-prefetch against the recall rule."""
     from simulator.costs import offload_tier
     from simulator.simulate import check_prefetch
     from simulator.whatif import parse_what_if, traced_config, what_if_config
     from traces.reader import open_run
 
     run = open_run(run_dir)
+    if not run.sample_ids():
+        raise SweepError(f"{run.path}: no committed samples to simulate; let the trace run finish (or resume it)")
     policy = run.manifest["policy"]
     config = what_if_config(policy, parse_what_if(dict(what_if))) if what_if else traced_config(policy)
     offload_tier(profile, options.offload_tier)

@@ -4,6 +4,7 @@ cell by cell before anything runs, serve-sim's numeric options and arrival files
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -113,6 +114,19 @@ def test_grid_cells_are_checked_against_their_run_and_profile(tmp_path, runs, ca
     assert main(["sweep", "--grid", str(grid_file), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_a_grid_on_a_run_without_committed_samples_is_refused(tmp_path, capsys):
+    from traces import TraceWriter
+
+    run = synth_run(tmp_path / "src", model="tiny", prompt_tokens=16, decode_steps=2, policy="full")
+    empty = tmp_path / "empty"
+    TraceWriter(empty, json.loads((run / "run.json").read_text()))  # run.json, no sample yet
+    grid_file = tmp_path / "g.yaml"
+    grid_file.write_text(yaml.safe_dump({"kind": "serve", "runs": [str(empty)], "profiles": ["h100-pcie"]}))
+    assert main(["sweep", "--grid", str(grid_file), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no committed samples" in err and len(err.splitlines()) == 1
 
 
 def test_a_sweep_where_every_cell_fails_names_no_results_file(tmp_path, runs, capsys):
