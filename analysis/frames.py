@@ -350,7 +350,8 @@ def sim_vs_measured_frame(sim: pd.DataFrame, measured: pd.DataFrame) -> pd.DataF
     joined = traced.merge(measured, on=["run_dir", "sample_id", "profile"], how="inner")
     joined = joined.rename(columns={"total_s": "simulated_s"})
     joined["rel_err"] = (joined["simulated_s"] - joined["measured_s"]) / joined["measured_s"]
-    return joined[["run_dir", "profile", "sample_id", "simulated_s", "measured_s", "rel_err"]].reset_index(drop=True)
+    extra = [c for c in ("contended", "same_host") if c in joined]  # how far to trust each pair (kept, flagged)
+    return joined[["run_dir", "profile", "sample_id", "simulated_s", "measured_s", "rel_err", *extra]].reset_index(drop=True)
 
 
 def mass_lost_frame(sim: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:

@@ -243,7 +243,21 @@ def measured_seconds(run: TraceRun) -> pd.DataFrame:
     if per_step.empty:
         return pd.DataFrame(columns=["run_dir", "sample_id", "measured_s"])
     total = per_step.groupby("sample_id", as_index=False)["measured_step_us"].sum()
-    return pd.DataFrame({"run_dir": run_key(run), "sample_id": total["sample_id"], "measured_s": total["measured_step_us"] / 1e6})
+    return pd.DataFrame({"run_dir": run_key(run), "sample_id": total["sample_id"], "measured_s": total["measured_step_us"] / 1e6,
+                         "contended": traced_under_contention(run.manifest)})
+
+
+def traced_under_contention(manifest: dict) -> bool | None:
+    """Whether other work competed for the CPUs while the run was traced: a session (run.json `sessions`) began
+    or ended with a 1-minute load average above the CPUs it could use (None when no session recorded it).
+    Such samples' timings are kept and flagged, not dropped: the flag says how far to trust them."""
+    verdicts = []
+    for session in manifest.get("sessions") or []:
+        cpus = session.get("cpus")
+        loads = [session.get(k) for k in ("load_avg_1m_start", "load_avg_1m_end") if session.get(k) is not None]
+        if cpus and loads:
+            verdicts.append(max(loads) > cpus)
+    return any(verdicts) if verdicts else None
 
 
 def measuring_profiles(profile_names: list[str], device: str | None) -> list[str]:

@@ -6,6 +6,7 @@ caption with its headline number) or says why the data do not support it (the re
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -292,9 +293,23 @@ def _sim_vs_measured(data: Data) -> tuple[Figure, str]:
     errors = stats.error_stats(frame["simulated_s"], frame["measured_s"])
     caption = (
         f"Simulated vs measured decode time per sample on the measured profile(s) {', '.join(sorted(frame['profile'].unique()))}: "
-        f"median |error| {errors['median_abs_rel_err']:.1%}, p95 {errors['p95_abs_rel_err']:.1%} (n={errors['n']})."
+        f"median |error| {errors['median_abs_rel_err']:.1%}, p95 {errors['p95_abs_rel_err']:.1%} (n={errors['n']}); "
+        f"{_trust_text(frame)}."
     )
     return figures.sim_vs_measured(frame, errors), caption
+
+
+def _trust_text(frame: pd.DataFrame) -> str:
+    """Which host each side came from, and how many samples were traced under contention (kept, flagged)."""
+    same = frame["same_host"] if "same_host" in frame else pd.Series(dtype=object)
+    if same.eq(True).all() and len(same):
+        host = "profile calibrated on the host that traced the runs"
+    elif same.eq(False).any():
+        host = "WARNING: the profile was calibrated on another host than the traces (compare like with like)"
+    else:
+        host = "hosts not recorded on one side"
+    contended = int(frame["contended"].eq(True).sum()) if "contended" in frame else 0
+    return f"{host}; {plural(contended, 'sample')} traced under CPU contention (kept, flagged in the table)"
 
 
 def _mass_lost(data: Data) -> tuple[Figure, str]:
@@ -374,6 +389,16 @@ def check_out_dir(out_dir: Path) -> None:
         )
 
 
+def host_warnings(sim: pd.DataFrame) -> list[str]:
+    """One line per measured profile that the results applied to runs traced on another host."""
+    if sim.empty or "same_host" not in sim:
+        return []
+    other = sim[sim["same_host"].eq(False)]
+    return [f"warning: measured profile {profile} was calibrated on another host than {plural(group['run_dir'].nunique(), 'run')} "
+            "it was applied to; calibrate where you trace (`thoughtkv calibrate`) to compare like with like"
+            for profile, group in other.groupby("profile")]
+
+
 def build_report(
     run_paths: list[str | Path],
     sim_paths: list[str | Path] = (),
@@ -393,6 +418,8 @@ def build_report(
     sim = load.align_run_dirs(load.load_sim_results(inputs.sim_files), [load.run_key(r) for r in inputs.runs])
     latency = frames.latency_frame(sim, run_table if not run_table.empty else None) if not sim.empty else pd.DataFrame()
     data = Data(inputs.runs, run_table, sim, latency, budget, measured_profile)
+    for line in host_warnings(sim):
+        print(line, file=sys.stderr)  # printed even with --quiet: a comparison across machines is worth a line
 
     figure_dir, table_dir = out_dir / "figures", out_dir / "tables"
     entries = []

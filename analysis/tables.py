@@ -117,9 +117,17 @@ def sim_vs_measured_table(frame: pd.DataFrame) -> pd.DataFrame:
     """Per profile and overall: n, median and p95 of |relative error|, mean signed error."""
     if frame.empty:
         return pd.DataFrame(columns=["profile", "n", "median_abs_rel_err", "p95_abs_rel_err", "mean_rel_err"])
-    rows = [{"profile": p, **stats.error_stats(g["simulated_s"], g["measured_s"])} for p, g in frame.groupby("profile")]
+    def row(name, group) -> dict:
+        flags = {}
+        if "contended" in group:  # kept, flagged: how many of these pairs were traced while the CPUs were busy
+            flags["contended_samples"] = int(group["contended"].eq(True).sum())
+        if "same_host" in group:
+            flags["same_host"] = bool(group["same_host"].eq(True).all())
+        return {"profile": name, **stats.error_stats(group["simulated_s"], group["measured_s"]), **flags}
+
+    rows = [row(p, g) for p, g in frame.groupby("profile")]
     if len(rows) > 1:
-        rows.append({"profile": "all", **stats.error_stats(frame["simulated_s"], frame["measured_s"])})
+        rows.append(row("all", frame))
     return pd.DataFrame(rows)
 
 

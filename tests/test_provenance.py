@@ -56,3 +56,18 @@ def test_datasheet_profiles_never_warn_and_name_their_overhead_mode(here, tmp_pa
     assert kernel["overhead_mode"].eq("kernel-only").all() and (kernel["overhead_s"] == 0).all()
     assert eager["overhead_mode"].eq("hf-eager").all()
     assert (eager["overhead_s"] > 0).all() and (eager["total_s"] > kernel["total_s"]).all()
+
+
+def test_plot_warns_once_for_a_profile_from_another_host(here, tmp_path, capsys):
+    profile, run = here
+    data = yaml.safe_load(profile.read_text())
+    data["name"] = "away-cpu"
+    data["provenance"]["host_facts"]["cpu_model"] = "another CPU"
+    other = tmp_path / "away-cpu.yaml"
+    other.write_text(yaml.safe_dump(data, sort_keys=False))
+    _simulate(run, other, tmp_path / "sim", capsys)
+    _simulate(run, profile, tmp_path / "sim-here", capsys)
+    assert main(["plot", str(run), "--sim", str(tmp_path / "sim"), str(tmp_path / "sim-here"),
+                 "--out", str(tmp_path / "report"), "--quiet"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "away-cpu" in warnings[0]
