@@ -17,6 +17,7 @@ RUN_DIR/serving for one run, else ./serving.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from simulator import options as sim_options
@@ -46,6 +47,9 @@ def serving_config(args: argparse.Namespace):
     config = sim_options.from_args(args, ServingConfig, options=sim_options.from_args(args))
     if config.arrivals_csv is not None and not Path(config.arrivals_csv).is_file():
         raise ServingError(f"--arrivals-csv {config.arrivals_csv}: not found; pass an existing CSV")
+    unused = [f"--{n.replace('_', '-')}" for n in ("rate_per_s", "duration_s") if getattr(args, n, None) is not None]
+    if config.arrivals_csv is not None and unused:  # never silently: the CSV's times decide the arrivals
+        print(f"warning: {' and '.join(unused)} unused: --arrivals-csv gives the arrivals", file=sys.stderr)
     return config
 
 

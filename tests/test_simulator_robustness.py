@@ -184,12 +184,13 @@ def test_serve_sim_bad_arrival_files_are_one_line(tmp_path, runs, capsys, text, 
     assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
 
 
-def test_serve_sim_arrival_file_that_works(tmp_path, runs):
+def test_serve_sim_arrival_file_that_works(tmp_path, runs, capsys):
     a, _, _ = runs
     csv = tmp_path / "arrivals.csv"
     csv.write_text("arrival_s,prompt_tokens,output_tokens\n0.0,32,5\n0.25,32,13\n")
-    assert main(["serve-sim", str(a), "--profile", "h100-pcie", "--arrivals-csv", str(csv),
+    assert main(["serve-sim", str(a), "--profile", "h100-pcie", "--arrivals-csv", str(csv), "--rate-per-s", "9",
                  "--out", str(tmp_path / "o")]) == 0
+    assert "--rate-per-s unused" in capsys.readouterr().err  # the CSV decides; said, not silently ignored
     summary = pd.read_parquet(tmp_path / "o" / "serving_summary.parquet")
     assert int(summary["n_completed"].iloc[0]) == 2 and int(summary["tokens"].iloc[0]) == 5 + 13
 
