@@ -167,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"thoughtkv {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:  # a path the filesystem refuses (name too long, not a directory, no space, read-only)
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"thoughtkv {args.command}: error: {_one_line(exc.strerror or exc)}{_one_line(where)}; check the "
+              "path or free space", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"thoughtkv {args.command}: interrupted; finished work is kept, rerun to resume", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -169,6 +169,19 @@ def check_fits(spec: str, config, dtype: str, dtype_bytes: int, device: str) -> 
 # ---------------------------------------------------------------- model source -------------------------------
 
 
+def check_model_spec(spec: str) -> None:
+    """Refuse, before a command writes anything, a --model that cannot load: an unknown `random:` architecture,
+    a missing directory, an HF id that is neither cached nor downloadable here."""
+    if spec == "micro":
+        return
+    if spec.startswith("random:"):
+        from traces.architectures import get_architecture
+
+        get_architecture(spec.split(":", 1)[1])
+        return
+    model_is_local(spec)
+
+
 def model_is_local(spec: str) -> bool:
     """True for a local model directory (or an HF id already in the local cache: load it without the network);
     False for an HF id to download. Raises one line for a missing path, a file, or an unreachable Hub, so that
