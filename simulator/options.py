@@ -49,7 +49,8 @@ class SimOptions:
         "help": "auto: the closed-form fast path where it is exact, else the SimPy DES", "choices": ENGINES,
         "key": False})
     offload_tier: str = field(default="ddr", metadata={
-        "help": "where offloaded KV lives: ddr (host memory) or a profile's extra tier (e.g. cxl-expander)"})
+        "help": "where offloaded KV lives: ddr (host memory) or a profile's extra tier (e.g. cxl-expander)",
+        "metavar": "TIER"})
     transfer: str = field(default="dma-per-block", metadata={
         "help": "how KV blocks cross the link: dma-per-block (one copy per sequence and layer-step), dma-batched "
                 "(one call per layer-step for the batch), sm-copy (a copy kernel on a few SMs), zero-copy (attention "
@@ -175,8 +176,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls=SimOptions, only: tuple[s
         if "help" not in f.metadata or (only is not None and f.name not in only) or f.name in exclude:
             continue
         default = f.default if f.default is not MISSING else f.default_factory()
-        note = (default_note or {}).get(f.name, f.metadata.get(
-            "default_text", "on" if default is True else "off" if default is False else default))
+        note = (default_note or {}).get(f.name, f.metadata.get("default_text", _shown(default)))
         kwargs = {"dest": f.name, "default": None, "help": f"{f.metadata['help']} (default: {note})"}
         if isinstance(default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -194,6 +194,15 @@ def from_args(args: argparse.Namespace, cls=SimOptions, **given):
     `given` (e.g. options=SimOptions(...)) sets fields that have no flag or a caller-decided value."""
     values = {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None}
     return cls(**{**values, **given})
+
+
+def _shown(default) -> str:
+    """A default as the help shows it: on / off for switches, unset for None."""
+    if default is None:
+        return "unset"
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return str(default)
 
 
 def grid_keys(cls=SimOptions, exclude: tuple[str, ...] = ()) -> dict[str, str]:
