@@ -104,7 +104,7 @@ def _validate(files: list[str]) -> int:
                                    "choose another name")
         except ProfileError as exc:
             failures += 1
-            print(f"thoughtkv profiles: error: {exc}", file=sys.stderr)
+            print(f"thoughtkv profiles: error: {' '.join(str(exc).split())}", file=sys.stderr)  # one line per file
             continue
         print(f"ok  {profile.name}  ({file})")
     return 2 if failures else 0

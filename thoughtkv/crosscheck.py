@@ -33,7 +33,7 @@ from analysis.crosscheck import CrosscheckError, dominant_term, scatter_figure, 
 from hwprofiles.overhead_modes import apply_mode
 from simulator import options as sim_options
 from simulator.costs import profile_for_policy
-from tracer.preflight import THREADS_HELP, resolve_device, resolve_threads
+from tracer.preflight import THREADS_HELP, check_model_spec, resolve_device, resolve_threads
 
 POLICIES = ("full", "evict", "hierarchy")
 GOAL_MEDIAN, GOAL_P95 = 0.10, 0.25
@@ -224,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
                               f"clock but {threads} threads give {clock}; use --threads "
                               f"{calibrated.provenance.get('threads')}")
     model_spec = normalise_model(args.model)
+    check_model_spec(model_spec)  # before crosscheck.json is written
     out = Path(args.out)
     settings = settings_record(args, model_spec, device_type, threads)
     settings_path = out / "crosscheck.json"

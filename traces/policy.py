@@ -216,8 +216,9 @@ def _number(value, what: str) -> float:
 
 def _whole(value, what: str, low: int) -> int:
     number = _number(value, what)
-    if number != int(number) or number < low:
-        raise PolicyError(f"{what} {value!r} must be a whole number >= {low}")
+    # isfinite first: int(inf) raises OverflowError; 2**31 tokens is beyond any context (and any int32 column)
+    if not math.isfinite(number) or number != int(number) or number < low or number >= 2**31:
+        raise PolicyError(f"{what} {value!r} must be a whole number >= {low} (and below 2**31)")
     return int(number)
 
 
