@@ -67,6 +67,7 @@ from simulator.mechanisms import build_workload as mechanism_workload
 from simulator.mechanisms import context as transfer_context
 from simulator.options import KEY_FIELDS, ServingConfig
 from simulator.schedule import StepSchedule
+from simulator.tiers import check_spill, tier_chain
 from simulator.workload import step_arrays
 from traces import open_run
 
@@ -273,6 +274,7 @@ class Request:
     first_token_s: float = math.nan
     finish_s: float = math.nan
     step: int = 0  # next traced step to run
+    spilled: bool = False  # its offloaded KV lives in the spill tier (--offload-tier ddr+TIER: DDR was full)
     last_token_s: float = math.nan
     link_wait_s: float = 0.0  # time its transfers spent queued for a copy engine
     tbt_s: list[float] = field(default_factory=list)
@@ -291,7 +293,8 @@ class ServingSim:
     """The SimPy model: an arrival process, the batch loop (GPU) and copies on the engine's link channels."""
 
     def __init__(self, profile: HardwareProfile, shape: costs.ModelShape, works: list[SampleWork],
-                 arrivals: list[Arrival], config: ServingConfig, timeline: Timeline | None = None):
+                 arrivals: list[Arrival], config: ServingConfig, timeline: Timeline | None = None,
+                 spill_works: list[SampleWork] | None = None):
         self.profile, self.shape, self.config = profile, shape, config
         self.env = simpy.Environment()
         self.hw = Hardware(self.env, profile, timeline)  # the engine's GPU and link channels
@@ -300,8 +303,14 @@ class ServingSim:
         if self.kv_capacity_bytes <= 0:
             raise ServingError(f"{shape.name}: weights ({shape.weight_bytes / 1e9:.1f} GB) do not fit in "
                                f"{profile.name}'s HBM; pick a larger GPU")
-        self.tier = costs.offload_tier(profile, config.options.offload_tier)
+        self.chain = tier_chain(profile, config.options.offload_tier)  # ddr, TIER, or ddr+TIER (spill)
+        self.tier = costs.offload_tier(profile, self.chain.primary)
         self.ddr_capacity_bytes = self.tier.capacity_bytes
+        self.spill_capacity_bytes = costs.offload_tier(profile, self.chain.spill).capacity_bytes \
+            if self.chain.spill else 0.0
+        self.spill_works = spill_works  # the samples costed on the spill tier
+        self.sample_of = [a.sample for a in arrivals]
+        self.reserved_spill_bytes = 0.0
         self.works = works
         self.requests = [Request(i, a.arrival_s, works[a.sample].truncated(a.n_steps))
                          for i, a in enumerate(arrivals)]
@@ -315,11 +324,12 @@ class ServingSim:
         self.occupancy: list[tuple] = []  # one row per iteration (the `timeline` table of summarise)
         # --transfer (simulator/mechanisms.py): the copies' cost, whether a group shares one copy, the layers' time
         self.mechanism = mechanism_for(config.options.transfer, profile)
-        self.transfer = transfer_context(profile, shape, config.options.offload_tier)
+        self.transfer = transfer_context(profile, shape, self.chain.primary)
         ctx, mechanism = self.transfer, self.mechanism
         coalesce = (lambda direction, n_bytes: coalesced_copy_s(mechanism, ctx, direction, n_bytes)) \
             if config.batch_copies or mechanism.batched else None
         self.coalesce = coalesce
+        check_spill(self.chain, mechanism, coalesce is not None, self.hw.h2d.n_engines)
         # The engine's schedule; `pending` keeps each request's prefetched recall (layer-prefetch) across iterations.
         self.schedule = StepSchedule(self.env, self.hw, config.options.overlap == "layer-prefetch",
                                      config.options.async_offload, mechanism.copy_overhead_s(ctx, "h2d"),
@@ -349,7 +359,8 @@ class ServingSim:
 
     def fits_alone(self, request: Request) -> bool:
         return request.work.peak_hbm_kv_bytes <= self.kv_capacity_bytes and \
-            request.work.peak_ddr_kv_bytes <= self.ddr_capacity_bytes
+            (request.work.peak_ddr_kv_bytes <= self.ddr_capacity_bytes
+             or request.work.peak_ddr_kv_bytes <= self.spill_capacity_bytes)
 
     def _queue_changed(self) -> None:
         self.queue_changes.append((self.env.now, len(self.waiting)))
@@ -358,14 +369,22 @@ class ServingSim:
         """FCFS while the batch has room and the head's peak KV fits in what HBM and DDR have left."""
         while self.waiting and len(self.running) < self.config.max_batch:
             head = self.waiting[0]
+            offloaded = head.work.peak_ddr_kv_bytes
+            in_ddr = self.reserved_ddr_bytes + offloaded <= self.ddr_capacity_bytes
+            in_spill = self.reserved_spill_bytes + offloaded <= self.spill_capacity_bytes  # DDR full -> spill
             if self.reserved_hbm_bytes + head.work.peak_hbm_kv_bytes > self.kv_capacity_bytes or \
-                    self.reserved_ddr_bytes + head.work.peak_ddr_kv_bytes > self.ddr_capacity_bytes:
+                    not (in_ddr or in_spill):
                 return
             self.waiting.popleft()
             self._queue_changed()
             head.admitted_s = self.env.now
             self.reserved_hbm_bytes += head.work.peak_hbm_kv_bytes
-            self.reserved_ddr_bytes += head.work.peak_ddr_kv_bytes
+            if in_ddr:
+                self.reserved_ddr_bytes += offloaded
+            else:  # its copies now cost what the spill tier costs
+                head.spilled = True
+                head.work = self.spill_works[self.sample_of[head.rid]].truncated(head.work.n_steps)
+                self.reserved_spill_bytes += offloaded
             self.running.append(head)
 
     # -- the GPU ------------------------------------------------------------------------------------------
@@ -446,7 +465,10 @@ class ServingSim:
             if r.step >= r.work.n_steps:
                 r.finish_s = now
                 self.reserved_hbm_bytes -= r.work.peak_hbm_kv_bytes
-                self.reserved_ddr_bytes -= r.work.peak_ddr_kv_bytes
+                if r.spilled:
+                    self.reserved_spill_bytes -= r.work.peak_ddr_kv_bytes
+                else:
+                    self.reserved_ddr_bytes -= r.work.peak_ddr_kv_bytes
             else:
                 still_running.append(r)
         self.running = still_running
@@ -507,6 +529,7 @@ def summarise(sim: ServingSim, manifest: dict, run_dir: str, overhead_source: st
         "tbt_mean_s": float(np.mean(r.tbt_s)) if len(r.tbt_s) else math.nan,
         "tbt_max_s": float(np.max(r.tbt_s)) if len(r.tbt_s) else math.nan, "link_wait_s": r.link_wait_s,
         "peak_hbm_kv_bytes": r.work.peak_hbm_kv_bytes, "peak_ddr_kv_bytes": r.work.peak_ddr_kv_bytes,
+        "spilled": r.spilled,
     } for r in sim.requests])
     timeline = pd.DataFrame(sim.occupancy, columns=["time_s", "running", "waiting", "hbm_bytes",
                                                    "hbm_reserved_bytes", "ddr_bytes", "ddr_reserved_bytes"])
@@ -547,6 +570,8 @@ def summarise(sim: ServingSim, manifest: dict, run_dir: str, overhead_source: st
         "peak_hbm_bytes": float(timeline["hbm_bytes"].max()) if len(timeline) else float(sim.shape.weight_bytes),
         "peak_hbm_reserved_bytes": float(timeline["hbm_reserved_bytes"].max()) if len(timeline) else math.nan,
         "ddr_capacity_bytes": sim.ddr_capacity_bytes,
+        "spill_tier": sim.chain.spill, "spill_capacity_bytes": sim.spill_capacity_bytes,
+        "n_spilled": int(sum(r.spilled for r in sim.requests)),
         "peak_ddr_bytes": float(timeline["ddr_bytes"].max()) if len(timeline) else 0.0,
         # Share of the link's bandwidth used while requests were served (bytes / bandwidth / time).
         "bytes_h2d": sim.hw.h2d.bytes["h2d"], "bytes_d2h": sim.hw.d2h.bytes["d2h"],
@@ -573,12 +598,13 @@ def simulate_serving(run_dir: str | Path, profile: str | HardwareProfile, config
     if not isinstance(profile, HardwareProfile):
         profile = load_profile(profile)
     run = open_run(run_dir)
-    costs.offload_tier(profile, config.options.offload_tier)  # an unknown tier fails before any work
+    chain = tier_chain(profile, config.options.offload_tier)  # an unknown tier fails before any work
     if config.options.overlap == "layer-prefetch":  # the same validity rule as simulate_run's
         check_prefetch(run, traced_config(run.manifest["policy"]), projected=False)
     # The same per-policy overheads simulate_run charges (calibrated profiles measure each decode path).
     profile, overhead_source = costs.profile_for_policy(profile, run.manifest["policy"]["name"])
-    manifest, shape, works = load_run_work(run_dir, profile, config.options.offload_tier, config.options.transfer)
+    manifest, shape, works = load_run_work(run_dir, profile, chain.primary, config.options.transfer)
+    spill_works = load_run_work(run_dir, profile, chain.spill, config.options.transfer)[2] if chain.spill else None
     if config.arrivals_csv:
         arrivals = load_arrivals_csv(config.arrivals_csv, works)
     else:
@@ -587,11 +613,11 @@ def simulate_serving(run_dir: str | Path, profile: str | HardwareProfile, config
     if engine == "fast" and timeline is not None:
         raise ServingError("--timeline records the DES; drop --engine fast")
     if engine == "des" or timeline is not None:
-        sim = ServingSim(profile, shape, works, arrivals, config, timeline)
+        sim = ServingSim(profile, shape, works, arrivals, config, timeline, spill_works)
         sim.run(progress)
     else:
         from simulator.serving_fast import FastServing
 
-        sim = FastServing(profile, shape, works, arrivals, config)
+        sim = FastServing(profile, shape, works, arrivals, config, spill_works)
         sim.run()
     return summarise(sim, manifest, str(run_dir), overhead_source)

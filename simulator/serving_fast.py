@@ -38,6 +38,7 @@ from simulator.serving import (
     ServingResult,
     simulate_serving,
 )
+from simulator.tiers import check_spill, tier_chain
 
 
 class _Clock:
@@ -59,20 +60,26 @@ class _Hardware:
 class FastServing:
     """Same inputs and the same attributes `serving.summarise` reads as `serving.ServingSim`."""
 
-    def __init__(self, profile: HardwareProfile, shape: costs.ModelShape, works, arrivals, config: ServingConfig):
+    def __init__(self, profile: HardwareProfile, shape: costs.ModelShape, works, arrivals, config: ServingConfig,
+                 spill_works=None):
         self.profile, self.shape, self.config, self.works = profile, shape, config, works
+        self.spill_works = spill_works
         self.clock = _Clock()
         self.hw = _Hardware(self.clock, profile)
         self.kv_capacity_bytes = profile.gpu.hbm_capacity_bytes - shape.weight_bytes
         if self.kv_capacity_bytes <= 0:
             raise ServingError(f"{shape.name}: weights ({shape.weight_bytes / 1e9:.1f} GB) do not fit in "
                                f"{profile.name}'s HBM; pick a larger GPU")
-        self.tier = costs.offload_tier(profile, config.options.offload_tier)
+        self.chain = tier_chain(profile, config.options.offload_tier)  # ddr, TIER, or ddr+TIER (spill)
+        self.tier = costs.offload_tier(profile, self.chain.primary)
+        self.spill_capacity_bytes = costs.offload_tier(profile, self.chain.spill).capacity_bytes \
+            if self.chain.spill else 0.0
         self.layer_overhead_s = costs.overheads_for(shape, profile).layer_s
         # --transfer: as ServingSim (the copies' cost, coalescing, per-direction overheads, the layers' time)
         self.mechanism = mechanisms.mechanism_for(config.options.transfer, profile)
-        self.transfer = mechanisms.context(profile, shape, config.options.offload_tier)
+        self.transfer = mechanisms.context(profile, shape, self.chain.primary)
         self.coalesced = config.batch_copies or self.mechanism.batched
+        check_spill(self.chain, self.mechanism, self.coalesced, self.hw.h2d.n_engines)
         self.overhead_s = {"h2d": self.mechanism.copy_overhead_s(self.transfer, "h2d"),
                            "d2h": mechanisms.offload_mechanism(self.mechanism).copy_overhead_s(self.transfer, "d2h")}
         self.ddr_capacity_bytes = self.tier.capacity_bytes
@@ -86,9 +93,10 @@ class FastServing:
 
     def _tables(self) -> None:
         """All samples' per-step arrays stacked: one row per (sample, step); a request reads row base + step."""
-        works = self.works
+        works = self.works + (self.spill_works or [])  # the spill tier's costing of the samples after them
         n_layers = self.shape.n_layers
-        self.base = np.concatenate([[0], np.cumsum([w.n_steps for w in works])[:-1]]).astype(np.int64)
+        bases = np.concatenate([[0], np.cumsum([w.n_steps for w in works])[:-1]]).astype(np.int64)
+        self.base, self.spill_base = bases[:len(self.works)], bases[len(self.works):]
         # [rows, layers] compute demand, [rows, ops] transfers, [rows] occupancy
         # FLOPs and KV bytes side by side: one gather per iteration for both
         self.demand = np.stack([np.concatenate([w.flops for w in works]).reshape(-1, n_layers),
@@ -106,9 +114,6 @@ class FastServing:
         self.head_s: dict[int, float] = {}  # the LM head's time by batch size
         self.ddr_kv = np.concatenate([w.ddr_kv_bytes for w in works])
 
-    def fits_alone(self, request: Request) -> bool:
-        return request.work.peak_hbm_kv_bytes <= self.kv_capacity_bytes and \
-            request.work.peak_ddr_kv_bytes <= self.ddr_capacity_bytes
 
     # -- the loop -----------------------------------------------------------------------------------------
 
@@ -121,7 +126,10 @@ class FastServing:
         peak_ddr = np.array([r.work.peak_ddr_kv_bytes for r in requests], dtype=np.float64)
         n_steps = np.array([r.work.n_steps for r in requests], dtype=np.int64)
         row0 = self.base[self.sample_of] if n_req else np.zeros(0, dtype=np.int64)
-        fits = (peak_hbm <= self.kv_capacity_bytes) & (peak_ddr <= self.ddr_capacity_bytes)
+        fits = (peak_hbm <= self.kv_capacity_bytes) & ((peak_ddr <= self.ddr_capacity_bytes)
+                                                       | (peak_ddr <= self.spill_capacity_bytes))
+        spilled = np.zeros(n_req, dtype=bool)
+        reserved_spill = 0.0
         waiting: deque[int] = deque()
         running = np.zeros(0, dtype=np.int64)  # request ids, admission order
         step = np.zeros(n_req, dtype=np.int64)
@@ -146,14 +154,20 @@ class FastServing:
             admit = []
             while waiting and len(running) + len(admit) < config.max_batch:
                 head = waiting[0]
-                if reserved_hbm + peak_hbm[head] > self.kv_capacity_bytes or \
-                        reserved_ddr + peak_ddr[head] > self.ddr_capacity_bytes:
+                in_ddr = reserved_ddr + peak_ddr[head] <= self.ddr_capacity_bytes
+                in_spill = reserved_spill + peak_ddr[head] <= self.spill_capacity_bytes  # DDR full -> spill
+                if reserved_hbm + peak_hbm[head] > self.kv_capacity_bytes or not (in_ddr or in_spill):
                     break
                 waiting.popleft()
                 changes.append((clock.now, len(waiting)))
                 admitted[head] = clock.now
                 reserved_hbm += peak_hbm[head]
-                reserved_ddr += peak_ddr[head]
+                if in_ddr:
+                    reserved_ddr += peak_ddr[head]
+                else:  # its rows: the samples costed on the spill tier
+                    spilled[head] = True
+                    row0[head] = self.spill_base[self.sample_of[head]]
+                    reserved_spill += peak_ddr[head]
                 admit.append(head)
             if admit:
                 running = np.concatenate([running, np.array(admit, dtype=np.int64)])
@@ -180,10 +194,13 @@ class FastServing:
             if done.any():
                 for rid in running[done]:  # one subtraction per request, in the DES's order
                     reserved_hbm -= peak_hbm[rid]
-                    reserved_ddr -= peak_ddr[rid]
+                    if spilled[rid]:
+                        reserved_spill -= peak_ddr[rid]
+                    else:
+                        reserved_ddr -= peak_ddr[rid]
                 running = running[~done]
         self.end_s = float(clock.now)
-        self._requests_out(iteration_end, first_iteration, admitted, link_wait, n_steps)
+        self._requests_out(iteration_end, first_iteration, admitted, link_wait, n_steps, spilled)
 
     def _coalesce(self, direction: str, n_bytes):
         """One copy for a group's summed bytes (array or scalar): mechanisms.coalesced_copy_s, elementwise."""
@@ -393,12 +410,16 @@ class FastServing:
             link_wait[rid] += ends[k] - asked_s - d
         return ends
 
-    def _requests_out(self, iteration_end: list[float], first_iteration, admitted, link_wait, n_steps) -> None:
-        """Fill the Request records summarise reads: admission, first / last token, TBT, link wait."""
+    def _requests_out(self, iteration_end: list[float], first_iteration, admitted, link_wait, n_steps,
+                      spilled) -> None:
+        """Fill the Request records summarise reads: admission, first / last token, TBT, link wait, tier."""
         ends = np.array(iteration_end, dtype=np.float64)
         for r in self.requests:
             rid = r.rid
             r.link_wait_s = float(link_wait[rid])
+            if spilled[rid]:
+                r.spilled = True
+                r.work = self.spill_works[self.sample_of[rid]].truncated(r.work.n_steps)
             first = first_iteration[rid]
             if r.rejected or first < 0:
                 continue

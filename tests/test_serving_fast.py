@@ -124,3 +124,54 @@ def test_serve_sim_engine_auto_is_the_fast_path_and_des_stays_selectable(runs):
     des = simulate_serving(run, "h100-pcie", dataclasses.replace(config, options=SimOptions(engine="des")))
     assert_same(des.summary, auto.summary, "auto vs des")
 
+
+
+def test_ddr_full_spills_to_nvme_within_both_capacities(runs):
+    """--offload-tier ddr+nvme with DDR for ~2 requests' offloaded KV: later requests spill to the NVMe tier
+    (their copies at its rate and latency), neither tier's reservations ever exceed its capacity, the fast
+    path equals the DES; with ample DDR nothing spills and the run is the plain DDR one."""
+    from simulator import costs
+    from simulator.serving import load_run_work
+
+    run = runs["hierarchy"]
+    profile = load_profile("h100-pcie")
+    peak_ddr = max(w.peak_ddr_kv_bytes for w in load_run_work(run, profile)[2])
+    small = dataclasses.replace(profile, host=dataclasses.replace(profile.host, ddr_capacity_bytes=int(2.5 * peak_ddr)))
+    nvme = costs.offload_tier(small, "nvme")
+    small = dataclasses.replace(small, extra_tiers=(dataclasses.replace(small.extra_tiers[0],
+                                                                        capacity_bytes=int(3.5 * peak_ddr)),))
+    config = ServingConfig(rate_per_s=400, duration_s=0.3, max_batch=64, options=SimOptions(offload_tier="ddr+nvme"))
+    des = simulate_serving(run, small, dataclasses.replace(config, options=dataclasses.replace(config.options,
+                                                                                              engine="des")))
+    fast = simulate_serving(run, small, config)
+    assert_same(des.summary, fast.summary, "spill")
+    pd.testing.assert_frame_equal(des.requests, fast.requests, rtol=1e-9, atol=1e-12)
+    summary, requests = fast.summary, fast.requests
+    assert summary["spill_tier"] == "nvme" and 0 < summary["n_spilled"] < summary["n_requests"]
+    assert (fast.timeline["ddr_reserved_bytes"] <= small.host.ddr_capacity_bytes * (1 + 1e-12)).all()
+    served = requests[~requests["rejected"]]
+    for tier_spilled, capacity in ((False, small.host.ddr_capacity_bytes), (True, 3.5 * peak_ddr)):
+        rows = served[served["spilled"] == tier_spilled]
+        for t in rows["admitted_s"]:  # at each admission, what that tier holds
+            live = rows[(rows["admitted_s"] <= t) & (rows["finish_s"] > t)]
+            assert live["peak_ddr_kv_bytes"].sum() <= capacity * (1 + 1e-12)
+    slower = nvme.h2d_bytes_per_s < costs.offload_tier(small, "ddr").h2d_bytes_per_s
+    assert slower and nvme.transfer_overhead_s > small.link.transfer_overhead_s
+    ample = simulate_serving(run, profile, config)
+    plain = simulate_serving(run, profile, dataclasses.replace(config, options=SimOptions()))
+    assert ample.summary["n_spilled"] == 0
+    assert ample.summary["end_s"] == plain.summary["end_s"] and ample.summary["tbt_p99_s"] == plain.summary["tbt_p99_s"]
+
+
+def test_spill_chains_refused_where_not_modelled(runs):
+    from simulator.errors import ServingError
+
+    run = runs["hierarchy"]
+    for offload_tier, transfer, match in (("ddr+cxl", "dma-per-block", "no memory tier 'cxl'"),
+                                          ("nvme+ddr", "dma-per-block", "a spill chain is ddr\\+TIER"),
+                                          ("ddr+nvme", "zero-copy", "reads recalled blocks in place"),
+                                          ("ddr+nvme", "dma-batched", "would mix tiers")):
+        with pytest.raises(Exception, match=match) as error:
+            simulate_serving(run, "h100-pcie", ServingConfig(rate_per_s=50, duration_s=0.1, options=SimOptions(
+                offload_tier=offload_tier, transfer=transfer)))
+        assert isinstance(error.value, ServingError) or "tier" in str(error.value)
