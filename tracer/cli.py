@@ -8,8 +8,7 @@ from __future__ import annotations
 import argparse
 
 from tracer.preflight import DEVICE_HELP, THREADS_HELP
-
-HELP_BUDGET = "HBM budget: a fraction of the logical length in (0, 1] or a whole token count, e.g. 512 (default: 1.0)"
+from traces.policy import add_policy_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,22 +16,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", required=True, help="task name (gsm8k, math500, chains, ...)")
     parser.add_argument("--data-file", default=None, help="local dataset file for the task (no downloads at run time)")
     parser.add_argument("--n-samples", type=int, default=1, help="samples of the task to trace (default: 1)")
-    parser.add_argument("--policy", default="full", help="full | evict | hierarchy (default: full)")
-    parser.add_argument("--hbm-budget", default="1.0", help=HELP_BUDGET)
-    parser.add_argument("--evict-ratio", type=float, default=0.0,
-                        help="hierarchy: fraction of the logical length evicted (default: 0)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block, 1 = per token (default: 16)")
-    parser.add_argument("--scorer", default="h2o", help="h2o | tova | snapkv | keynorm | rkv | recency | random | oracle | vatp | gradient (default: h2o)")
-    parser.add_argument("--recall-k", type=int, default=4, help="hierarchy: DDR blocks recalled per layer and step (default: 4)")
-    parser.add_argument("--recall-budget", default=None,
-                        help="hierarchy: recall per layer and step a fraction of the logical length or a token count "
-                        "(whole blocks; replaces --recall-k)")
-    parser.add_argument("--recall-rule", default="quest", help="hierarchy: quest | quest-per-head, each KV head its own top blocks (default: quest)")
+    # --policy, --hbm-budget, --evict-ratio, --block-size, --sink-tokens, --window-tokens, --recall-k,
+    # --recall-budget, --recall-rule, --scorer, --promote, --ddr-dtype: generated from the policy contract
+    # (traces/policy.py), whose defaults they show; the spec validates them once.
+    add_policy_arguments(parser)
     parser.add_argument("--batch-size", type=int, default=1,
                         help="samples decoded per step, freed rows refilled at once; per-sample results as at 1 (default: 1)")
-    parser.add_argument("--sink-tokens", type=int, default=4, help="first tokens always kept in HBM (default: 4)")
-    parser.add_argument("--window-tokens", type=int, default=32, help="recent tokens always kept in HBM (default: 32)")
-    parser.add_argument("--promote", action="store_true", help="hierarchy: recalled blocks that outscore HBM blocks stay in HBM (swap)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="decode limit per sample (default: 256)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds random weights, the random scorer and generated tasks (default: 0)")
@@ -40,8 +29,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     parser.add_argument("--no-access", action="store_true", help="do not record per-block masses (access table)")
-    parser.add_argument("--ddr-dtype", default="same", choices=["same", "int8", "int4"],
-                        help="hierarchy: store offloaded blocks quantized, per block and head scale + zero point (default: same)")
     parser.add_argument("--also-score", default=None, metavar="A,B",
                         help="scorers computed alongside (not placing); recorded for `thoughtkv analyze correlation`")
     parser.add_argument("--grad-window", type=int, default=1, help="gradient scorer: next-token losses of the last N positions (default: 1)")
@@ -52,17 +39,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     from tracer.run import TraceConfig
+    from traces.policy import spec_from_args
 
+    spec = spec_from_args(args)  # the policy flags, validated once (one line, exit 2)
     return TraceConfig(
         model=args.model, task=args.task, out=args.out, n_samples=args.n_samples, data_file=args.data_file,
-        policy=args.policy, hbm_budget=args.hbm_budget, evict_ratio=args.evict_ratio, block_size=args.block_size,
-        scorer=args.scorer, recall_k=args.recall_k, recall_budget=args.recall_budget, recall_rule=args.recall_rule,
-        batch_size=args.batch_size,
-        max_new_tokens=args.max_new_tokens,
-        sink_tokens=args.sink_tokens, window_tokens=args.window_tokens, promote=args.promote,
+        **spec.as_dict(), batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
         seed=args.seed, device=args.device, dtype=args.dtype, access=not args.no_access,
-        ddr_dtype=args.ddr_dtype, also_score=args.also_score, grad_window=args.grad_window,
-        grad_interval=args.grad_interval, threads=args.threads,
+        also_score=args.also_score, grad_window=args.grad_window, grad_interval=args.grad_interval,
+        threads=args.threads,
     )
 
 

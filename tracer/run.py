@@ -12,10 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from thoughtkv_base import UserError
+from traces.policy import PolicySpec
 
 
 class BadTraceConfig(UserError):
     pass
+
+
+_POLICY_DEFAULTS = PolicySpec()
 
 
 @dataclass
@@ -25,25 +29,27 @@ class TraceConfig:
     out: str
     n_samples: int = 1
     data_file: str | None = None
-    policy: str = "full"
-    hbm_budget: str | float = 1.0  # fraction of the logical length in (0, 1], or a token count
-    evict_ratio: float = 0.0
-    block_size: int = 16
-    scorer: str = "h2o"
-    recall_k: int = 4
-    recall_budget: str | float | None = None  # hierarchy: per step, a fraction of L or tokens (instead of recall_k)
-    recall_rule: str = "quest"  # quest | quest-per-head (traces.policy.TRACER_RECALL_RULES)
+    # The placement settings: PolicySpec's fields with PolicySpec's defaults (traces/policy.py is their one home;
+    # `spec` below builds and validates the spec from them).
+    policy: str = _POLICY_DEFAULTS.policy
+    hbm_budget: str | float = _POLICY_DEFAULTS.hbm_budget
+    evict_ratio: float = _POLICY_DEFAULTS.evict_ratio
+    block_size: int = _POLICY_DEFAULTS.block_size
+    scorer: str = _POLICY_DEFAULTS.scorer
+    recall_k: int = _POLICY_DEFAULTS.recall_k
+    recall_budget: str | float | None = _POLICY_DEFAULTS.recall_budget
+    recall_rule: str = _POLICY_DEFAULTS.recall_rule  # the tracer runs traces.policy.TRACER_RECALL_RULES
     batch_size: int = 1  # samples decoded per step (continuous refill; per-sample results as at batch 1)
     max_new_tokens: int = 256
-    sink_tokens: int = 4
-    window_tokens: int = 32
-    promote: bool = False
+    sink_tokens: int = _POLICY_DEFAULTS.sink_tokens
+    window_tokens: int = _POLICY_DEFAULTS.window_tokens
+    promote: bool = _POLICY_DEFAULTS.promote
     seed: int = 0
     device: str | None = None
     dtype: str | None = None
     access: bool = True
     # Issue 9 (tracer/quant.py, tracer/scorers/):
-    ddr_dtype: str = "same"  # hierarchy: DDR stores offloaded blocks as same | int8 | int4
+    ddr_dtype: str = _POLICY_DEFAULTS.ddr_dtype  # hierarchy: DDR stores offloaded blocks as same | int8 | int4
     also_score: str | None = None  # "A,B": scorers computed alongside, recorded in tokens.importance_by_scorer
     grad_window: int = 1  # gradient scorer: next-token losses of the last N positions
     grad_interval: int = 1  # gradient scorer: one backward pass every N decode steps
