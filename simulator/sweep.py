@@ -6,15 +6,18 @@ process pool or on Ray, each finished cell cached as a small Parquet file, all m
     report.table                                                  # = sweeps/budgets/results.parquet
 
 A cell is a frozen dataclass (one per kind: SimulateCell, ServeCell, CollectCell) with one method `run()`
-returning a DataFrame; `cell_key(cell)` hashes what it computes (not where it runs) into the name of its cached
-result, OUT/cells/<key>.parquet, so a rerun skips finished cells. The scheduler is not ours:
+returning a DataFrame; `cell_key(cell)` hashes what it computes (not where it runs) and the content of what it
+reads (`cell_inputs`: the project version, the trace run's manifest and committed sample parts, the profile
+file) into the name of its cached result, OUT/cells/<key>.parquet, so a rerun skips finished cells and
+recomputes those whose inputs changed. Every cell is validated when the grid is read, before any runs. The scheduler is not ours:
 `concurrent.futures.ProcessPoolExecutor` locally, Ray tasks otherwise (`ray.init()` starts a local Ray;
 `address=` joins a cluster). Workers return Parquet bytes and only the driver writes files, so on a cluster
 the trace runs must be on a path every node sees (and thoughtkv installed on every node), the output
 directory only on the driver. Collection cells are the exception: `thoughtkv trace` writes its run itself,
 under OUT/runs/<key>/, which must then be shared too.
 
-Grid files (YAML, `yaml.safe_load` bounded by hwprofiles.loader.read_yaml_file): a scalar is fixed, a list is an axis, the cells are the cross product.
+Grid files (YAML, read bounded by hwprofiles.loader.read_yaml_file): a scalar is fixed, a list is an axis,
+the cells are the cross product.
 See `examples/sweeps/` and GRID_KEYS below for the keys each kind accepts.
 """
 
