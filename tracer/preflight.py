@@ -14,6 +14,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from thoughtkv_base import UserError
+from traces.host import usable_cpus
 
 # The README's install line for a CUDA build (`make` installs the CPU build on a fresh machine).
 CUDA_INSTALL = ".venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cu128"
@@ -67,14 +68,6 @@ def resolve_device(spec: str | None, option: str = "--device", allow_index: bool
     return text
 
 
-def usable_cpus() -> int:
-    """CPUs this process may run on (the affinity mask a container or `taskset` sets), not the host's count."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def resolve_threads(device: str, threads: int | None, option: str = "--threads") -> int:
     """One thread on CPU by default: a small model's ops are too short to split, and idle OpenMP threads
     spinning on a shared 2-core machine made decoding ~10x slower (and calibrate times one thread's CPU time).
@@ -97,14 +90,6 @@ def apply_threads(threads: int) -> None:
 
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
-
-
-def load_average() -> float | None:
-    """The 1-minute load average (runnable processes), or None where the OS has none (Windows)."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):
-        return None
 
 
 # ---------------------------------------------------------------- memory -------------------------------------

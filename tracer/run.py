@@ -211,9 +211,10 @@ def run_trace(config: TraceConfig, progress: bool = True, loaded=None) -> Path:
 
     from tracer.decode import encode_prompt
     from tracer.models import load_model
-    from tracer.preflight import apply_threads, load_average, resolve_device, resolve_threads, usable_cpus
+    from tracer.preflight import apply_threads, resolve_device, resolve_threads
     from tracer.tasks import get_task, prompt_manifest
     from traces import TraceWriter, make_manifest
+    from traces.host import load_average, usable_cpus
 
     config.validate()
     threads = resolve_threads(resolve_device(config.device), config.threads)
