@@ -33,9 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--as-model", metavar="ARCH", default=None,
                         help="replay the run's access pattern on another architecture of traces.architectures, e.g. "
                              "qwen2-7b (results are 'projected'; simulator/README.md)")
-    parser.add_argument("--as-dtype", default="bfloat16", help="with --as-model: its weight and KV dtype")
+    parser.add_argument("--as-dtype", default="bfloat16", help="with --as-model: its weight and KV dtype (default: bfloat16)")
     parser.add_argument("--context-scale", type=float, default=1.0,
-                        help="with --as-model: scale every logical length (and the prompt) by this factor")
+                        help="with --as-model: scale every logical length (and the prompt) by this factor (default: 1)")
     parser.add_argument("--timeline", type=Path, metavar="FILE",
                         help="Chrome-trace JSON of the first sample on each profile (open in ui.perfetto.dev)")
     parser.add_argument("--out", type=Path, default=None, help="results directory (default RUN_DIR/sim)")

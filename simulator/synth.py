@@ -27,8 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, required=True, help="prompt length P (the prefill, step 0)")
     parser.add_argument("--decode-steps", type=int, required=True, help="decode steps N after the prefill")
     add_policy_arguments(parser, skip=("ddr_dtype",))
-    parser.add_argument("--samples", type=int, default=1, help="number of sequences (each its own seed)")
-    parser.add_argument("--dtype", default="bfloat16", help="KV and weight dtype (bfloat16, float16, float32, float8)")
+    parser.add_argument("--samples", type=int, default=1, help="number of sequences, each its own seed (default: 1)")
+    parser.add_argument("--dtype", default="bfloat16", help="KV and weight dtype: bfloat16, float16, float32, float8 (default: bfloat16)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the access model (sample i uses 100003 x seed + i) (default: 0)")
     parser.add_argument("--no-access", action="store_true", help="do not write access.parquet (smaller; no what-if)")

@@ -111,31 +111,32 @@ def datasheet_for(device_name: str) -> str | None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="random:NAME / NAME from traces.architectures (e.g. tiny, qwen2-7b), `micro`, HF id/path")
-    parser.add_argument("--policy", nargs="+", default=list(POLICIES), choices=POLICIES)
+    parser.add_argument("--policy", nargs="+", default=list(POLICIES), choices=POLICIES,
+                        help=f"policies to measure and simulate (default: {' '.join(POLICIES)})")
     parser.add_argument("--hbm-budget", nargs="+", default=["0.5", "0.25"],
                         help="budgets for evict/hierarchy (fractions or token counts); default 0.5 0.25")
-    parser.add_argument("--evict-ratio", type=float, default=0.0, help="hierarchy: evicted fraction")
-    parser.add_argument("--recall-k", type=int, default=4)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--scorer", default="h2o", help="any tracer scorer but oracle (its teacher pass is not timed)")
-    parser.add_argument("--steps", type=int, default=128, help="decode steps (max new tokens) per sample")
-    parser.add_argument("--samples", type=int, default=1)
-    parser.add_argument("--task", default="chains", help="tracer task (chains needs no data file)")
-    parser.add_argument("--data-file", default=None)
+    parser.add_argument("--evict-ratio", type=float, default=0.0, help="hierarchy: evicted fraction (default: 0)")
+    parser.add_argument("--recall-k", type=int, default=4, help="hierarchy: DDR blocks recalled per layer and step (default: 4)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    parser.add_argument("--scorer", default="h2o", help="any tracer scorer but oracle, whose teacher pass is not timed (default: h2o)")
+    parser.add_argument("--steps", type=int, default=128, help="decode steps (max new tokens) per sample (default: 128)")
+    parser.add_argument("--samples", type=int, default=1, help="samples of the task per measured run (default: 1)")
+    parser.add_argument("--task", default="chains", help="tracer task; chains needs no data file (default: chains)")
+    parser.add_argument("--data-file", default=None, help="local dataset file for the task (as `thoughtkv trace`)")
     parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when torch sees a GPU, else cpu)")
     parser.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
-    parser.add_argument("--repeats", type=int, default=3, help="identical measured decodes per configuration")
+    parser.add_argument("--repeats", type=int, default=3, help="identical measured decodes per configuration (default: 3)")
     parser.add_argument("--profile", default=None,
                         help="calibrated profile name or YAML (default: calibrate this machine now, `calibrate "
                              "--quick`, into OUT/measured-here-<device>.yaml, reused when rerun)")
     parser.add_argument("--datasheet-profile", default="auto",
-                        help="datasheet profile to compare too: auto (by GPU name; none on a CPU), none, or a name")
+                        help="datasheet profile to compare too: auto (by GPU name; none on a CPU), none, or a name (default: auto)")
     # The simulator's --overlap and --async-offload, spelled as in simulate (the tiered cache recalls, then attends)
     sim_options.add_arguments(parser, only=("overlap", "async_offload"), default_note={
         "async_offload": "as the measured run: on when the tracer's DDR store copies on a side stream (CUDA + "
                          "tracer.transfer.PinnedBlockStore), else off"})
     parser.add_argument("--out", required=True, help="output directory (rerun to resume)")
-    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def normalise_model(spec: str) -> str:
