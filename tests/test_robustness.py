@@ -274,15 +274,27 @@ def test_usage_errors_are_one_line(capsys):
     assert "argument --model: expected one argument" in one_line_error(capsys)
 
 
-def test_every_trace_option_has_help_with_its_default():
-    parser = build_parser()
-    trace = parser._subparsers._group_actions[0].choices["trace"]
-    for action in trace._actions:
-        if action.dest in ("help",) or not action.option_strings:
-            continue
-        assert action.help, action.dest
-        if action.default not in (None, False) and not action.required:
-            assert "default" in action.help, action.dest
+def all_options(parser, prefix=()):
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from all_options(child, (*prefix, name))
+        elif not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            yield " ".join(prefix), action
+
+
+def test_every_option_of_every_command_has_help_naming_its_default():
+    missing = []
+    for command, action in all_options(build_parser()):
+        name = action.option_strings[-1] if action.option_strings else action.dest
+        if not action.help:
+            missing.append(f"{command} {name}: no help")
+        elif action.option_strings and not action.required and action.default not in (None, False, []) \
+                and "default" not in action.help:
+            missing.append(f"{command} {name}: default {action.default!r} not in its help")
+    assert not missing, "\n".join(missing)
 
 
 def test_quiet_hides_the_weights_loading_bar(tmp_path, capsys):
