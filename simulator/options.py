@@ -123,8 +123,9 @@ class ServingConfig:
                               "(--rate-per-s, --duration-s); shorten the window or lower the rate")
         for name, low in (("max_batch", 1), ("seed", 0)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise OptionError(f"{name} must be a whole number >= {low}, got {value!r} "
+            # Below 2**32: numpy's seeds and C longs end there (10**40 raised OverflowError deep in numpy).
+            if not isinstance(value, int) or isinstance(value, bool) or value < low or value >= 2**32:
+                raise OptionError(f"{name} must be a whole number in [{low}, 2**32), got {value!r} "
                                   f"(--{name.replace('_', '-')})")
         if not isinstance(self.batch_copies, bool):
             raise OptionError(f"batch_copies must be true or false, got {self.batch_copies!r} (--batch-copies)")
