@@ -1,8 +1,8 @@
 """Host synchronisations per decode step (tracer.decode.HostSyncCounter): operations that make the host wait
 for the device (item/int/bool of a tensor, nonzero, boolean-mask indexing, tolist/numpy, device->host copies).
 
-The decode loop's own cost is one per step: the next tokens and their finiteness, copied once. The tiered
-cache's placement, recall and recording are not sync-free yet (issue 15, item 3): the strict xfail measures it
+The decode loop's own cost is one per step: the next tokens and their finiteness, copied once together with
+every layer's recorded rows. The tiered cache's placement and recall are not sync-free yet (issue 15, item 3): the strict xfail measures it
 and turns into a failure the day they are, so the goal is then asserted for real."""
 
 from __future__ import annotations
@@ -43,18 +43,21 @@ def test_the_counter_sees_every_kind_of_host_wait():
     x = torch.arange(10)
     with HostSyncCounter() as counter:
         int(x.sum()), (x > 3).nonzero(), x[x > 2], x.tolist(), x.numpy(), x + 1, x[torch.tensor([1, 2])]
+        torch.arange(3).cpu().numpy()  # a fetch, then reading what it fetched: one wait
     assert counter.by_op == {"aten._local_scalar_dense": 1, "aten.nonzero": 1, "boolean-mask index": 1,
-                             "Tensor.tolist": 1, "Tensor.numpy": 1}
+                             "Tensor.tolist": 1, "Tensor.numpy": 1, "Tensor.cpu": 1}
 
 
+@pytest.mark.parametrize("record", [False, True])
 @pytest.mark.parametrize("batch_size", [1, 4])
-def test_the_decode_loop_costs_one_sync_per_step(batch_size):
-    """Full policy, nothing recorded: the cache moves nothing, so what is counted is the loop's own."""
-    per_step, by_op = syncs_per_step(PolicySpec(policy="full", block_size=4), batch_size, record=False)
+def test_the_decode_loop_and_its_recording_cost_one_sync_per_step(batch_size, record):
+    """Full policy: the cache moves nothing, so what is counted is the loop's next tokens and (recording on)
+    every layer's and row's recorded rows, fetched in that same one copy."""
+    per_step, by_op = syncs_per_step(PolicySpec(policy="full", block_size=4), batch_size, record=record)
     assert per_step == 1, by_op
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15 item 3: placement/recall/recording still synchronise per layer")
+@pytest.mark.xfail(strict=True, reason="issue 15 item 3: placement and recall still synchronise per layer")
 @pytest.mark.parametrize("batch_size", [1, 4])
 def test_a_hierarchy_step_costs_at_most_one_sync(batch_size):
     spec = PolicySpec(policy="hierarchy", hbm_budget=0.3, block_size=4, sink_tokens=4, window_tokens=8, recall_k=2)

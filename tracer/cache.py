@@ -36,12 +36,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from thoughtkv_base import UserError
 from tracer.attention import set_pending
 from tracer.quant import make_block_store
+from tracer.recorder import Deferred
 from tracer.scorers import Observation, Scorer
 from traces.policy import (
     PolicySpec,
@@ -82,6 +84,7 @@ class TieredLayer(DynamicLayer):
         self.n_ddr_blocks = self.n_evicted_blocks = 0
         self.ddr_ids = torch.zeros(0, dtype=torch.long)  # sorted ids of the blocks whose home is DDR
         self.recalled_ids = self.hidden_keys = None
+        self.copies = DeferredCopies()  # a TieredCache shares one among all its layers and rows
         self.step = 0
 
     # -- storage -----------------------------------------------------------------------------------------
@@ -233,9 +236,10 @@ class TieredLayer(DynamicLayer):
             before = self._occupancy(weights_mean[-1], positions)
         promoted, offloaded, evicted, bytes_d2h = self._place()
         if self.recorder is not None:
+            recalled = [] if self.recalled_ids is None else self.copies.add(self.recalled_ids, _as_ids)
             self.recorder.add_layer_row(
                 layer=self.layer_idx, query_tokens=weights_mean.shape[0], logical_len=self.logical_len,
-                recalled_block_ids=[] if self.recalled_ids is None else self.recalled_ids.tolist(),
+                recalled_block_ids=recalled,
                 promoted_block_ids=promoted, offloaded_block_ids=offloaded, evicted_block_ids=evicted,
                 bytes_h2d=self.bytes_h2d, bytes_d2h=bytes_d2h, **before,
                 **(self.ddr.pop_quant_error() if hasattr(self.ddr, "pop_quant_error") else {}),
@@ -245,14 +249,15 @@ class TieredLayer(DynamicLayer):
     def _occupancy(self, last_weights: torch.Tensor, positions: torch.Tensor) -> dict:
         """Tier sizes and attention masses at attention time (after recall, before placement)."""
         blocks = n_blocks(self.spec, self.logical_len)
-        # One small device->host copy per layer and step: block masses, then (if any recall) the DDR mass.
+        # Block masses, then (if any recall) the DDR mass; they reach the host with the step's other recorded
+        # device values in one copy at step end (`DeferredCopies`), not one copy per layer.
         block_mass = torch.zeros(blocks + 1, dtype=torch.float32, device=self.device)
         block_mass.index_add_(0, positions // self.block_size, last_weights)
         if self.n_recalled:
             block_mass[blocks] = last_weights[self.n_hbm :].sum()
-        host = block_mass.cpu().numpy()
-        mass_ddr = float(host[blocks])
-        mass_hbm = float(host[:blocks].sum()) - mass_ddr  # softmax mass sums to 1 over HBM + recalled
+        host = self.copies.add(block_mass, lambda a: a.astype(np.float32))
+        mass_ddr = host.then(lambda a: float(a[blocks]))
+        mass_hbm = host.then(lambda a: float(a[:blocks].sum()) - float(a[blocks]))  # HBM + recalled mass is 1
         ddr_tokens = self.n_ddr_blocks * self.block_size
         return dict(
             hbm_tokens=self.n_hbm, ddr_tokens=ddr_tokens,
@@ -261,7 +266,7 @@ class TieredLayer(DynamicLayer):
             evicted_blocks=self.n_evicted_blocks,
             hbm_kv_bytes=(self.n_hbm + self.n_recalled) * self.token_bytes,
             ddr_kv_bytes=self.n_ddr_blocks * self.ddr.block_bytes(),
-            mass_hbm=mass_hbm, mass_ddr=mass_ddr, block_mass=host[:blocks],
+            mass_hbm=mass_hbm, mass_ddr=mass_ddr, block_mass=host.then(lambda a: a[:blocks]),
         )
 
     def _place(self) -> tuple[list[int], list[int], list[int], int]:
@@ -347,6 +352,47 @@ class TieredLayer(DynamicLayer):
         return self.block_tier[:blocks].repeat_interleave(self.block_size)[: self.logical_len]
 
 
+def _as_ids(values: np.ndarray) -> list[int]:
+    return values.astype(np.int64).tolist()
+
+
+class DeferredCopies:
+    """Recorded device values, copied to the host together: each `add` returns a `Deferred` whose value is
+    fetched (one `torch.cat` + one device->host copy for everything added since the last fetch) when the
+    recorder resolves its rows at step end. One per `TieredCache`, shared by its layers and rows, so a decode
+    step's recording costs one copy, whatever the layers and batch. Values travel as float64 (block ids and
+    float32 masses are exact in it) and come back through the `transform` given."""
+
+    def __init__(self):
+        self._batch = _CopyBatch()
+
+    def add(self, tensor: torch.Tensor, transform) -> Deferred:
+        if self._batch.fetched:  # the previous batch reached the host: start a new one
+            self._batch = _CopyBatch()
+        batch = self._batch
+        batch.tensors.append(tensor.detach().reshape(-1).to(torch.float64))
+        index = len(batch.tensors) - 1
+        return Deferred(lambda: transform(batch.host(index)))
+
+
+class _CopyBatch:
+    def __init__(self):
+        self.tensors: list[torch.Tensor] = []
+        self._host: list[np.ndarray] | None = None
+
+    @property
+    def fetched(self) -> bool:
+        return self._host is not None
+
+    def host(self, index: int) -> np.ndarray:
+        if self._host is None:
+            flat = torch.cat(self.tensors).cpu().numpy()
+            offsets = np.cumsum([0, *(t.numel() for t in self.tensors)])
+            self._host = [flat[offsets[i] : offsets[i + 1]] for i in range(len(self.tensors))]
+            self.tensors = []
+        return self._host[index]
+
+
 class TieredCache(Cache):
     """A transformers Cache of `TieredLayer`s, one set per batch *row*; works with a manual loop, with
     `model.generate(cache=...)` (batch 1: row 0) and with the batched decode loop (tracer/decode.py).
@@ -362,6 +408,9 @@ class TieredCache(Cache):
     def __init__(self, n_layers: int, settings: TierSettings, recorder=None):
         super().__init__(layers=[TieredLayer(i, settings, recorder) for i in range(n_layers)])
         self.settings, self.n_layers = settings, n_layers
+        self.copies = DeferredCopies()
+        for layer in self.layers:
+            layer.copies = self.copies
         self.rows: list[list[TieredLayer]] = [self.layers]
         self.row_settings: list[TierSettings] = [settings]
         self.active: list[int] = [0]
@@ -369,6 +418,8 @@ class TieredCache(Cache):
     def reset_row(self, row: int, settings: TierSettings, recorder=None) -> None:
         """Fresh, empty layers for `row` (a new sample), growing the row list when needed."""
         layers = [TieredLayer(i, settings, recorder) for i in range(self.n_layers)]
+        for layer in layers:
+            layer.copies = self.copies
         while len(self.rows) <= row:
             self.rows.append([])
             self.row_settings.append(settings)

@@ -15,6 +15,7 @@ batched step's time is recorded for every sample in it.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -102,10 +103,11 @@ class HostSyncCounter(TorchDispatchMode):
     """Counts the operations that make the host wait for the device, inside a `with` block.
 
     Dispatch level: `aten._local_scalar_dense` (`.item()`, `int(t)`, `bool(t)`), `aten.nonzero`,
-    `aten.masked_select`, indexing with a boolean mask, and copies out of a non-CPU tensor into CPU memory. `Tensor.tolist`,
-    `Tensor.numpy` and `Tensor.cpu` are counted too (wrapped for the block): on a CPU run they reach no
-    dispatched op, yet on CUDA each is a device->host copy the host waits for, so a CPU test sees what a GPU
-    would pay. `count` is the total; `by_op` names them.
+    `aten.masked_select`, indexing with a boolean mask, and copies out of a non-CPU tensor into CPU memory.
+    `Tensor.cpu`, `Tensor.tolist` and `Tensor.numpy` are counted too (wrapped for the block): on a CPU run
+    they reach no dispatched op, yet on CUDA each is a device->host copy the host waits for, so a CPU test
+    sees what a GPU would pay (`.cpu()` always counts; `.numpy()`/`.tolist()` of its result do not again).
+    `count` is the total; `by_op` names them.
     """
 
     SYNC_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique2", "aten._unique2"}
@@ -115,6 +117,7 @@ class HostSyncCounter(TorchDispatchMode):
         self.by_op: dict[str, int] = {}
         self._wrapped: list[tuple[str, object]] = []
         self._inside_wrapped = 0  # the copy inside a wrapped tolist/cpu is that call's, counted once
+        self._fetched: dict[int, weakref.ref] = {}  # results of counted .cpu() calls: reading them is free
 
     @property
     def count(self) -> int:
@@ -140,13 +143,20 @@ class HostSyncCounter(TorchDispatchMode):
         counter = self
 
         def wrapper(tensor, *args, **kwargs):
-            if name != "cpu" or tensor.device.type != "cpu":  # .cpu() of a CPU tensor copies nothing
+            # Every .cpu() counts, also of a CPU tensor on a CPU run: there it stands for the copy a GPU run
+            # makes (the code calls it to bring device data to the host); what it returned reads for free.
+            fetched = counter._fetched.get(id(tensor))
+            copies = name == "cpu" or fetched is None or fetched() is not tensor
+            if copies:
                 counter._add(f"Tensor.{name}")
             counter._inside_wrapped += 1
             try:
-                return original(tensor, *args, **kwargs)
+                result = original(tensor, *args, **kwargs)
             finally:
                 counter._inside_wrapped -= 1
+            if name == "cpu":
+                counter._fetched[id(result)] = weakref.ref(result)
+            return result
 
         return wrapper
 
@@ -277,8 +287,10 @@ def decode_batch(
         started = time.perf_counter()
         cache.set_active(rows)
         logits = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        # The step's one device->host copy: each row's next token and whether its logits were finite.
-        tokens, finite = torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()]).tolist()
+        # The step's one device->host copy: each row's next token and whether its logits were finite, fetched
+        # together with the values every layer recorded this step (tracer.cache.DeferredCopies).
+        packed = torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()])
+        tokens, finite = cache.copies.add(packed, lambda a: a.astype(np.int64).reshape(2, -1).tolist()).value()
         synchronize()
         wall_us = (time.perf_counter() - started) * 1e6
         layer_us = timer.read_us()

@@ -1,7 +1,8 @@
 """Per-sample recording buffers -> the columns of trace v1 (traces/schema.py).
 
 The tiered layers call `add_layer_row` once per (step, layer) with scalars, id lists and the block masses
-already reduced on the device (one small host copy per layer and step); the decode loop sets `step`, the
+already reduced on the device; device values arrive as `Deferred` and are resolved at `end_step` (one copy
+per step for every layer and row, tracer.cache.DeferredCopies); the decode loop sets `step`, the
 step's wall time and (tracer.decode.LayerTimer) each decoder layer's time. Nothing here touches torch.
 """
 
@@ -20,6 +21,20 @@ STEP_COLUMNS = (
 OPTIONAL_STEP_COLUMNS = ("quant_max_rel_err", "quant_rms_rel_err")  # quantized DDR tier; None when not measured
 
 
+class Deferred:
+    """A recorded value still on the device (tracer.cache.DeferredCopies): `value()` fetches it; `then(f)` is
+    the value passed through `f`, fetched with it."""
+
+    def __init__(self, fetch):
+        self._fetch = fetch
+
+    def value(self):
+        return self._fetch()
+
+    def then(self, transform) -> Deferred:
+        return Deferred(lambda: transform(self._fetch()))
+
+
 @dataclass
 class Recorder:
     record_access: bool = True
@@ -27,9 +42,10 @@ class Recorder:
     columns: dict[str, list] = field(default_factory=lambda: {name: [] for name in STEP_COLUMNS + OPTIONAL_STEP_COLUMNS})
     block_mass: list[np.ndarray] = field(default_factory=list)
     step_us: list[float] = field(default_factory=list)
+    unresolved: int = 0  # rows added since the last resolve (their device values still deferred)
     layer_us: list[list[float] | None] = field(default_factory=list)  # per step: each decoder layer's time
 
-    def add_layer_row(self, *, block_mass: np.ndarray, **values) -> None:
+    def add_layer_row(self, *, block_mass: np.ndarray | Deferred, **values) -> None:
         values["step"] = self.step
         for name in STEP_COLUMNS:
             self.columns[name].append(values[name])
@@ -37,13 +53,27 @@ class Recorder:
             self.columns[name].append(values.get(name))
         if self.record_access:
             self.block_mass.append(block_mass)
+        self.unresolved += 1
+
+    def _resolve(self) -> None:
+        """Replace the rows' `Deferred` values by their host values (one copy per step for all of them)."""
+        n = self.unresolved
+        if not n:
+            return
+        for column in [*self.columns.values(), *([self.block_mass] if self.record_access else [])]:
+            for index in range(len(column) - n, len(column)):
+                if isinstance(column[index], Deferred):
+                    column[index] = column[index].value()
+        self.unresolved = 0
 
     def end_step(self, wall_us: float, layer_us: list[float] | None = None) -> None:
+        self._resolve()
         self.step_us.append(wall_us)
         self.layer_us.append(layer_us)
         self.step += 1
 
     def steps_table(self) -> dict[str, list]:
+        self._resolve()
         table = dict(self.columns)
         table["measured_step_us"] = [self.step_us[s] for s in self.columns["step"]]
         table["measured_layer_us"] = [
@@ -53,6 +83,7 @@ class Recorder:
         return table
 
     def access_table(self) -> dict[str, list] | None:
+        self._resolve()
         if not self.record_access:
             return None
         return {"step": self.columns["step"], "layer": self.columns["layer"], "block_mass": self.block_mass}
