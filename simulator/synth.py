@@ -83,6 +83,8 @@ def synth_run(
 
     if prompt_tokens < 1 or decode_steps < 0 or samples < 1:
         raise SynthError("--prompt-tokens must be >= 1, --decode-steps >= 0 and --samples >= 1")
+    if not 0 <= seed < 2**32:  # numpy refuses negative seeds with a traceback
+        raise SynthError(f"--seed {seed} must be a whole number in [0, 2**32)")
     arch = get_architecture(model)
     if prompt_tokens + decode_steps > arch.max_position_embeddings:  # also keeps array sizes sane (10**40 crashed)
         raise SynthError(f"--prompt-tokens + --decode-steps = {prompt_tokens + decode_steps:,} exceeds {model}'s "
