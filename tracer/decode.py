@@ -10,6 +10,19 @@ refill: a sample that stops frees its row, and the next sample is prefilled into
 in length) before the next batched decode step, so the batch stays full. Every sample sees exactly the steps
 it would see alone (same tokens, positions, tiers, recall, stop); only the wall times are shared: a
 batched step's time is recorded for every sample in it.
+
+Host synchronisation (counted by `HostSyncCounter`, tests/test_host_syncs.py): the loop itself waits once per
+step, for the next tokens, fetched in the same copy as every layer's recorded rows. The tiered cache still
+waits inside a hierarchy/evict step: placement reads block counts (`int(...)`, `nonzero`) because its
+compacted HBM buffers are sliced by host-side lengths, and recall gathers DDR blocks by host-side ids.
+
+CUDA graphs: a decode step cannot be captured today. What stops it: (1) those in-step synchronisations (a
+capture forbids them); (2) shapes that change every step (the KV length grows, a row's attended entries
+change as blocks move, the batch shrinks at a stop); (3) Python control flow on device-derived values
+(placement only when over budget, the number of recalled blocks); (4) buffers reallocated when they fill.
+Capture would need fixed-size paged pools with per-row block tables and masks for unused slots, placement as
+device-side masks (fixed top-k, no counts read back), DDR gathers addressed on the device (pinned host memory
+mapped into the device address space), and the batch padded to a fixed size: issue 15's paged layout.
 """
 
 from __future__ import annotations
