@@ -427,7 +427,33 @@ def build_profile(cal: Calibration, name: str):
                                                f"decode)",
             "overheads.cache_bytes": llc[1],
         })
+    # The measured copy curves (time vs bytes per direction), which the simulator interpolates instead of the
+    # fitted line (simulator/mechanisms.py, "Copy curve").
+    curves = copy_curves(cal)
+    profile = dataclasses.replace(profile, transfer=dataclasses.replace(profile.transfer, copy_curves=curves))
+    what = "pinned host <-> device copies" if cal.device == "cuda" else \
+        "host -> host copies (the CPU tiered cache's copy; a CPU has no pinning, so it stands for the pinned curve)"
+    for key, _ in curves:
+        sources[f"transfer.copy_curve.{key}"] = (
+            f"measured: {cal.statistic} of {p.repeats} timed {what}, {p.copy_sizes_bytes[0]} B .. "
+            f"{p.copy_sizes_bytes[-1]} B; made non-decreasing in size (a larger copy is never faster: noise)")
     return profile, sources
+
+
+def copy_curves(cal: Calibration) -> tuple:
+    """The copy sweeps as hwprofiles CopyCurves: ("h2d_pinned", curve), ("d2h_pinned", curve); each time is
+    at least the one of the size before it (the schema refuses a curve that gets faster with size)."""
+    import numpy as np
+
+    from hwprofiles.schema import CopyCurve
+
+    curves = []
+    for direction in ("h2d", "d2h"):
+        series = cal.series[f"copy_{direction}"]
+        times = np.maximum.accumulate(np.asarray(series["time_s"], dtype=np.float64))
+        curves.append((f"{direction}_pinned", CopyCurve(tuple(float(x) for x in series["x"]),
+                                                         tuple(float(t) for t in times))))
+    return tuple(curves)
 
 
 def provenance(cal: Calibration) -> dict:
