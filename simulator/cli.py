@@ -67,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
     profiles = list_profiles() if args.all_profiles else [load_profile(name) for name in args.profile]
     out = args.out if args.out is not None else args.run_dir / "sim"
     _check_writable_dir(out, "--out")
+    for name in RESULT_FILES:  # an unreadable earlier results file fails now, before any simulation
+        if (out / name).is_file():
+            _read_existing(out / name)
     if args.timeline is not None:
         _check_writable_file(args.timeline, "--timeline")
 
@@ -124,7 +127,7 @@ def write_results(results, out: Path) -> list[Path]:
         path = out / f"{name}.parquet"
         keys = [*KEY_COLUMNS, *(["step"] if name == "steps" else [])]
         if path.exists():
-            old = _with_option_defaults(pd.read_parquet(path))
+            old = _with_option_defaults(_read_existing(path))
             if set(keys) <= set(old.columns):
                 stale = old.set_index(keys).index.isin(new.set_index(keys).index)
                 new = pd.concat([old[~stale], new], ignore_index=True)
@@ -137,6 +140,20 @@ def write_results(results, out: Path) -> list[Path]:
             write_bytes_atomic(csv, new.to_csv(index=False).encode())
             written.append(csv)
     return written
+
+
+RESULT_FILES = ("results.parquet", "summary.parquet", "steps.parquet")  # merged into on every call
+
+
+def _read_existing(path: Path):
+    """An earlier results table in --out (rows are merged into it); unreadable -> one line, nothing written."""
+    import pandas as pd
+
+    try:
+        return pd.read_parquet(path)
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises many types for a damaged file
+        raise SimulateOptionError(f"--out {path.parent}: {path.name} is not a readable results table "
+                                  f"({str(exc).splitlines()[0][:100]}); move it away or choose another --out") from None
 
 
 def _with_option_defaults(old):

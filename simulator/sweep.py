@@ -494,7 +494,7 @@ def run_sweep(
     if len(set(paths.values())) != len(cells):
         raise SweepError("the grid lists the same cell twice; remove duplicate values from its axes")
     (out_dir / "cells").mkdir(parents=True, exist_ok=True)
-    todo = [c for c in cells if not paths[c].is_file()]
+    todo = [c for c in cells if not _readable(paths[c])]  # a damaged cached result is computed again
     keys = {cell: path.stem for cell, path in paths.items()}
     finished = execute_local(todo, workers, keys) if executor == "local" else execute_ray(todo, workers, address, keys)
     failed: dict[str, str] = {}
@@ -512,6 +512,19 @@ def run_sweep(
     table, written = merge_results(cells, out_dir, [paths[c] for c in cells])
     return SweepReport(table=table, computed=len(todo) - len(failed), cached=len(cells) - len(todo), failed=failed,
                        results_path=written)
+
+
+def _readable(path: Path) -> bool:
+    """A cached cell result that pyarrow can open (a truncated or foreign file is not one)."""
+    if not path.is_file():
+        return False
+    import pyarrow.parquet as pq
+
+    try:
+        pq.read_metadata(path)
+    except Exception:  # noqa: BLE001 - pyarrow raises many types for a damaged file
+        return False
+    return True
 
 
 def merge_results(cells: list, out_dir: Path, paths: list[Path] | None = None) -> tuple[pd.DataFrame, Path | None]:

@@ -90,6 +90,30 @@ def test_sweep_cache_covers_the_content_of_runs_profiles_and_version(tmp_path, r
     assert (again.computed, again.cached) == (0, 4)
 
 
+def test_a_damaged_cached_cell_is_computed_again(tmp_path, runs):
+    a, b, _ = runs
+    grid_file = tmp_path / "g.yaml"
+    grid_file.write_text(yaml.safe_dump({"kind": "simulate", "runs": [str(a), str(b)], "profiles": ["h100-pcie"]}))
+    first = sweep(grid_file, tmp_path / "out")
+    damaged = sorted((tmp_path / "out" / "cells").glob("*.parquet"))[0]
+    damaged.write_bytes(damaged.read_bytes()[:100])  # a crash mid-write of a non-atomic copy, a full disk...
+    again = sweep(grid_file, tmp_path / "out")
+    assert (again.computed, again.cached) == (1, 1)
+    pd.testing.assert_frame_equal(again.table, first.table)
+
+
+def test_simulate_refuses_an_unreadable_results_file_in_out_before_any_work(tmp_path, runs, capsys):
+    a, _, _ = runs
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "results.parquet").write_text("not parquet\n")
+    assert main(["simulate", str(a), "--profile", "h100-pcie", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "results.parquet is not a readable results table" in err and len(err.splitlines()) == 1
+    assert sorted(p.name for p in out.iterdir()) == ["results.parquet"]  # nothing else written
+    assert (out / "results.parquet").read_text() == "not parquet\n"
+
+
 @pytest.mark.parametrize("what_if", [{"budget": [0.3, -1]}, {"budget": [0.3, "abc"]}, {"budget": [0, 0.3]},
                                      {"block": [16, 24]}, {"colour": ["red"]}])
 def test_a_grid_with_one_bad_cell_is_refused_before_any_runs(tmp_path, runs, capsys, what_if):
