@@ -514,6 +514,11 @@ def run_sweep(
                        results_path=written)
 
 
+def is_cached(out_dir: Path, cell) -> bool:
+    """The cell has a usable result under out_dir (what run_sweep skips)."""
+    return _readable(cell_result_path(out_dir, cell))
+
+
 def _readable(path: Path) -> bool:
     """A cached cell result that pyarrow can open (a truncated or foreign file is not one)."""
     if not path.is_file():

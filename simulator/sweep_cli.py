@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from simulator.sweep import SweepError, cell_key, cell_result_path, load_grid, run_sweep
+    from simulator.sweep import SweepError, cell_key, is_cached, load_grid, run_sweep
 
     if args.address is not None and args.executor != "ray":
         raise SweepError("--address joins a Ray cluster; add --executor ray or drop --address")
@@ -34,11 +34,11 @@ def run(args: argparse.Namespace) -> int:
     if out_dir.exists() and not out_dir.is_dir():
         raise SweepError(f"--out {out_dir} exists and is not a directory; pass a directory")
     grid = load_grid(args.grid, out_dir=out_dir)
-    cached = sum(cell_result_path(out_dir, c).is_file() for c in grid.cells)
+    cached = sum(is_cached(out_dir, c) for c in grid.cells)
     print(f"{grid.source}: {len(grid.cells)} {grid.kind} cells, {cached} already done, out={out_dir}")
     if args.dry_run:
         for cell in grid.cells:
-            state = "done" if cell_result_path(out_dir, cell).is_file() else "todo"
+            state = "done" if is_cached(out_dir, cell) else "todo"
             print(f"  {cell_key(cell)} {state} {cell}")
         return 0
     report = run_sweep(grid.cells, out_dir, executor=args.executor, workers=args.workers, address=args.address)

@@ -90,13 +90,15 @@ def test_sweep_cache_covers_the_content_of_runs_profiles_and_version(tmp_path, r
     assert (again.computed, again.cached) == (0, 4)
 
 
-def test_a_damaged_cached_cell_is_computed_again(tmp_path, runs):
+def test_a_damaged_cached_cell_is_computed_again(tmp_path, runs, capsys):
     a, b, _ = runs
     grid_file = tmp_path / "g.yaml"
     grid_file.write_text(yaml.safe_dump({"kind": "simulate", "runs": [str(a), str(b)], "profiles": ["h100-pcie"]}))
     first = sweep(grid_file, tmp_path / "out")
     damaged = sorted((tmp_path / "out" / "cells").glob("*.parquet"))[0]
     damaged.write_bytes(damaged.read_bytes()[:100])  # a crash mid-write of a non-atomic copy, a full disk...
+    assert main(["sweep", "--grid", str(grid_file), "--out", str(tmp_path / "out"), "--dry-run"]) == 0
+    assert "2 simulate cells, 1 already done" in capsys.readouterr().out
     again = sweep(grid_file, tmp_path / "out")
     assert (again.computed, again.cached) == (1, 1)
     pd.testing.assert_frame_equal(again.table, first.table)
