@@ -20,7 +20,7 @@ import pandas as pd
 
 from hwprofiles import HardwareProfile, load_profile
 from hwprofiles.overhead_modes import apply_mode, mode_of
-from simulator import costs, fastpath, mechanisms
+from simulator import costs, fastpath, mechanisms, tiers
 from simulator.columns import (
     KEY_COLUMNS,
     MAX_COLUMNS,
@@ -71,7 +71,7 @@ def simulate_run(
     overlap, async_offload, engine = options.overlap, options.async_offload, options.engine
     run = run_dir if isinstance(run_dir, TraceRun) else open_run(run_dir)
     profile = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
-    costs.offload_tier(profile, options.offload_tier)  # an unknown tier fails before any work
+    chain = tiers.tier_chain(profile, options.offload_tier)  # an unknown tier fails before any work (ddr+TIER: spill)
     shape = ModelShape.from_manifest(run.manifest["model"])
     policy = run.manifest["policy"]
     overrides = parse_what_if(what_if)
@@ -115,7 +115,9 @@ def simulate_run(
         work = mechanisms.build_workload(  # --transfer: how blocks cross the link (dma-per-block: as before)
             mechanism, sample_id, cost_shape, profile, arrays["query_tokens"], arrays["hbm_tokens"],
             arrays["recalled_tokens"], arrays["bytes_h2d"], arrays["bytes_d2h"], arrays["hbm_kv_bytes"],
-            arrays["ddr_kv_bytes"], options.batch, options.offload_tier, overlap, async_offload,
+            arrays["ddr_kv_bytes"], options.batch,
+            tiers.tier_for(profile, chain, options.batch * float(arrays["ddr_kv_bytes"].sum(1).max())), overlap,
+            async_offload,
         )
         record = timeline if index == 0 else None  # a timeline shows the first sample (the DES records it)
         use_fast = engine == "fast" or (engine == "auto" and record is None
@@ -186,7 +188,8 @@ def _sample_row(run, shape, profile, config: PolicySpec, options: SimOptions, wo
     kv_ddr_per_seq = float(work.step_ddr_kv_bytes[decode_rows].max())
     kv_full_per_seq = float(arrays["logical_len"][-1, 0] * shape.kv_bytes_per_token)
     free_hbm = profile.gpu.hbm_capacity_bytes - shape.weight_bytes
-    ddr_capacity = costs.offload_tier(profile, options.offload_tier).capacity_bytes
+    chain = tiers.tier_chain(profile, options.offload_tier)
+    ddr_capacity = tiers.capacity_bytes(profile, chain)  # the offload tier, with its spill tier (ddr+TIER)
     peak_hbm = shape.weight_bytes + batch * float(work.step_hbm_kv_bytes.max())
     peak_ddr = batch * float(work.step_ddr_kv_bytes.max())
     label = str(run.manifest.get("label") or run.path.name) + (f" [what-if {_describe(overrides)}]" if projected else "")
@@ -237,7 +240,8 @@ def _sample_row(run, shape, profile, config: PolicySpec, options: SimOptions, wo
         "kv_ddr_bytes_per_seq": int(round(kv_ddr_per_seq)),
         "max_concurrency_full": _fit(free_hbm, kv_full_per_seq),
         "max_concurrency_policy": _fit(free_hbm, kv_hbm_per_seq),
-        "max_concurrency_ddr": _fit(ddr_capacity, kv_ddr_per_seq) if kv_ddr_per_seq > 0 else None,
+        "max_concurrency_ddr": tiers.sequences_that_fit(profile, chain, kv_ddr_per_seq) if kv_ddr_per_seq > 0
+        else None,
         "mass_lost_evicted": mass_evicted,
         "mass_lost_not_recalled": mass_not_recalled,
         "same_host": same_host(profile.provenance.get("host_facts"), (run.manifest.get("hardware") or {}).get("host_facts")),

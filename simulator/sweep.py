@@ -340,8 +340,8 @@ def _describe_cell(run_dir: str, profile: str, what_if: tuple, *values: dict) ->
 def _check_cell(run_dir: str, profile, options: SimOptions, what_if: tuple) -> None:
     """What simulate_run / simulate_serving check before they work, for one cell: the run has samples, the
     what-if against its traced policy, the offload tier on the profile, layer-prefetch against the recall rule."""
-    from simulator.costs import offload_tier
     from simulator.simulate import check_prefetch
+    from simulator.tiers import tier_chain
     from simulator.whatif import parse_what_if, traced_config, what_if_config
     from traces.reader import open_run
 
@@ -350,7 +350,7 @@ def _check_cell(run_dir: str, profile, options: SimOptions, what_if: tuple) -> N
         raise SweepError(f"{run.path}: no committed samples to simulate; let the trace run finish (or resume it)")
     policy = run.manifest["policy"]
     config = what_if_config(policy, parse_what_if(dict(what_if))) if what_if else traced_config(policy)
-    offload_tier(profile, options.offload_tier)
+    tier_chain(profile, options.offload_tier)  # a tier, or a spill chain ddr+TIER
     if options.overlap == "layer-prefetch":
         check_prefetch(run, config, bool(what_if))
 

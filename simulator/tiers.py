@@ -1,11 +1,14 @@
 """A spill chain of offload tiers: `--offload-tier ddr+nvme` = host DDR first, the profile's `nvme` tier when DDR
-is full (serve-sim).
+is full.
 
-Offloaded KV lives in one tier per request: serve-sim's admission reserves a request's peak offloaded bytes in
-DDR while DDR has room and in the spill tier otherwise (DDR full -> spill), each tier's reservations never
-above its capacity; a spilled request's copies cost what the spill tier costs (`costs.offload_tier`: the
-slower of link and tier, the link overhead + the tier's latency) and share the same link channels. A plain
-tier name (`ddr`, `cxl-expander`, `nvme`) is a chain of one.
+Offloaded KV lives in one tier per request (serve-sim) or per simulated sample (simulate: a sequence, or its
+lockstep batch): serve-sim's admission reserves a request's peak offloaded bytes in DDR while DDR has room and
+in the spill tier otherwise (DDR full -> spill), each tier's reservations never above its capacity; simulate
+puts a sample in DDR when its batch's peak offloaded KV fits there, else in the spill tier, and counts
+`max_concurrency_ddr` as the whole sequences that fit in DDR plus those that fit in the spill tier. A spilled
+request's or sample's copies cost what the spill tier costs (`costs.offload_tier`: the slower of link and
+tier, the link overhead + the tier's latency) on the same link channels. A plain tier name (`ddr`,
+`cxl-expander`, `nvme`) is a chain of one.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 
 from hwprofiles import HardwareProfile
 from simulator import costs
-from simulator.errors import ServingError
+from simulator.errors import OptionError, ServingError
 
 
 @dataclass(frozen=True)
@@ -27,12 +30,33 @@ def tier_chain(profile: HardwareProfile, name: str) -> TierChain:
     """`ddr`, `TIER` or `ddr+TIER` -> the chain, each tier checked on the profile (one-line errors)."""
     primary, plus, spill = name.partition("+")
     if plus and (primary != "ddr" or not spill or "+" in spill):
-        raise ServingError(f"--offload-tier {name!r}: a spill chain is ddr+TIER (host DDR, then one extra tier of "
+        raise OptionError(f"--offload-tier {name!r}: a spill chain is ddr+TIER (host DDR, then one extra tier of "
                            "the profile, e.g. ddr+nvme)")
     costs.offload_tier(profile, primary)
     if spill:
         costs.offload_tier(profile, spill)
     return TierChain(primary, spill or None)
+
+
+def capacity_bytes(profile: HardwareProfile, chain: TierChain) -> float:
+    """Everything the chain can hold (the primary tier + the spill tier)."""
+    total = costs.offload_tier(profile, chain.primary).capacity_bytes
+    return total + (costs.offload_tier(profile, chain.spill).capacity_bytes if chain.spill else 0.0)
+
+
+def tier_for(profile: HardwareProfile, chain: TierChain, offloaded_bytes: float) -> str:
+    """Where offloaded KV of `offloaded_bytes` (at its peak) lives: the primary tier if it fits, else the spill
+    tier if it fits there, else the primary (and the caller flags the overflow)."""
+    if chain.spill and offloaded_bytes > costs.offload_tier(profile, chain.primary).capacity_bytes \
+            and offloaded_bytes <= costs.offload_tier(profile, chain.spill).capacity_bytes:
+        return chain.spill
+    return chain.primary
+
+
+def sequences_that_fit(profile: HardwareProfile, chain: TierChain, per_sequence_bytes: float) -> int:
+    """Whole sequences of `per_sequence_bytes` offloaded KV the chain holds (each tier holds whole ones)."""
+    tiers = [chain.primary] + ([chain.spill] if chain.spill else [])
+    return sum(int(costs.offload_tier(profile, t).capacity_bytes // per_sequence_bytes) for t in tiers)
 
 
 def check_spill(chain: TierChain, mechanism, coalesced: bool, engines: int) -> None:

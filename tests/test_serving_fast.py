@@ -175,3 +175,25 @@ def test_spill_chains_refused_where_not_modelled(runs):
             simulate_serving(run, "h100-pcie", ServingConfig(rate_per_s=50, duration_s=0.1, options=SimOptions(
                 offload_tier=offload_tier, transfer=transfer)))
         assert isinstance(error.value, ServingError) or "tier" in str(error.value)
+
+
+def test_simulate_spills_a_sample_that_does_not_fit_in_ddr(runs):
+    """simulate --offload-tier ddr+nvme: a sample whose offloaded KV exceeds DDR runs from the NVMe tier (the
+    same times as --offload-tier nvme), nothing overflows, and the capacity counts both tiers."""
+    from simulator import simulate_run
+
+    run = runs["hierarchy"]
+    profile = load_profile("h100-pcie")
+    base = simulate_run(run, profile).summary
+    per_seq = base["kv_ddr_bytes_per_seq"]
+    small = dataclasses.replace(profile, host=dataclasses.replace(profile.host, ddr_capacity_bytes=int(per_seq // 2)))
+    spilled = simulate_run(run, small, SimOptions(offload_tier="ddr+nvme")).summary
+    in_nvme = simulate_run(run, small, SimOptions(offload_tier="nvme")).summary
+    only_ddr = simulate_run(run, small, SimOptions(offload_tier="ddr")).summary
+    assert only_ddr["ddr_overflow"] and not spilled["ddr_overflow"]
+    assert spilled["total_s"] == in_nvme["total_s"] > base["total_s"]  # NVMe copies are slower than DDR's
+    nvme_capacity = small.extra_tiers[0].capacity_bytes
+    assert spilled["max_concurrency_ddr"] == int(nvme_capacity // per_seq)  # DDR holds none of them
+    ample = simulate_run(run, profile, SimOptions(offload_tier="ddr+nvme")).summary
+    assert ample["total_s"] == base["total_s"]
+    assert ample["max_concurrency_ddr"] == base["max_concurrency_ddr"] + int(nvme_capacity // per_seq)
