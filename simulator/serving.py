@@ -67,6 +67,7 @@ from simulator.mechanisms import build_workload as mechanism_workload
 from simulator.mechanisms import context as transfer_context
 from simulator.options import KEY_FIELDS, ServingConfig
 from simulator.schedule import StepSchedule
+from simulator.serving_fast import FastServing
 from simulator.tiers import check_spill, tier_chain
 from simulator.workload import step_arrays
 from traces import open_run
@@ -281,6 +282,11 @@ class Request:
     rejected: bool = False
 
 
+def requests_for(arrivals: list[Arrival], works: list[SampleWork]) -> list[Request]:
+    """One Request per arrival, replaying its sample for its tokens (the DES and the fast path alike)."""
+    return [Request(i, a.arrival_s, works[a.sample].truncated(a.n_steps)) for i, a in enumerate(arrivals)]
+
+
 @dataclass
 class ServingResult:
     summary: dict
@@ -312,8 +318,7 @@ class ServingSim:
         self.sample_of = [a.sample for a in arrivals]
         self.reserved_spill_bytes = 0.0
         self.works = works
-        self.requests = [Request(i, a.arrival_s, works[a.sample].truncated(a.n_steps))
-                         for i, a in enumerate(arrivals)]
+        self.requests = requests_for(arrivals, works)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.reserved_hbm_bytes = 0.0
@@ -616,8 +621,6 @@ def simulate_serving(run_dir: str | Path, profile: str | HardwareProfile, config
         sim = ServingSim(profile, shape, works, arrivals, config, timeline, spill_works)
         sim.run(progress)
     else:
-        from simulator.serving_fast import FastServing
-
-        sim = FastServing(profile, shape, works, arrivals, config, spill_works)
+        sim = FastServing(profile, shape, works, arrivals, config, requests_for(arrivals, works), spill_works)
         sim.run()
     return summarise(sim, manifest, str(run_dir), overhead_source)

@@ -24,20 +24,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from pathlib import Path
 
 import numpy as np
 
 from hwprofiles import HardwareProfile
 from simulator import costs, mechanisms
 from simulator.engine import Channel, engines_per_channel
-from simulator.serving import (
-    Request,
-    ServingConfig,
-    ServingError,
-    ServingResult,
-    simulate_serving,
-)
+from simulator.errors import ServingError
+from simulator.options import ServingConfig
 from simulator.tiers import check_spill, tier_chain
 
 
@@ -61,7 +55,9 @@ class FastServing:
     """Same inputs and the same attributes `serving.summarise` reads as `serving.ServingSim`."""
 
     def __init__(self, profile: HardwareProfile, shape: costs.ModelShape, works, arrivals, config: ServingConfig,
-                 spill_works=None):
+                 requests: list, spill_works=None):
+        """`requests`: serving.Request records of the arrivals, in order (serving.requests_for builds them; this
+        module does not import serving, which dispatches to it)."""
         self.profile, self.shape, self.config, self.works = profile, shape, config, works
         self.spill_works = spill_works
         self.clock = _Clock()
@@ -83,7 +79,7 @@ class FastServing:
         self.overhead_s = {"h2d": self.mechanism.copy_overhead_s(self.transfer, "h2d"),
                            "d2h": mechanisms.offload_mechanism(self.mechanism).copy_overhead_s(self.transfer, "d2h")}
         self.ddr_capacity_bytes = self.tier.capacity_bytes
-        self.requests = [Request(i, a.arrival_s, works[a.sample].truncated(a.n_steps)) for i, a in enumerate(arrivals)]
+        self.requests = requests
         self.sample_of = np.array([a.sample for a in arrivals], dtype=np.int64)
         self.queue_changes: list[tuple[float, int]] = [(0.0, 0)]
         self.occupancy: list[tuple] = []
@@ -430,9 +426,3 @@ class FastServing:
             r.step = int(n_steps[rid])
             r.tbt_s = np.diff(times)  # an array (serving.summarise takes lists or arrays)
 
-
-def simulate_serving_fast(run_dir: str | Path, profile: str | HardwareProfile, config: ServingConfig) -> ServingResult:
-    """`serving.simulate_serving` on the fast path (what its engine "auto" does without a timeline)."""
-    from dataclasses import replace
-
-    return simulate_serving(run_dir, profile, replace(config, options=replace(config.options, engine="fast")))

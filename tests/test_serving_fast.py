@@ -14,7 +14,6 @@ import pytest
 from hwprofiles import load_profile
 from simulator.options import ServingConfig, SimOptions
 from simulator.serving import simulate_serving
-from simulator.serving_fast import simulate_serving_fast
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +76,12 @@ def cases(n: int = 30):
             transfer=TRANSFERS[i % len(TRANSFERS)],
         ))
     return out
+
+
+def simulate_serving_fast(run, profile, config):
+    """serve-sim on the fast path (engine fast)."""
+    return simulate_serving(run, profile, dataclasses.replace(config, options=dataclasses.replace(config.options,
+                                                                                                engine="fast")))
 
 
 def assert_same(a, b, what: str):

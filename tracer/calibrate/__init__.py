@@ -445,7 +445,7 @@ def copy_curves(cal: Calibration) -> tuple:
     at least the one of the size before it (the schema refuses a curve that gets faster with size)."""
     import numpy as np
 
-    from hwprofiles.schema import CopyCurve
+    from hwprofiles import CopyCurve
 
     curves = []
     for direction in ("h2d", "d2h"):
