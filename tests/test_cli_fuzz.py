@@ -69,7 +69,10 @@ COMMANDS: dict[str, tuple[list[str], list[str]]] = {
                    ["--out", "--data-file", "--profile"]),
     "analyze correlation": (["analyze", "correlation", SAMPLE_RUN], ["#2", "--out"]),
 }
-EXAMPLES = {"trace": 14, "plot": 4, "simulate": 10, "serve-sim": 10, "traces synth": 10}
+# Examples per command: refusals cost milliseconds, accepted runs up to a few seconds (trace, plot).
+EXAMPLES = {"trace": 14, "plot": 3, "simulate": 12, "serve-sim": 16, "traces synth": 24, "analyze correlation": 8}
+DEFAULT_EXAMPLES = 20
+PATH_EXAMPLES = {"plot": 4}  # a report takes seconds; other commands refuse junk paths at once
 
 
 def subparser(name: str) -> argparse.ArgumentParser:
@@ -175,7 +178,7 @@ def test_numeric_options(name, root):
         pytest.skip(f"{name} has no numeric options")
     base = COMMANDS[name][0]
 
-    @settings(max_examples=EXAMPLES.get(name, 8), deadline=None, derandomize=True, database=None,
+    @settings(max_examples=EXAMPLES.get(name, DEFAULT_EXAMPLES), deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(data=st.data())
     def fuzz(data):
@@ -191,7 +194,7 @@ def test_path_options(name, root):
     base, path_options = COMMANDS[name]
     paths = junk_paths(root)
 
-    @settings(max_examples=min(10, len(paths) * len(path_options)), deadline=None, derandomize=True,
+    @settings(max_examples=PATH_EXAMPLES.get(name, min(12, len(paths) * len(path_options))), deadline=None, derandomize=True,
               database=None, suppress_health_check=list(HealthCheck))
     @given(option=st.sampled_from(path_options), path=st.sampled_from(paths))
     def fuzz(option, path):

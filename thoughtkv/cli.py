@@ -174,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         print(f"thoughtkv {args.command}: interrupted; finished work is kept, rerun to resume", file=sys.stderr)
+        if argv is None:  # the process's own command line (console script, python -m thoughtkv)
+            # Skip the interpreter's teardown: unloading torch took seconds on a loaded machine, and every file
+            # the command wrote is already committed (temp name + rename).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
 
 
