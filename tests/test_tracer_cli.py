@@ -32,7 +32,7 @@ needs_gsm8k = pytest.mark.skipif(not GSM8K.is_file(), reason="shared GSM8K file 
         (["--block-size", "0"], "--block-size"),
         (["--task", "nope"], "unknown task"),
         (["--model", "random:nope"], "unknown architecture"),
-        (["--model", "/nonexistent/model"], "cannot load model"),
+        (["--model", "/nonexistent/model"], "no such directory"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(flags, message, tmp_path, capsys):
