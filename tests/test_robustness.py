@@ -186,6 +186,9 @@ def test_truncated_part_is_retraced_on_resume_and_validate_prints_the_command(tm
     settings = {k: v for k, v in recorded.items() if not isinstance(v, dict)}
     assert {k: getattr(parsed, k) for k in settings} == settings
 
+    assert main(["traces", "info", str(out)]) == 2  # info finds the damage too, and says the same
+    assert f"to repair, rerun `{shlex.join(command)}`" in one_line_error(capsys)
+
     assert main(command[1:]) == 0
     captured = capsys.readouterr()
     assert "1 committed sample(s) had a damaged part" in captured.err

@@ -33,13 +33,21 @@ def run(args: argparse.Namespace) -> int:
             # A bar only on a terminal: in a log or a pipe the error must stay the one line on stderr.
             trace.validate(progress=sys.stderr.isatty())
         except TraceFormatError as exc:
-            raise TraceFormatError(f"{exc}; to repair, rerun `{repair_command(trace.manifest, args.run_dir)}`, "
-                                   "which writes damaged samples again") from None
+            raise with_repair(exc, trace.manifest, args.run_dir) from None
         print(f"OK {args.run_dir}: {len(trace.sample_ids())} committed samples, trace format {trace.manifest['schema']}")
         return 0
-    for line in info_lines(trace):
+    try:
+        lines = info_lines(trace)
+    except TraceFormatError as exc:  # a damaged part found while summarising: the same repair as validate's
+        raise with_repair(exc, trace.manifest, args.run_dir) from None
+    for line in lines:
         print(line)
     return 0
+
+
+def with_repair(exc: TraceFormatError, manifest: dict, run_dir: Path) -> TraceFormatError:
+    return TraceFormatError(f"{exc}; to repair, rerun `{repair_command(manifest, run_dir)}`, which writes damaged "
+                            "samples again")
 
 
 def repair_command(manifest: dict, run_dir: Path) -> str:
