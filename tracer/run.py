@@ -19,6 +19,9 @@ class BadTraceConfig(UserError):
     pass
 
 
+MAX_SAMPLES = 1_000_000  # samples per run: far beyond any dataset here (GSM8K test: 1,319)
+
+
 _POLICY_DEFAULTS = PolicySpec()
 
 
@@ -88,6 +91,10 @@ class TraceConfig:
         for name in ("n_samples", "max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise BadTraceConfig(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
+        # A generated task (chains) has no count of its own: 10**13 samples looped in the loader forever.
+        if self.n_samples > MAX_SAMPLES:
+            raise BadTraceConfig(f"--n-samples {self.n_samples:,} is more than {MAX_SAMPLES:,}; trace fewer (a rerun "
+                                 "with more resumes the run)")
         if self.data_file is not None and not Path(self.data_file).is_file():
             raise BadTraceConfig(f"--data-file {self.data_file}: no such file")
         out = Path(self.out)
