@@ -226,6 +226,14 @@ def test_more_samples_than_the_task_has_says_so(tmp_path, capsys):
     assert len(open_run(out).sample_ids()) == 3
 
 
+def test_generated_task_refuses_an_endless_sample_count(tmp_path, capsys):
+    """chains is generated, so its loader has no count to stop at: 10**13 samples looped forever."""
+    started = time.perf_counter()
+    assert main(trace_args(tmp_path / "run", "--n-samples", str(10**13))) == 2
+    assert "--n-samples 10,000,000,000,000 is more than 1,000,000" in one_line_error(capsys)
+    assert time.perf_counter() - started < 10
+
+
 # -- Ctrl-C -------------------------------------------------------------------------------------------------
 
 
