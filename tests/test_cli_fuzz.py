@@ -156,8 +156,15 @@ def fill(argv: list[str], root: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("fuzz")
+def root(tmp_path_factory):
+    """The fuzz's scratch directory, also the working directory: relative junk paths (`-`) land there."""
+    import os
+
+    path = tmp_path_factory.mktemp("fuzz")
+    previous = os.getcwd()
+    os.chdir(path)
+    yield path
+    os.chdir(previous)
 
 
 def test_every_numeric_option_is_found():
