@@ -147,6 +147,29 @@ def test_hf_id_offline_fails_fast_in_one_line(tmp_path):
     assert elapsed - baseline_s < 10  # one probe of at most 3 s, not ~25 s of retries
 
 
+def test_hub_dataset_offline_fails_fast_in_one_line(tmp_path):
+    """The sibling for datasets: gsm8k without --data-file on a machine without the Hub printed a dozen retry
+    lines over ~40 s; now one line naming --data-file, one probe later than a refusal needing no network."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    env["HF_HOME"] = str(tmp_path / "hf")
+
+    def refused(*flags: str) -> tuple[subprocess.CompletedProcess, float]:
+        started = time.perf_counter()
+        argv = ["trace", "--model", "micro", "--task", "gsm8k", "--out", str(tmp_path / "run"), "--quiet", *flags]
+        result = subprocess.run([sys.executable, "-m", "thoughtkv", *argv], cwd=REPO, env=env, capture_output=True,
+                                text=True, timeout=300)
+        return result, time.perf_counter() - started
+
+    result, elapsed = refused()
+    if result.returncode == 0:
+        pytest.skip("the Hub is reachable here")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "--data-file" in result.stderr and "Retrying" not in result.stderr
+    baseline, baseline_s = refused("--data-file", str(tmp_path / "missing.jsonl"))
+    assert baseline.returncode == 2
+    assert elapsed - baseline_s < 10
+
+
 def test_hf_id_with_offline_set_fails_without_network(monkeypatch):
     from huggingface_hub import constants
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -190,6 +191,25 @@ def model_is_local(spec: str) -> bool:
             "task's dataset)"
         )
     return False
+
+
+@contextmanager
+def offline_if_unreachable():
+    """Within: when the Hub cannot be reached, the HF libraries run offline, so that a cached dataset or
+    model still loads and a download fails at once (datasets retried for ~40 s, printing a dozen lines)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or _hub_unreachable(constants.ENDPOINT) is None:
+        yield
+        return
+    import datasets
+
+    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
 
 
 def _in_hub_cache(repo_id: str) -> bool:
