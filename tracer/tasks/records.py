@@ -53,7 +53,10 @@ def load_hub(
     try:
         import datasets
 
-        dataset = datasets.load_dataset(dataset_id, config, split=split)
+        from tracer.preflight import offline_if_unreachable
+
+        with offline_if_unreachable():  # offline: the cache or a one-line refusal, not ~40 s of retries
+            dataset = datasets.load_dataset(dataset_id, config, split=split)
     except Exception as exc:  # offline, DNS, auth, missing cache: all mean "use a local file"
         reason = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
         raise HubUnavailableError(
