@@ -117,3 +117,20 @@ def test_fine_tune_shortened_before_the_decay_resumes_to_the_shorter_runs_weight
         torch.testing.assert_close(shortened[name], straight[name], rtol=1e-5, atol=1e-6)
     log = [json.loads(line) for line in (tmp_path / "shortened" / "train_log.jsonl").read_text().splitlines()]
     assert {"event": "resume", "step": 2, "changed": {"max_steps": 5}} in log
+
+
+def test_bundled_long_model_thinks_the_whole_long_chain_and_answers(tmp_path):
+    """The shipped tracer/assets/micro_long through `thoughtkv trace`'s code path: the full 492-token chain of
+    thought (what makes the workload long), ending at <eos>, with the right answer. Its 500-problem accuracy is
+    in tracer/assets/micro_long/README.md; three problems here keep the test short."""
+    from tracer.micro.table_long import MODEL_DIR
+    from tracer.run import TraceConfig, run_trace
+    from traces.reader import open_run
+
+    config = TraceConfig(model=str(MODEL_DIR), task="chains_long", out=str(tmp_path / "run"), n_samples=3,
+                         policy="full", max_new_tokens=600, access=False)
+    samples = open_run(run_trace(config, progress=False)).samples()
+    for row in samples.itertuples():
+        index = int(row.sample_id.rsplit("/", 1)[1])
+        assert row.generated_text.split() == heldout_long_problem(index).answer_words  # token for token
+        assert row.correct and row.stop_reason == "eos" and row.generated_tokens == 492
