@@ -106,10 +106,10 @@ def run_table(out_dir: Path, runs: Path, n_samples: int, which: str, progress: b
     return target
 
 
-def cell_row(cell: Cell, runs: Path) -> list[str] | None:
-    """One table row (None when the cell has not run): accuracy [CI] n, then its traffic."""
+def cell_result(cell: Cell, runs: Path) -> tuple[int, int, dict] | None:
+    """(n scored, n correct, traffic) of a cell's run; None when it has not run."""
     from traces.reader import open_run
-    from traces.stats import bytes_text, run_traffic, wilson_interval
+    from traces.stats import run_traffic
 
     run_dir = runs / cell.name
     if not (run_dir / "run.json").is_file():
@@ -118,17 +118,53 @@ def cell_row(cell: Cell, runs: Path) -> list[str] | None:
     scored = trace.samples()["correct"].dropna()
     if scored.empty:
         return None
-    n, correct = len(scored), int(scored.sum())
+    return len(scored), int(scored.sum()), run_traffic(trace)
+
+
+def _accuracy_text(n: int, correct: int) -> str:
+    from traces.stats import wilson_interval
+
     low, high = wilson_interval(correct, n)
-    t = run_traffic(trace)
+    return f"{100 * correct / n:.1f} [{100 * low:.1f}, {100 * high:.1f}]"
+
+
+def cell_row(cell: Cell, runs: Path) -> list[str] | None:
+    """One table row (None when the cell has not run): accuracy [CI] n, then its traffic."""
+    from traces.stats import bytes_text
+
+    result = cell_result(cell, runs)
+    if result is None:
+        return None
+    n, correct, t = result
     return [
         "100%" if cell.policy == "full" else f"{cell.hbm_budget:.0%}", cell.label,
-        f"{100 * correct / n:.1f} [{100 * low:.1f}, {100 * high:.1f}]", str(n),
+        _accuracy_text(n, correct), str(n),
         f"{100 * t['hbm_frac']:.1f}%", f"{100 * t['attended_frac']:.1f}%",
         f"{t['recalled_tokens_per_layer_step']:.1f} ({100 * t['recalled_frac']:.1f}%)",
         bytes_text(t["h2d_bytes_per_token"]), bytes_text(t["d2h_bytes_per_token"]),
         bytes_text(t["h2d_bytes_per_token_ref"]), bytes_text(t["d2h_bytes_per_token_ref"]),
     ]
+
+
+def headline(runs: Path, budget: float = KEY_BUDGET, recall: float = 0.1) -> str:
+    """The table's answer in one sentence, from the runs: at `budget` HBM, the hierarchy (evict 0) recalling at
+    most `recall` of the context per step vs the best pure eviction, each with its n and traffic."""
+    from traces.stats import bytes_text
+
+    hierarchy = cell_result(Cell("hierarchy", budget, HIERARCHY_SCORER, 0.0, recall), runs)
+    evictions = {s: cell_result(Cell("evict", budget, s), runs) for s in EVICTION_SCORERS}
+    evictions = {s: r for s, r in evictions.items() if r is not None}
+    if hierarchy is None or not evictions:
+        return f"In one sentence: not yet — the {budget:.0%} hierarchy (recall ≤ {recall:.0%}) or eviction cells have not run."
+    best = max(evictions, key=lambda s: evictions[s][1] / evictions[s][0])
+    n, correct, t = hierarchy
+    en, ecorrect, _ = evictions[best]
+    return (
+        f"In one sentence: at {budget:.0%} HBM, recalling ≤ {recall:.0%} of the context per step (nothing evicted) "
+        f"keeps {_accuracy_text(n, correct)}% (n={n}) vs {_accuracy_text(en, ecorrect)}% (n={en}) for the best pure "
+        f"eviction ({best}), attending {100 * t['attended_frac']:.1f}% of the context and moving "
+        f"{bytes_text(t['h2d_bytes_per_token_ref'])} H2D per generated token at qwen2-7b's KV size."
+    )
 
 
 HEADER = ("HBM budget", "method", "accuracy % [95% CI]", "n", "HBM % (attention)", "attended %",
@@ -152,6 +188,8 @@ def write_markdown(path: Path, runs: Path) -> None:
         "are mean shares of the context resident / attended (resident + recalled) per layer-step; bytes are per",
         "generated token over all layers, for the micro model (fp32 KV, 3 layers x 3 KV heads x 32) and for the",
         "same access pattern priced at qwen2-7b's bf16 KV (57,344 bytes/token).",
+        "",
+        headline(runs),
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "---|" * len(HEADER),
