@@ -27,8 +27,10 @@ CONTEXTS = (8192, 32768)
 
 
 def mechanism_table(run_dir: str | Path, profiles=PROFILES, contexts=CONTEXTS, as_model: str = "qwen2-7b",
-                    transfers: tuple[str, ...] | None = None, dtype: str = "bfloat16") -> pd.DataFrame:
-    """One row per (context, profile, transfer): the run projected to `as_model` at that context."""
+                    transfers: tuple[str, ...] | None = None, dtype: str = "bfloat16",
+                    recalls: str = "share") -> pd.DataFrame:
+    """One row per (context, profile, transfer): the run projected to `as_model` at that context (`recalls`:
+    project.Projection's, share or count)."""
     from simulator import simulate_run
     from simulator.mechanisms import MECHANISMS
     from simulator.options import SimOptions
@@ -40,7 +42,7 @@ def mechanism_table(run_dir: str | Path, profiles=PROFILES, contexts=CONTEXTS, a
     final_length = float((samples["prompt_tokens"] + samples["generated_tokens"]).mean())
     rows = []
     for context in contexts:
-        projection = Projection(as_model, dtype, context_scale=context / final_length)
+        projection = Projection(as_model, dtype, context_scale=context / final_length, recalls=recalls)
         for profile in profiles:
             for transfer in transfers or tuple(MECHANISMS):
                 s = simulate_run(run, profile, SimOptions(transfer=transfer), projection=projection).summary

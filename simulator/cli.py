@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--as-dtype", default="bfloat16", help="with --as-model: its weight and KV dtype (default: bfloat16)")
     parser.add_argument("--context-scale", type=float, default=1.0,
                         help="with --as-model: scale every logical length (and the prompt) by this factor (default: 1)")
+    parser.add_argument("--recalls", default="share", choices=("share", "count"),
+                        help="with --context-scale: recalled tokens keep their share of the context (share) or "
+                             "their traced count (count: a fixed recall_k) (default: share)")
     parser.add_argument("--timeline", type=Path, metavar="FILE",
                         help="Chrome-trace JSON of the first sample on each profile (open in ui.perfetto.dev)")
     parser.add_argument("--out", type=Path, default=None, help="results directory (default RUN_DIR/sim)")
@@ -58,9 +61,10 @@ def run(args: argparse.Namespace) -> int:
     if args.as_model is not None:
         from simulator.project import Projection
 
-        projection = Projection(args.as_model, args.as_dtype, args.context_scale)
-    elif args.as_dtype != "bfloat16" or args.context_scale != 1.0:
-        raise SimulateOptionError("--as-dtype and --context-scale go with --as-model ARCH; add it or drop them")
+        projection = Projection(args.as_model, args.as_dtype, args.context_scale, args.recalls)
+    elif args.as_dtype != "bfloat16" or args.context_scale != 1.0 or args.recalls != "share":
+        raise SimulateOptionError("--as-dtype, --context-scale and --recalls go with --as-model ARCH; add it or "
+                                  "drop them")
     if options.engine == "fast" and args.timeline is not None:
         raise SimulateOptionError("--timeline records the DES; drop --engine fast")
     run_ = open_run(args.run_dir)  # checks run.json and its schema version before anything else

@@ -19,7 +19,8 @@ cost of every operation change. Assumptions (also in simulator/README.md): the t
 pick blocks with the same shares per tier (the policy's budget, recall_k and block size act in tokens, so the
 shares carry over; which blocks are important need not); a layer of the target behaves like the source layer
 at the same relative depth; with a context scale, each projected step stands for the same fraction of the
-sequence (step counts do not change, so ms/token is the mean over the projected lengths).
+sequence (step counts do not change, so ms/token is the mean over the projected lengths). With
+`recalls="count"` the recalled tokens per layer-step keep their traced count instead (a fixed recall_k).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from simulator.costs import ModelShape
 from thoughtkv_base import UserError
 
 TOKEN_FIELDS = ("hbm_tokens", "ddr_tokens", "recalled_tokens")
+RECALL_MODES = ("share", "count")
 BYTE_FIELDS = ("bytes_h2d", "bytes_d2h", "hbm_kv_bytes", "ddr_kv_bytes")
 
 
@@ -47,9 +49,12 @@ class Projection:
     as_model: str
     dtype: str = "bfloat16"
     context_scale: float = 1.0
+    recalls: str = "share"  # share: recalled tokens keep their share of the context; count: their traced count
 
     def __post_init__(self) -> None:
         target_shape(self.as_model, self.dtype)
+        if self.recalls not in RECALL_MODES:
+            raise ProjectionError(f"--recalls {self.recalls!r} is unknown; use one of {', '.join(RECALL_MODES)}")
         if isinstance(self.context_scale, bool) or not isinstance(self.context_scale, int | float) \
                 or not math.isfinite(self.context_scale) or self.context_scale <= 0:
             raise ProjectionError(f"--context-scale {self.context_scale!r} must be a number > 0 (1 keeps the "
@@ -60,10 +65,12 @@ class Projection:
         return target_shape(self.as_model, self.dtype)
 
     def apply(self, arrays: dict[str, np.ndarray], source: ModelShape) -> dict[str, np.ndarray]:
-        return project_arrays(arrays, source, self.shape, self.context_scale)
+        return project_arrays(arrays, source, self.shape, self.context_scale, self.recalls)
 
     def label(self, source_label: str) -> str:
         scale = f", context x{self.context_scale:g}" if self.context_scale != 1 else ""
+        if self.context_scale != 1 and self.recalls == "count":
+            scale += ", recalls by count"
         return f"{source_label} [as {self.as_model} {self.dtype}{scale}]"
 
 
@@ -86,9 +93,13 @@ def layer_map(source_layers: int, target_layers: int) -> np.ndarray:
 
 
 def project_arrays(arrays: dict[str, np.ndarray], source: ModelShape, target: ModelShape,
-                   context_scale: float = 1.0) -> dict[str, np.ndarray]:
+                   context_scale: float = 1.0, recalls: str = "share") -> dict[str, np.ndarray]:
     """One sample's step arrays [steps, source layers] -> the same access pattern on `target` [steps, target
-    layers] (see the module docstring). Columns other than the ones the cost model reads are dropped."""
+    layers] (see the module docstring). Columns other than the ones the cost model reads are dropped.
+
+    `recalls="count"` keeps each layer-step's recalled tokens (and their staging in HBM) at the traced count
+    instead of the traced share, at most the projected DDR tokens: a policy with a fixed recall_k at a longer
+    context. Identical to "share" at context_scale 1."""
     columns = layer_map(source.n_layers, target.n_layers)
     length = np.asarray(arrays["logical_len"], dtype=np.float64)[:, columns]
     target_length = length * context_scale
@@ -108,4 +119,14 @@ def project_arrays(arrays: dict[str, np.ndarray], source: ModelShape, target: Mo
         out[name] = share[name] * target_length
     for name in BYTE_FIELDS:
         out[name] = share[name] * target_length * target.kv_bytes_per_token_layer
+    if recalls == "count" and context_scale != 1:
+        kvpl = target.kv_bytes_per_token_layer
+        traced = np.asarray(arrays["recalled_tokens"], dtype=np.float64)[:, columns]
+        recalled = np.minimum(traced, out["ddr_tokens"])
+        moved = np.minimum(np.asarray(arrays["bytes_h2d"], dtype=np.float64)[:, columns]
+                           / source.kv_bytes_per_token_layer, out["ddr_tokens"])
+        # HBM at attention = resident (share) + staged recalls (now a count)
+        out["hbm_kv_bytes"] = out["hbm_kv_bytes"] - (out["recalled_tokens"] - recalled) * kvpl
+        out["recalled_tokens"] = recalled
+        out["bytes_h2d"] = moved * kvpl
     return out

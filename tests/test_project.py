@@ -132,6 +132,38 @@ def test_simulate_cli_as_model_and_transfer(runs, tmp_path, capsys):
     assert summary["run_label"].endswith("[as qwen2-7b bfloat16]")
     capsys.readouterr()
     assert main(["simulate", str(micro), "--profile", "h100-pcie", "--context-scale", "2", "--out", str(out)]) == 2
-    assert "--as-dtype and --context-scale go with --as-model" in capsys.readouterr().err
+    assert "--as-dtype, --context-scale and --recalls go with --as-model" in capsys.readouterr().err
     assert main(["simulate", str(micro), "--profile", "l40s", "--transfer", "cpu-attention", "--out", str(out)]) == 2
     assert "needs transfer.host_attention_flops in profile l40s" in capsys.readouterr().err
+
+
+def test_recalls_by_count_keep_the_traced_recall_volume(runs):
+    """--recalls count at a context scale: each layer-step recalls the traced tokens (not the traced share), so
+    the link moves what a fixed recall_k would; at scale 1 both modes are the same projection."""
+    from simulator.costs import ModelShape
+    from simulator.project import project_arrays, target_shape
+    from simulator.workload import STEP_COLUMNS, step_arrays
+
+    micro, _ = runs
+    run = open_run(micro)
+    source = ModelShape.from_manifest(run.manifest["model"])
+    sample = run.sample_ids()[0]
+    arrays = step_arrays(run.steps(sample, columns=list(STEP_COLUMNS)), source.n_layers)
+    target = target_shape("qwen2-7b")
+    share = project_arrays(arrays, source, target, 8.0, "share")
+    count = project_arrays(arrays, source, target, 8.0, "count")
+    columns = layer_map(source.n_layers, target.n_layers)
+    traced = arrays["recalled_tokens"][:, columns]
+    np.testing.assert_allclose(share["recalled_tokens"], 8.0 * traced, rtol=1e-12)
+    np.testing.assert_allclose(count["recalled_tokens"], np.minimum(traced, count["ddr_tokens"]), rtol=1e-12)
+    staged_less = (share["recalled_tokens"] - count["recalled_tokens"]) * target.kv_bytes_per_token_layer
+    np.testing.assert_allclose(count["hbm_kv_bytes"], share["hbm_kv_bytes"] - staged_less, rtol=1e-9)
+    same = project_arrays(arrays, source, target, 1.0, "count")
+    for name, values in project_arrays(arrays, source, target, 1.0, "share").items():
+        np.testing.assert_array_equal(same[name], values)
+    by_count = simulate_run(micro, "h100-pcie", projection=Projection("qwen2-7b", context_scale=8, recalls="count"))
+    by_share = simulate_run(micro, "h100-pcie", projection=Projection("qwen2-7b", context_scale=8))
+    assert by_count.summary["bytes_h2d"] < by_share.summary["bytes_h2d"]
+    assert by_count.summary["run_label"].endswith("recalls by count]")
+    with pytest.raises(ProjectionError, match="--recalls 'some' is unknown"):
+        Projection("qwen2-7b", recalls="some")
