@@ -104,8 +104,9 @@ class FastServing:
         self.copies = (self.recall_s > 0).any(1) | (self.offload_s > 0).any(1)  # rows with any transfer
         self.load = None  # zero-copy / cpu-attention: every LayerLoad field, stacked like `demand`
         if mechanisms.custom_layers(self.mechanism):
-            self.load = {f: np.concatenate([getattr(w.load, f) for w in works]).reshape(-1, n_layers)
-                         for f in mechanisms.LOAD_FIELDS}
+            # [rows, fields, layers]: one gather per iteration for every field (has_host_work as 0 / 1)
+            self.load = np.stack([np.concatenate([getattr(w.load, f) for w in works]).reshape(-1, n_layers)
+                                  .astype(np.float64) for f in mechanisms.LOAD_FIELDS], axis=1)
         self.hbm_kv = np.concatenate([w.hbm_kv_bytes for w in works])
         self.head_s: dict[int, float] = {}  # the LM head's time by batch size
         self.ddr_kv = np.concatenate([w.ddr_kv_bytes for w in works])
@@ -219,8 +220,9 @@ class FastServing:
         mechanism = self.mechanism
         if self.load is not None or (mechanisms.needs_batch_op_s(mechanism) and offload_s is not None):
             if self.load is not None:
-                load = mechanisms.LayerLoad(**{f: self.load[f][rows].any(axis=0) if f == "has_host_work"
-                                               else self.load[f][rows].sum(axis=0) for f in mechanisms.LOAD_FIELDS})
+                sums = self.load[rows].sum(axis=0)  # the batch's summed demand, field by field
+                load = mechanisms.LayerLoad(**{f: sums[k] > 0 if f == "has_host_work" else sums[k]
+                                               for k, f in enumerate(mechanisms.LOAD_FIELDS)})
             else:
                 flops, kv_bytes = self.demand[rows].sum(axis=0)
                 load = mechanisms.LayerLoad(flops, kv_bytes, *([0.0] * 6))
