@@ -166,6 +166,9 @@ def check_kv_fits(config: TraceConfig, loaded, prompt_lengths: list[int]) -> dic
     device = str(loaded.model.device)
     need = kv_buffer_bytes(config.spec, loaded.manifest["kv_bytes_per_token"], config.batch_size,
                            max(prompt_lengths, default=1), config.max_new_tokens)
+    # Storage comes in whole blocks: at least one per sample (--block-size 10**9 asked for terabytes).
+    one_block = config.batch_size * GROWTH_SLACK * config.spec.block_size * loaded.manifest["kv_bytes_per_token"]
+    need = {**need, "hbm": max(need["hbm"], one_block)}
     free = available_bytes(device)
     if "GPU memory" in free:  # HBM buffers on the GPU, the DDR tier in (pinned) host RAM
         checks = [("GPU memory", need["hbm"]), ("host RAM", need["ddr"])]
@@ -177,7 +180,7 @@ def check_kv_fits(config: TraceConfig, loaded, prompt_lengths: list[int]) -> dic
                 f"--batch-size {config.batch_size}: the KV buffers need ~{needed / 2**30:.1f} GiB of {where} "
                 f"({need['hbm_per_sample'] / 2**20:.0f} MiB per sample in HBM up to {need['max_len']} tokens, "
                 f"x{GROWTH_SLACK} growth slack{', + the DDR tier' if need['ddr'] else ''}) but "
-                f"{free[where] / 2**30:.1f} GiB is free; use a smaller --batch-size, --dtype bfloat16, a smaller "
+                f"{free[where] / 2**30:.1f} GiB is free; use a smaller --batch-size or --block-size, --dtype bfloat16, a smaller "
                 "--hbm-budget or --max-new-tokens"
             )
     return need
