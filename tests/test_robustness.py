@@ -257,6 +257,14 @@ def test_generated_task_refuses_an_endless_sample_count(tmp_path, capsys):
     assert time.perf_counter() - started < 10
 
 
+def test_a_giant_block_is_refused_before_allocating(tmp_path, capsys):
+    """Storage comes in whole blocks: --block-size 10**9 asked the allocator for terabytes (a RuntimeError)."""
+    assert main(trace_args(tmp_path / "run", "--block-size", str(10**9))) == 2
+    err = one_line_error(capsys)
+    assert "the KV buffers need" in err and "--block-size" in err
+    assert not (tmp_path / "run").exists()
+
+
 # -- Ctrl-C -------------------------------------------------------------------------------------------------
 
 
