@@ -2,8 +2,11 @@
 for the device (item/int/bool of a tensor, nonzero, boolean-mask indexing, tolist/numpy, device->host copies).
 
 The decode loop's own cost is one per step: the next tokens and their finiteness, copied once together with
-every layer's recorded rows. The tiered cache's placement and recall are not sync-free yet (issue 15, item 3): the strict xfail measures it
-and turns into a failure the day they are, so the goal is then asserted for real."""
+every layer's recorded rows. The tiered cache still waits in a hierarchy/evict step: once per layer that
+places blocks (what moved, read back in one copy: the compacted buffers are sized by it) and once per layer
+that recalls (the DDR gather runs on host-side block ids). The strict xfail measures that and turns into a
+failure the day a step is sync-free (issue 15 item 3), so the goal is then asserted for real.
+"""
 
 from __future__ import annotations
 
@@ -57,7 +60,7 @@ def test_the_decode_loop_and_its_recording_cost_one_sync_per_step(batch_size, re
     assert per_step == 1, by_op
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15 item 3: placement and recall still synchronise per layer")
+@pytest.mark.xfail(strict=True, reason="issue 15 item 3: placement and recall still synchronise once per layer")
 @pytest.mark.parametrize("batch_size", [1, 4])
 def test_a_hierarchy_step_costs_at_most_one_sync(batch_size):
     spec = PolicySpec(policy="hierarchy", hbm_budget=0.3, block_size=4, sink_tokens=4, window_tokens=8, recall_k=2)

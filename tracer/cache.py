@@ -286,59 +286,76 @@ class TieredLayer(DynamicLayer):
             return [], [], [], 0
 
         block_scores = self.token_scores[: movable_end * bs].view(-1, bs).sum(1)[sink_blocks:]
+        n_movable = movable_end - sink_blocks
         tier = self.block_tier[sink_blocks:movable_end].clone()
         was_hbm = tier == TIER_HBM
         recalled = torch.zeros_like(was_hbm)
         if self.recalled_ids is not None:
             recalled[self.recalled_ids - sink_blocks] = True
         evict_now = torch.zeros_like(was_hbm)
-        if need_evict > 0:
+        # Every evicted block lies in the movable range (it was movable when evicted, and the range only
+        # grows), so the alive count is known here without reading the device.
+        n_victims = min(need_evict, n_movable - self.n_evicted_blocks)
+        if n_victims > 0:
             alive = tier != TIER_EVICTED
-            n_victims = min(need_evict, int(alive.sum()))
             victims = block_scores.masked_fill(~alive, float("inf")).topk(n_victims, largest=False).indices
             evict_now[victims] = True
             tier[victims] = TIER_EVICTED
         candidates = tier == TIER_HBM
         if spec.promote:
             candidates |= recalled & (tier == TIER_DDR)
-        keep = candidates.clone()
-        if room is not None and int(candidates.sum()) > room:
-            keep.zero_()
+        if room is not None and room < n_movable:
+            # The top `room` candidates; when there are fewer, all of them (the rest of the top-k is masked out):
+            # the same blocks as "top-room if candidates > room else all", with no count read back.
+            keep = torch.zeros_like(candidates)
             keep[block_scores.masked_fill(~candidates, float("-inf")).topk(room).indices] = True
+            keep &= candidates
+        else:
+            keep = candidates.clone()
         demoted = candidates & ~keep & was_hbm
         promoted = keep & (tier == TIER_DDR)
-        tier[promoted] = TIER_HBM
-        tier[demoted] = TIER_DDR if spec.uses_ddr else TIER_EVICTED
+        # torch.where, not mask assignment: `t[mask] = x` sizes its index on the host (a device read).
+        tier = torch.where(promoted, TIER_HBM, tier)
+        tier = torch.where(demoted, TIER_DDR if spec.uses_ddr else TIER_EVICTED, tier).to(torch.int8)
         if not spec.uses_ddr:
             evict_now |= demoted
         offloaded = demoted if spec.uses_ddr else torch.zeros_like(demoted)
 
-        ids = torch.arange(sink_blocks, movable_end, device=self.device)
-        offloaded_ids, promoted_ids, evicted_ids = ids[offloaded], ids[promoted], ids[evict_now]
-        bytes_d2h = self._offload(offloaded_ids) if offloaded_ids.numel() else 0
-        self.n_ddr_blocks += offloaded_ids.numel() - promoted_ids.numel() - int((evict_now & ~was_hbm).sum())
-        self.n_evicted_blocks += evicted_ids.numel()
+        # The placement's one device->host read: what happened to each movable block (the counts size the
+        # buffers below, the ids are recorded); everything else stays on the device.
+        moves = (offloaded.to(torch.int8) + 2 * promoted.to(torch.int8) + 3 * (evict_now & was_hbm).to(torch.int8)
+                 + 4 * (evict_now & ~was_hbm).to(torch.int8))
+        host_moves = moves.cpu().numpy()
+        offloaded_ids, promoted_ids = np.flatnonzero(host_moves == 1) + sink_blocks, np.flatnonzero(host_moves == 2) + sink_blocks
+        evicted_ids = np.flatnonzero(host_moves >= 3) + sink_blocks
+        n_evicted_from_ddr = int((host_moves == 4).sum())
+        bytes_d2h = self._offload(offloaded, sink_blocks, offloaded_ids) if len(offloaded_ids) else 0
+        self.n_ddr_blocks += len(offloaded_ids) - len(promoted_ids) - n_evicted_from_ddr
+        self.n_evicted_blocks += len(evicted_ids)
         self.block_tier[sink_blocks:movable_end] = tier
-        self.ddr_ids = (self.block_tier[:movable_end] == TIER_DDR).nonzero().squeeze(1)
-        self._compact()
+        self.ddr_ids = _first_true(self.block_tier[:movable_end] == TIER_DDR, self.n_ddr_blocks)
+        left_hbm = len(offloaded_ids) + len(evicted_ids) - n_evicted_from_ddr
+        self._compact(self.n_hbm + (len(promoted_ids) - left_hbm) * bs)
         return promoted_ids.tolist(), offloaded_ids.tolist(), evicted_ids.tolist(), bytes_d2h
 
-    def _offload(self, block_ids: torch.Tensor) -> int:
-        bs = self.block_size
-        slot_blocks = self.slot_pos[: self.n_hbm] // bs
-        slots = torch.isin(slot_blocks, block_ids).nonzero().squeeze(1)
+    def _offload(self, offloaded: torch.Tensor, first: int, host_ids: np.ndarray) -> int:
+        """Copy the offloaded blocks (mask over the movable range from block `first`) to DDR."""
+        bs, n = self.block_size, len(host_ids)
+        block_ids = _first_true(offloaded, n) + first  # ascending, as host_ids
+        in_block = torch.isin(self.slot_pos[: self.n_hbm] // bs, block_ids)
+        slots = _first_true(in_block, n * bs)
         slots = slots[self.slot_pos[slots].argsort()]  # block by block, positions in order
-        shape = (self.n_kv_heads, block_ids.numel(), bs, self.head_dim)
+        shape = (self.n_kv_heads, n, bs, self.head_dim)
         keys = self.keys_buf[0, :, slots].view(shape).transpose(0, 1)
         values = self.values_buf[0, :, slots].view(shape).transpose(0, 1)
-        return self.ddr.put(block_ids, keys.contiguous(), values.contiguous())
+        return self.ddr.put(block_ids, keys.contiguous(), values.contiguous(), host_ids=host_ids)
 
-    def _compact(self) -> None:
-        """Keep only the slots whose block is in HBM (drops offloaded/evicted ones and unpromoted recalls)."""
+    def _compact(self, n_kept: int) -> None:
+        """Keep only the slots whose block is in HBM (drops offloaded/evicted ones and unpromoted recalls);
+        `n_kept` (known from the placement's counts) says how many there are."""
         n_slots = self.n_hbm + self.n_recalled
         keep = self.block_tier[self.slot_pos[:n_slots] // self.block_size] == TIER_HBM
-        kept = keep.nonzero().squeeze(1)
-        n_kept = kept.numel()
+        kept = _first_true(keep, n_kept)
         self.keys_buf[:, :, :n_kept] = self.keys_buf[:, :, kept]
         self.values_buf[:, :, :n_kept] = self.values_buf[:, :, kept]
         self.slot_pos[:n_kept] = self.slot_pos[kept]
@@ -350,6 +367,12 @@ class TieredLayer(DynamicLayer):
         """TIER_* code of every logical position."""
         blocks = n_blocks(self.spec, self.logical_len)
         return self.block_tier[:blocks].repeat_interleave(self.block_size)[: self.logical_len]
+
+
+def _first_true(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices of the first `n` True entries of a 1-D mask, ascending: `mask.nonzero()` when the count is
+    already known on the host, without the device->host read nonzero needs to size its result."""
+    return torch.argsort((~mask).to(torch.int8), stable=True)[:n]
 
 
 def _as_ids(values: np.ndarray) -> list[int]:

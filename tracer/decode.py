@@ -13,7 +13,7 @@ batched step's time is recorded for every sample in it.
 
 Host synchronisation (counted by `HostSyncCounter`, tests/test_host_syncs.py): the loop itself waits once per
 step, for the next tokens, fetched in the same copy as every layer's recorded rows. The tiered cache still
-waits inside a hierarchy/evict step: placement reads block counts (`int(...)`, `nonzero`) because its
+waits inside a hierarchy/evict step: placement reads back what moved (one copy per placing layer) because its
 compacted HBM buffers are sliced by host-side lengths, and recall gathers DDR blocks by host-side ids.
 
 CUDA graphs: a decode step cannot be captured today. What stops it: (1) those in-step synchronisations (a

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from thoughtkv_base import UserError
@@ -133,12 +134,16 @@ class QuantizedBlockStore:
         self.host, self.key_min, self.key_max = grown, key_min, key_max
         self.capacity_blocks = capacity
 
-    def put(self, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Quantize blocks [n, H, block, d] on the device and store them under `block_ids`; returns bytes D2H."""
-        needed = int(block_ids.max()) + 1
+    def put(self, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+            host_ids: np.ndarray | None = None) -> int:
+        """Quantize blocks [n, H, block, d] on the device and store them under `block_ids`; returns bytes D2H.
+        `host_ids` (numpy): the same ids already on the host, so none are read back."""
+        host_ids = block_ids.cpu().numpy() if host_ids is None else np.asarray(host_ids)
+        needed = int(host_ids.max()) + 1
+        host_ids = torch.from_numpy(host_ids)
         if needed > self.capacity_blocks:
             self._grow(needed)
-        device_ids, host_ids = block_ids.to(self.device), block_ids.cpu()
+        device_ids = block_ids.to(self.device)
         moved = 0
         for prefix, x in (("k", keys), ("v", values)):
             tiles = quantize(x, self.bits)

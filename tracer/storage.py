@@ -38,8 +38,10 @@ class HostBlockStore:
         self.keys, self.values, self.key_min, self.key_max = keys, values, key_min, key_max
         self.capacity_blocks = capacity
 
-    def put(self, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Store blocks [n, H, block, d] (on the compute device) under `block_ids`; returns bytes copied D2H."""
+    def put(self, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+            host_ids: torch.Tensor | None = None) -> int:
+        """Store blocks [n, H, block, d] (on the compute device) under `block_ids`; returns bytes copied D2H.
+        (`host_ids` is accepted for the stores' common interface; this reference store reads the ids itself.)"""
         needed = int(block_ids.max()) + 1
         if needed > self.capacity_blocks:
             self._grow(needed)

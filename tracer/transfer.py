@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -258,13 +259,17 @@ class PinnedBlockStore:
                 grown[:old] = getattr(self, name)
                 setattr(self, name, grown)
 
-    def put(self, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Store blocks [n, H, block, d] (on the compute device) under `block_ids`; returns bytes copied D2H."""
-        self._ensure(int(block_ids.max()) + 1)
+    def put(self, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+            host_ids: np.ndarray | None = None) -> int:
+        """Store blocks [n, H, block, d] (on the compute device) under `block_ids`; returns bytes copied D2H.
+        `host_ids` (numpy): the same ids already on the host (the tiered cache has them), so none are read back."""
+        host_ids = block_ids.cpu().numpy() if host_ids is None else np.asarray(host_ids)
+        self._ensure(int(host_ids.max()) + 1)
+        host_ids = torch.from_numpy(host_ids)
         ids = block_ids.to(self.device)
         self.key_min[ids] = keys.amin(dim=2)
         self.key_max[ids] = keys.amax(dim=2)
-        return self.copier.offload(self.pool, block_ids.cpu(), keys, values)
+        return self.copier.offload(self.pool, host_ids, keys, values)
 
     def get(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Copy blocks to the compute device: ([n, H, block, d] keys, values, bytes copied H2D). The tensors are
