@@ -74,6 +74,16 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+def step_clock(device) -> tuple[str, callable]:
+    """The clock a step's `measured_step_us` is read with, and its name (recorded in run.json): on a CPU with one
+    intra-op thread, the decode thread's CPU time — all of a step's work runs on it, it is what `thoughtkv
+    calibrate` times, and other processes' turns on a shared machine do not inflate it; otherwise (CUDA, or
+    several CPU threads whose work this thread's CPU time would miss) the wall clock."""
+    if torch.device(device).type == "cpu" and torch.get_num_threads() == 1:
+        return "thread_cpu", time.thread_time
+    return "wall", time.perf_counter
+
+
 @torch.no_grad()
 def greedy_decode(
     model, prompt_ids: list[int], cache: TieredCache, max_new_tokens: int, eos_ids: set[int],
@@ -89,13 +99,14 @@ def greedy_decode(
     # DynamicCache (the untraced reference) has no settings.
     after_step = getattr(getattr(getattr(cache, "settings", None), "scorer", None), "after_step", None)
     started = time.perf_counter()
+    _, clock = step_clock(device)
     for _ in range(max_new_tokens):
-        step_started = time.perf_counter()
+        step_started = clock()
         logits = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
         token, finite = int(logits.argmax()), bool(torch.isfinite(logits).all())
         synchronize()
         if recorder is not None:
-            recorder.end_step((time.perf_counter() - step_started) * 1e6)
+            recorder.end_step((clock() - step_started) * 1e6)
         if progress is not None:
             progress.update(1)
         if not finite:
@@ -243,6 +254,7 @@ class LayerTimer:
         from tracer.models import decoder_layers
 
         self.cuda = model.device.type == "cuda"
+        self.clock = step_clock(model.device)[1]  # the step's own clock, so layer times add up within it
         self.layers = decoder_layers(model)
         n = len(self.layers)
         if self.cuda:
@@ -258,7 +270,7 @@ class LayerTimer:
             if self.cuda:
                 self.events[index][0].record()
             else:
-                self.begun[index] = time.perf_counter()
+                self.begun[index] = self.clock()
         return hook
 
     def _end(self, index: int):
@@ -266,7 +278,7 @@ class LayerTimer:
             if self.cuda:
                 self.events[index][1].record()
             else:
-                self.ended[index] = time.perf_counter()
+                self.ended[index] = self.clock()
         return hook
 
     def read_us(self) -> list[float] | None:
@@ -295,9 +307,10 @@ def decode_batch(
     free, active = list(range(batch_size)), {}
     exhausted = False
     timer = LayerTimer(model)
+    _, clock = step_clock(device)
 
     def step(rows: list[int], input_ids: torch.Tensor, position_ids: torch.Tensor) -> Iterator[tuple[DecodeJob, DecodeResult]]:
-        started = time.perf_counter()
+        started = clock()
         cache.set_active(rows)
         logits = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         # The step's one device->host copy: each row's next token and whether its logits were finite, fetched
@@ -305,7 +318,7 @@ def decode_batch(
         packed = torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()])
         tokens, finite = cache.copies.add(packed, lambda a: a.astype(np.int64).reshape(2, -1).tolist()).value()
         synchronize()
-        wall_us = (time.perf_counter() - started) * 1e6
+        wall_us = (clock() - started) * 1e6  # step_clock: the decode thread's CPU time on a 1-thread CPU
         layer_us = timer.read_us()
         for index, row_id in enumerate(rows):
             row = active[row_id]

@@ -244,6 +244,10 @@ def run_trace(config: TraceConfig, progress: bool = True, loaded=None) -> Path:
         print(f"warning: {excess['warning']}", file=sys.stderr)
         tracer_extra["protected_excess"] = excess
     tracer_extra["kv_buffer_bytes"] = check_kv_fits(config, loaded, prompt_lengths)
+    from tracer.decode import step_clock
+
+    # measured_step_us's clock (thread_cpu on a 1-thread CPU, as calibrate times; else wall) and its threads.
+    tracer_extra["step_clock"] = step_clock(loaded.model.device)[0]
     prompt_record, prompt_warning = prompt_manifest(task, loaded.tokenizer)
     if prompt_warning is not None:
         print(f"warning: {prompt_warning}", file=sys.stderr)
