@@ -95,7 +95,7 @@ def test_grid_labels_and_what_if_of_a_traced_run(demo_out):
     what_if = demo.what_if_of(demo_out / "runs" / "hierarchy-b50-e20")
     assert what_if == {"policy": "hierarchy", "budget": 0.5, "evict": 0.2, "block": policy["block_size"],
                        "recall_k": policy["recall_k"], "scorer": policy["scorer"], "sink": policy["sink_tokens"],
-                       "window": policy["window_tokens"]}
+                       "window": policy["window_tokens"], "recall_budget": policy["params"]["recall_budget"]}
 
 
 def test_best_policy_is_the_fastest_within_five_points_of_the_best():

@@ -1,15 +1,19 @@
-"""`thoughtkv demo [--out DIR] [--n-samples N]`: the main job, end to end, on the bundled micro model.
+"""`thoughtkv demo [--out DIR] [--n-samples N]`: the main job, end to end, on the bundled long-workload model.
 
-1. trace  the `chains` task with the full cache, and pure eviction and the hierarchy (eviction ratios 0 and
-          0.1) at HBM budgets of 25% and 50%: 7 runs of 20 samples, one single-threaded process at a time
-          (tracer.run.run_trace; a rerun resumes each run where it stopped),
-2. simulate every run on every hardware profile, plus what-if replays of the full run under each policy
-          (the "attention mass lost" proxy); a run's results are reused while newer than the run,
+0. calibrate this machine (`calibrate --quick`, <= 60 s) into DIR/profiles: the cross-check compares with it,
+          never with a profile measured elsewhere (reused on a rerun on the same host),
+1. trace  `micro_long` on `chains_long` (prompt + chain of thought ~550 tokens, look-ups up to ~490 tokens
+          back) with the full cache, pure eviction and the hierarchy (recall <= 20% of the context per step) at
+          HBM budgets of 30% and 50%: 5 runs of 8 samples (n = 8 keeps the demo under 5 minutes on a 2-core
+          CPU; `--n-samples` for more), one single-threaded process at a time (a rerun resumes each run),
+2. simulate every run on every datasheet profile (GPU overheads: the cited hf-eager estimate; `--overhead-mode
+          kernel-only` for none) and on this machine's measured profile, plus what-if replays of the full run
+          under each policy (the "attention mass lost" proxy); a run's results are reused while newer than it,
 3. report figures, tables and report.md (analysis.report.build_report),
-4. print  the best policy per profile: the fastest whose accuracy is within 5 points of the best.
+4. print  the best policy per profile (the fastest within 5 points of the best accuracy) with its traffic.
 
-    DIR/runs/<policy>/    trace runs          DIR/sim/<policy>.parquet   simulator results
-    DIR/report/           report.md, figures/, tables/
+    DIR/profiles/  this machine's profile   DIR/runs/<policy>/  trace runs   DIR/sim/<policy>.parquet  results
+    DIR/report/    report.md, figures/, tables/
 """
 
 from __future__ import annotations
@@ -62,26 +66,25 @@ def grid(budgets: list[float], evict_ratios: list[float]) -> list[Cell]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path(DEFAULT_OUT), metavar="DIR",
                         help=f"where runs, results and the report go; a rerun reuses what is there (default: {DEFAULT_OUT})")
-    parser.add_argument("--n-samples", type=int, default=20, metavar="N", help="samples per run (default: 20)")
-    parser.add_argument("--model", default="micro", help="model to trace (default: the bundled `micro`)")
-    parser.add_argument("--task", default="chains", help="task (default: chains, which micro was trained on)")
-    parser.add_argument("--budgets", default="0.25,0.5", metavar="B,B",
-                        help="HBM budgets (fractions) for pure eviction and the hierarchy (default: 0.25,0.5)")
-    parser.add_argument("--evict-ratios", default="0,0.1", metavar="E,E",
+    parser.add_argument("--n-samples", type=int, default=8, metavar="N",
+                        help="samples per run (default: 8, to stay under 5 minutes on a 2-core CPU)")
+    parser.add_argument("--model", default="micro_long",
+                        help="model to trace (default: the bundled `micro_long`; `micro` with --task chains)")
+    parser.add_argument("--task", default="chains_long", help="task (default: chains_long, which micro_long learnt)")
+    parser.add_argument("--budgets", default="0.3,0.5", metavar="B,B",
+                        help="HBM budgets (fractions) for pure eviction and the hierarchy (default: 0.3,0.5)")
+    parser.add_argument("--evict-ratios", default="0", metavar="E,E",
                         help="the hierarchy's eviction ratios: 0 offloads everything over budget, 0.1 also drops "
-                             "the least important 10%% (default: 0,0.1)")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="decode limit per sample (default: 256)")
-    # chains sequences are ~150 tokens: with the tracer's defaults (16-token blocks, a 32-token protected
-    # window) a third of the cache is never movable and budgets of 25% and 50% place the same blocks. These
-    # defaults are the shipped sample traces' (traces/samples/README.md).
+                             "the least important 10%% (default: 0)")
+    parser.add_argument("--max-new-tokens", type=int, default=768, help="decode limit per sample (default: 768)")
+    # Small blocks and a short protected window so that the budget, not the protected tokens, decides what
+    # stays in HBM (the shipped sample traces use the same; traces/samples/README.md).
     parser.add_argument("--block-size", type=int, default=4, help="tokens per KV block (default: 4)")
     parser.add_argument("--window-tokens", type=int, default=16,
                         help="recent tokens always kept in HBM (default: 16)")
-    parser.add_argument("--recall-k", type=int, default=24,
-                        help="hierarchy: DDR blocks recalled per layer and step (default: 24)")
-    parser.add_argument("--recall-budget", default=None, metavar="R",
-                        help="hierarchy: recall per step at most this fraction of the context (or tokens), "
-                             "instead of --recall-k")
+    parser.add_argument("--recall-budget", default="0.2", metavar="R",
+                        help="hierarchy: recall per layer and step at most this fraction of the context (or a token "
+                             "count), in whole blocks (default: 0.2)")
     parser.add_argument("--calibrate", choices=("quick", "smoke", "none"), default="quick",
                         help="calibrate this machine first (quick: <= 60 s) and cross-check against it; smoke: "
                              "seconds, for tests; none: no measured profile, no Figure 6 (default: quick)")
@@ -212,7 +215,7 @@ def trace_all(cells: list[Cell], runs_dir: Path, args: argparse.Namespace) -> di
             model=args.model, task=args.task, out=str(run_dirs[cell.label]), n_samples=args.n_samples,
             policy=cell.policy, hbm_budget=cell.hbm_budget, evict_ratio=cell.evict_ratio,
             max_new_tokens=args.max_new_tokens, device=args.device, block_size=args.block_size,
-            window_tokens=args.window_tokens, recall_k=args.recall_k, recall_budget=args.recall_budget,
+            window_tokens=args.window_tokens, recall_budget=args.recall_budget,
         )
         config.validate()  # before any model loads: a bad option fails in a second, not a minute
         configs.append(config)
@@ -360,9 +363,13 @@ def what_if_of(run_dir: Path) -> dict:
     from traces import open_run
 
     policy = open_run(run_dir).manifest["policy"]
-    return {"policy": policy["name"], "budget": policy["hbm_budget"], "evict": policy["evict_ratio"],
-            "block": policy["block_size"], "recall_k": policy["recall_k"], "scorer": policy["scorer"],
-            "sink": policy["sink_tokens"], "window": policy["window_tokens"]}
+    what_if = {"policy": policy["name"], "budget": policy["hbm_budget"], "evict": policy["evict_ratio"],
+               "block": policy["block_size"], "recall_k": policy["recall_k"], "scorer": policy["scorer"],
+               "sink": policy["sink_tokens"], "window": policy["window_tokens"]}
+    recall_budget = (policy.get("params") or {}).get("recall_budget")
+    if recall_budget is not None:
+        what_if["recall_budget"] = recall_budget
+    return what_if
 
 
 # -- 4. summary -----------------------------------------------------------------------------------------------

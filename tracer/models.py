@@ -16,6 +16,9 @@ from tracer.preflight import check_fits, model_is_local, resolve_device
 from traces.architectures import DTYPE_BYTES, Architecture, get_architecture
 
 MICRO_DIR = Path(__file__).parent / "assets" / "micro"
+# The models shipped in the package, by the name `--model` takes: `micro` (task chains) and `micro_long` (the
+# same model fine-tuned on chains_long, issue 14; tracer/micro/README.md).
+BUNDLED_MODELS = {"micro": MICRO_DIR, "micro_long": MICRO_DIR.parent / "micro_long"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -75,10 +78,11 @@ def load_model(spec: str, device: str | torch.device | None = None, dtype: str |
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation="sdpa")
         tokenizer, random_weights, revision = ByteTokenizer(), True, None
     else:
-        path = str(MICRO_DIR) if spec == "micro" else spec
-        local = Path(path).is_dir() if spec == "micro" else model_is_local(path)
-        if spec == "micro" and not local:
-            raise ModelLoadError(f"the bundled micro model is missing at {MICRO_DIR}; reinstall thoughtkv")
+        bundled = BUNDLED_MODELS.get(spec)
+        path = str(bundled) if bundled is not None else spec
+        local = Path(path).is_dir() if bundled is not None else model_is_local(path)
+        if bundled is not None and not local:
+            raise ModelLoadError(f"the bundled {spec} model is missing at {bundled}; reinstall thoughtkv")
         try:
             config = AutoConfig.from_pretrained(path, local_files_only=local, trust_remote_code=False)
             _check_supported(config, spec)
