@@ -387,6 +387,8 @@ def print_summary(report, elapsed_s: float) -> None:
         return "-" if value != value else f"{value:.0%}"
 
     console = Console()
+    if not console.is_terminal:  # a log file or pipe: do not squeeze the table into 80 columns
+        console = Console(width=200)
     best = best_per_profile(report.latency)
     if best.empty:
         console.print("No accuracy to rank policies by (unscored samples); see the report for latency.")
