@@ -28,9 +28,10 @@ CONTEXTS = (8192, 32768)
 
 def mechanism_table(run_dir: str | Path, profiles=PROFILES, contexts=CONTEXTS, as_model: str = "qwen2-7b",
                     transfers: tuple[str, ...] | None = None, dtype: str = "bfloat16",
-                    recalls: str = "share") -> pd.DataFrame:
+                    recalls: str = "share", overhead_mode: str | None = None) -> pd.DataFrame:
     """One row per (context, profile, transfer): the run projected to `as_model` at that context (`recalls`:
-    project.Projection's, share or count)."""
+    project.Projection's, share or count), charging `overhead_mode` (None: the profiles' own, kernel-only for
+    datasheet ones; the row says which)."""
     from simulator import simulate_run
     from simulator.mechanisms import MECHANISMS
     from simulator.options import SimOptions
@@ -45,12 +46,14 @@ def mechanism_table(run_dir: str | Path, profiles=PROFILES, contexts=CONTEXTS, a
         projection = Projection(as_model, dtype, context_scale=context / final_length, recalls=recalls)
         for profile in profiles:
             for transfer in transfers or tuple(MECHANISMS):
-                s = simulate_run(run, profile, SimOptions(transfer=transfer), projection=projection).summary
+                options = SimOptions(transfer=transfer, overhead_mode=overhead_mode)
+                s = simulate_run(run, profile, options, projection=projection).summary
                 rows.append({"context": context, "profile": profile, "transfer": transfer, "model": as_model,
                              "ms_per_token": s["ms_per_token"], "link_stall_frac": s["link_stall_frac"],
                              "max_concurrency_policy": s["max_concurrency_policy"],
                              "max_concurrency_full": s["max_concurrency_full"], "hbm_budget": s["hbm_budget"],
-                             "policy": s["policy"], "run_label": s["run_label"]})
+                             "policy": s["policy"], "run_label": s["run_label"],
+                             "overhead_mode": s.get("overhead_mode", overhead_mode or "kernel-only")})
     return pd.DataFrame(rows)
 
 
