@@ -84,8 +84,7 @@ def test_pool_never_hands_out_a_slot_twice(ops):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_pinned_store_behaves_like_the_tracer_store(device):
-    """Differential: the same puts and gets on tracer.storage.HostBlockStore and on PinnedBlockStore."""
-    from tracer.storage import HostBlockStore
+    """Differential: the same puts and gets on the plain reference store below and on PinnedBlockStore."""
     from tracer.transfer import PinnedBlockStore
 
     device = torch.device(device)
@@ -145,3 +144,59 @@ def test_tiered_cache_with_the_pinned_store_decodes_identically(monkeypatch, dev
     assert tokens == tokens_ref
     for column in ("bytes_h2d", "bytes_d2h", "recalled_block_ids", "offloaded_block_ids", "hbm_tokens", "mass_ddr"):
         assert table[column] == table_ref[column], column
+
+
+# The v1 DDR tier, kept as the reference PinnedBlockStore is held to (the tracer no longer uses it): whole KV
+# blocks in host tensors indexed by logical block id, per-block key bounds on the compute device.
+class HostBlockStore:
+    def __init__(self, n_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.shape = (n_kv_heads, block_size, head_dim)
+        self.dtype, self.device = dtype, device
+        self.pin = device.type == "cuda"
+        self.capacity_blocks = 0
+        self.keys = self.values = torch.empty(0)
+        self.key_min = self.key_max = torch.empty(0)
+        self._grow(64)
+
+    def _host_empty(self, n_blocks: int) -> torch.Tensor:
+        return torch.empty((n_blocks, *self.shape), dtype=self.dtype, pin_memory=self.pin)
+
+    def _grow(self, n_blocks: int) -> None:
+        capacity = max(n_blocks, 2 * self.capacity_blocks)
+        old = self.capacity_blocks
+        keys, values = self._host_empty(capacity), self._host_empty(capacity)
+        bounds_shape = (capacity, self.shape[0], self.shape[2])
+        key_min = torch.empty(bounds_shape, dtype=self.dtype, device=self.device)
+        key_max = torch.empty(bounds_shape, dtype=self.dtype, device=self.device)
+        if old:
+            keys[:old], values[:old] = self.keys, self.values
+            key_min[:old], key_max[:old] = self.key_min, self.key_max
+        self.keys, self.values, self.key_min, self.key_max = keys, values, key_min, key_max
+        self.capacity_blocks = capacity
+
+    def put(self, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+            host_ids: torch.Tensor | None = None) -> int:
+        """Store blocks [n, H, block, d] (on the compute device) under `block_ids`; returns bytes copied D2H.
+        (`host_ids` is accepted for the stores' common interface; this reference store reads the ids itself.)"""
+        needed = int(block_ids.max()) + 1
+        if needed > self.capacity_blocks:
+            self._grow(needed)
+        self.key_min[block_ids.to(self.device)] = keys.amin(dim=2)
+        self.key_max[block_ids.to(self.device)] = keys.amax(dim=2)
+        host_keys = keys.to("cpu", non_blocking=self.pin)
+        host_values = values.to("cpu", non_blocking=self.pin)
+        host_ids = block_ids.cpu()
+        self.keys[host_ids], self.values[host_ids] = host_keys, host_values
+        return host_keys.numel() * host_keys.element_size() + host_values.numel() * host_values.element_size()
+
+    def get(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Copy blocks to the compute device: ([n, H, block, d] keys, values, bytes copied H2D)."""
+        host_ids = block_ids.cpu()
+        keys = self.keys[host_ids].to(self.device, non_blocking=self.pin)
+        values = self.values[host_ids].to(self.device, non_blocking=self.pin)
+        return keys, values, keys.numel() * keys.element_size() + values.numel() * values.element_size()
+
+    def block_bytes(self) -> int:
+        """Bytes of one stored block, K and V."""
+        n_heads, block_size, head_dim = self.shape
+        return 2 * n_heads * block_size * head_dim * torch.empty(0, dtype=self.dtype).element_size()

@@ -1,5 +1,5 @@
 """The tiered KV cache: per layer, blocks of `block_size` logical positions live in HBM (tensors on the compute
-device), DDR (tensors on the host, `HostBlockStore`) or are evicted (only their ids are kept).
+device), DDR (tensors on the host, `tracer.transfer.PinnedBlockStore`) or are evicted (only their ids are kept).
 
 Correct by construction:
 - `update` appends the new K/V to HBM and returns all HBM K/V; the attention function (tracer/attention.py)

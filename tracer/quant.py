@@ -17,7 +17,7 @@ tensor). The Quest key bounds kept on the device are taken from the *dequantized
 the keys that recall will bring back. A recalled block that is promoted stays in HBM dequantized (its error
 persists); offloading it again re-quantizes it on a grid recomputed from the dequantized tile.
 
-`QuantizedBlockStore` has the interface of `tracer.storage.HostBlockStore` (put/get/block_bytes/key_min/
+`QuantizedBlockStore` has the interface of `tracer.transfer.PinnedBlockStore` (put/get/block_bytes/key_min/
 key_max) plus `pop_quant_error()`: the max and RMS relative error (relative to the block's max |x|, over K and V)
 of the blocks stored since the last call, for the trace's `quant_max_rel_err` / `quant_rms_rel_err`.
 """
@@ -98,7 +98,7 @@ class QuantizedBlockStore:
     ):
         self.bits = BITS[check_ddr_dtype(ddr_dtype)] if ddr_dtype != "same" else None
         if self.bits is None:
-            raise BadDdrDtype("QuantizedBlockStore needs --ddr-dtype int8 or int4; `same` uses HostBlockStore")
+            raise BadDdrDtype("QuantizedBlockStore needs --ddr-dtype int8 or int4; `same` uses PinnedBlockStore")
         if self.bits == 4 and head_dim % 2:
             raise BadDdrDtype(f"--ddr-dtype int4 packs two values per byte and needs an even head_dim (got {head_dim})")
         self.shape = (n_kv_heads, block_size, head_dim)

@@ -15,7 +15,7 @@ never overwrites a staging buffer that a kernel still reads, nor reads blocks no
 buffer is reused only after its previous copy's event completed. The recall thus behaves as "recall, then
 compute" (the simulator's `overlap=none`); offloads overlap with later compute (`async_offload`).
 
-`PinnedBlockStore` puts both behind the interface of `tracer.storage.HostBlockStore` (put / get / key_min /
+`PinnedBlockStore` puts both behind the DDR-tier interface (put / get / key_min /
 key_max / block_bytes / keys / values), so that the tiered cache can use it unchanged.
 
 The CPU path runs the same code with plain host tensors and no streams: copies are synchronous, and each
@@ -224,12 +224,12 @@ def shared_copier(device: torch.device, block_shape: tuple[int, ...], dtype: tor
 
 
 class PinnedBlockStore:
-    """The DDR tier of one layer with real data movement; a drop-in for `tracer.storage.HostBlockStore`.
+    """The DDR tier of one layer with real data movement; the DDR-tier interface the cache calls.
 
     Blocks live in a preallocated (pinned on CUDA) `HostPool`, slot = logical block id, K and V side by side.
     `put` offloads through the shared `StagingCopier` (one D2H copy per call, asynchronous on CUDA), `get`
     recalls (one gather + one H2D copy per call; the compute stream waits on its event). Per-block key bounds
-    (elementwise min/max over the block's tokens, Quest-style) stay on the compute device, as in HostBlockStore.
+    (elementwise min/max over the block's tokens, Quest-style) stay on the compute device, as the cache expects.
     """
 
     asynchronous_offload = True  # on CUDA the D2H copy overlaps later compute (the simulator's async_offload)
