@@ -100,8 +100,8 @@ def _check_writable_dir(path: Path, what: str) -> None:
     if path.exists() and not path.is_dir():
         raise SimulateOptionError(f"{what} {path}: exists and is not a directory; choose another path")
     parent = next((p for p in [path, *path.parents] if p.exists()), None)
-    if parent is None or not os.access(parent, os.W_OK):
-        raise SimulateOptionError(f"{what} {path}: cannot be created (no writable parent); choose another path")
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK):  # a file as parent: ENOTDIR later
+        raise SimulateOptionError(f"{what} {path}: cannot be created (no writable parent directory); choose another path")
 
 
 def _check_writable_file(path: Path, what: str) -> None:
