@@ -21,7 +21,7 @@ from traces.example import example_manifest, example_sample
 
 def write_run(path, policy, budget, n_samples=3, n_correct=2):
     ids = [f"chains/test/{i}" for i in range(n_samples)]
-    manifest = example_manifest(sample_ids=ids)
+    manifest = example_manifest(sample_ids=ids, kind="traced")  # traced: its measured timings count
     manifest["policy"].update(name=policy, hbm_budget=budget, evict_ratio=0.0, scorer="h2o" if policy != "full" else "none")
     with TraceWriter(path, manifest) as writer:
         for i, sample_id in enumerate(ids):
