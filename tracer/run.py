@@ -20,6 +20,7 @@ class BadTraceConfig(UserError):
 
 
 MAX_SAMPLES = 1_000_000  # samples per run: far beyond any dataset here (GSM8K test: 1,319)
+MAX_NEW_TOKENS = 2**20  # tokens per sample: past the context of every model here (R1 distills: 131,072)
 
 
 _POLICY_DEFAULTS = PolicySpec()
@@ -95,6 +96,9 @@ class TraceConfig:
         if self.n_samples > MAX_SAMPLES:
             raise BadTraceConfig(f"--n-samples {self.n_samples:,} is more than {MAX_SAMPLES:,}; trace fewer (a rerun "
                                  "with more resumes the run)")
+        if self.max_new_tokens > MAX_NEW_TOKENS:  # 10**12 looped in the KV sizing (one pass per length) for ever
+            raise BadTraceConfig(f"--max-new-tokens {self.max_new_tokens:,} is more than {MAX_NEW_TOKENS:,}, past any "
+                                 "model's context; use fewer")
         if self.data_file is not None and not Path(self.data_file).is_file():
             raise BadTraceConfig(f"--data-file {self.data_file}: no such file")
         out = Path(self.out)
@@ -157,6 +161,15 @@ def kv_buffer_bytes(spec, kv_bytes_per_token: int, batch_size: int, max_prompt: 
     per_sample_ddr = GROWTH_SLACK * n_blocks(spec, max_len) * bs * kv_bytes_per_token if spec.uses_ddr else 0
     return {"hbm": batch_size * per_sample_hbm, "ddr": batch_size * per_sample_ddr,
             "hbm_per_sample": per_sample_hbm, "max_len": max_len}
+
+
+def check_context(config: TraceConfig, loaded, longest_prompt: int) -> None:
+    """Warn when a sample may decode past the model's context (positions it was never trained on)."""
+    context = getattr(loaded.model.config, "max_position_embeddings", None)
+    if context and longest_prompt + config.max_new_tokens > context:
+        print(f"warning: --max-new-tokens {config.max_new_tokens:,} with the longest prompt ({longest_prompt:,} tokens) "
+              f"may pass {config.model}'s context of {context:,} tokens; positions beyond it were never trained",
+              file=sys.stderr)
 
 
 def check_kv_fits(config: TraceConfig, loaded, prompt_lengths: list[int]) -> dict:
@@ -239,6 +252,7 @@ def run_trace(config: TraceConfig, progress: bool = True, loaded=None) -> Path:
     tracer_extra = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("out",)}
     # The shortest and longest lengths a sample can have: the sink and window are a larger share at the first.
     prompt_lengths = [len(encode_prompt(loaded.tokenizer, s.prompt, task.use_chat_template)) for s in samples]
+    check_context(config, loaded, max(prompt_lengths, default=0))
     excess = protected_excess_note(spec, [*prompt_lengths, *(n + config.max_new_tokens for n in prompt_lengths)])
     if excess is not None:
         print(f"warning: {excess['warning']}", file=sys.stderr)
