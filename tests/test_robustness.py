@@ -265,6 +265,18 @@ def test_a_giant_block_is_refused_before_allocating(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_endless_max_new_tokens_is_refused_and_past_context_warned(tmp_path, capsys):
+    started = time.perf_counter()
+    assert main(trace_args(tmp_path / "a", "--max-new-tokens", str(10**12))) == 2  # looped in the KV sizing
+    assert "--max-new-tokens 1,000,000,000,000 is more than 1,048,576" in one_line_error(capsys)
+    assert time.perf_counter() - started < 10
+    context = json.loads((REPO / "tracer" / "assets" / "micro" / "config.json").read_text())["max_position_embeddings"]
+    args = trace_args(tmp_path / "b")
+    args[args.index("--max-new-tokens") + 1] = str(context)  # the prompt on top passes the context
+    assert main(args) == 0  # allowed (micro stops at EOS long before), but said
+    assert f"may pass micro's context of {context:,} tokens" in capsys.readouterr().err
+
+
 # -- Ctrl-C -------------------------------------------------------------------------------------------------
 
 
