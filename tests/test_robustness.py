@@ -277,6 +277,14 @@ def test_endless_max_new_tokens_is_refused_and_past_context_warned(tmp_path, cap
     assert f"may pass micro's context of {context:,} tokens" in capsys.readouterr().err
 
 
+def test_synth_refuses_an_endless_sample_count(tmp_path, capsys):
+    """traces synth --samples 10**13 built its sample-id list until the machine ran out of memory."""
+    argv = ["traces", "synth", "--model", "tiny", "--prompt-tokens", "16", "--decode-steps", "8", "--samples",
+            str(10**13), "--out", str(tmp_path / "synth")]
+    assert main(argv) == 2
+    assert "--samples 10,000,000,000,000 is more than 1,000,000" in one_line_error(capsys)
+
+
 # -- Ctrl-C -------------------------------------------------------------------------------------------------
 
 

@@ -16,6 +16,9 @@ from pathlib import Path
 from urllib.parse import quote, unquote
 
 MANIFEST_NAME = "run.json"
+# Samples in one run, for every writer (trace, traces synth): far beyond any dataset here (GSM8K test: 1,319),
+# and a bound for generated tasks, whose loaders have no count of their own (10**13 looped or ran out of memory).
+MAX_SAMPLES = 1_000_000
 PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
 TEMP_PREFIX = "."
 
