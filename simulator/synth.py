@@ -85,6 +85,10 @@ def synth_run(
         raise SynthError("--prompt-tokens must be >= 1, --decode-steps >= 0 and --samples >= 1")
     if not 0 <= seed < 2**32:  # numpy refuses negative seeds with a traceback
         raise SynthError(f"--seed {seed} must be a whole number in [0, 2**32)")
+    from traces.layout import MAX_SAMPLES
+
+    if samples > MAX_SAMPLES:  # 10**13 built a sample-id list until the machine ran out of memory
+        raise SynthError(f"--samples {samples:,} is more than {MAX_SAMPLES:,}; write fewer (a rerun with more resumes)")
     arch = get_architecture(model)
     if prompt_tokens + decode_steps > arch.max_position_embeddings:  # also keeps array sizes sane (10**40 crashed)
         raise SynthError(f"--prompt-tokens + --decode-steps = {prompt_tokens + decode_steps:,} exceeds {model}'s "

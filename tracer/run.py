@@ -19,7 +19,6 @@ class BadTraceConfig(UserError):
     pass
 
 
-MAX_SAMPLES = 1_000_000  # samples per run: far beyond any dataset here (GSM8K test: 1,319)
 MAX_NEW_TOKENS = 2**20  # tokens per sample: past the context of every model here (R1 distills: 131,072)
 
 
@@ -93,6 +92,8 @@ class TraceConfig:
             if getattr(self, name) < 1:
                 raise BadTraceConfig(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
         # A generated task (chains) has no count of its own: 10**13 samples looped in the loader forever.
+        from traces.layout import MAX_SAMPLES
+
         if self.n_samples > MAX_SAMPLES:
             raise BadTraceConfig(f"--n-samples {self.n_samples:,} is more than {MAX_SAMPLES:,}; trace fewer (a rerun "
                                  "with more resumes the run)")
