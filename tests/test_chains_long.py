@@ -134,3 +134,24 @@ def test_bundled_long_model_thinks_the_whole_long_chain_and_answers(tmp_path):
         index = int(row.sample_id.rsplit("/", 1)[1])
         assert row.generated_text.split() == heldout_long_problem(index).answer_words  # token for token
         assert row.correct and row.stop_reason == "eos" and row.generated_tokens == 492
+
+
+def test_long_table_grid_is_the_issues_grid(tmp_path):
+    from tracer.micro.table_long import cells, headline, trace_config, write_markdown
+
+    grid = cells("all")
+    assert len(grid) == 1 + 4 * (3 + 3 * 2) and len({c.name for c in grid}) == len(grid)
+    hierarchy = [c for c in grid if c.policy == "hierarchy"]
+    assert {(c.hbm_budget, c.recall_budget, c.evict_ratio) for c in hierarchy} == {
+        (b, r, e) for b in (0.1, 0.2, 0.3, 0.5) for r in (0.05, 0.1, 0.2) for e in (0.0, 0.1)}
+    assert {(c.hbm_budget, c.scorer) for c in grid if c.policy == "evict"} == {
+        (b, s) for b in (0.1, 0.2, 0.3, 0.5) for s in ("recency", "h2o", "tova")}
+    assert [c.hbm_budget for c in cells("key")[1:]] == [0.3] * 9
+    cell = hierarchy[0]
+    config = trace_config(cell, tmp_path, 200)
+    assert (config.policy, config.hbm_budget, config.recall_budget, config.task) == (
+        "hierarchy", cell.hbm_budget, cell.recall_budget, "chains_long")
+    assert trace_config(grid[0], tmp_path, 200).n_samples == 500  # the full cell is the 500-problem check
+    assert headline(tmp_path).startswith("In one sentence: not yet")
+    write_markdown(tmp_path / "t.md", tmp_path)
+    assert "Cells not run yet: 37 of 37." in (tmp_path / "t.md").read_text()

@@ -26,6 +26,7 @@ KEY_BUDGET = 0.3
 BLOCK_SIZE, SINK_TOKENS, WINDOW_TOKENS = 4, 4, 16
 HIERARCHY_SCORER = "h2o"
 MAX_NEW_TOKENS = 600  # the longest chain of thought of the 500 held-out problems is 481 tokens
+ISSUE_N = 200  # problems per cell the issue asks for
 FULL_N_SAMPLES = 500  # the full-cache cell doubles as the model's quality check (>= 95% on 500)
 MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "micro_long"
 TASK = "chains_long"
@@ -196,6 +197,8 @@ def write_markdown(path: Path, runs: Path) -> None:
         *("| " + " | ".join(row) + " |" for row in rows),
         "",
         f"Cells not run yet: {missing} of {len(cells('all'))}." if missing else "All cells have run.",
+        f"Rows with n < {ISSUE_N} are short of the issue's n = {ISSUE_N} per cell: rerun the command with "
+        f"`--n-samples {ISSUE_N}` to extend them (each run resumes after its committed problems).",
     ]
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # shards write side by side: replace atomically
     temporary.write_text("\n".join(lines) + "\n")
