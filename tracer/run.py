@@ -261,11 +261,10 @@ def run_trace(config: TraceConfig, progress: bool = True, loaded=None) -> Path:
     tracer_extra["kv_buffer_bytes"] = check_kv_fits(config, loaded, prompt_lengths)
     from tracer.decode import step_clock
 
-    # measured_step_us's clock (thread_cpu on a 1-thread CPU, as calibrate times; else wall) and its threads.
-    tracer_extra["step_clock"] = step_clock(loaded.model.device)[0]
-    # How the tracer moved KV between tiers (simulator/mechanisms.py names): one copy per block group, per layer
-    # and step and direction, on the copy engines (pinned staging on CUDA; host memcpy on the CPU).
-    tracer_extra["transfer"] = "dma-per-block"
+    # How it measured and moved (a dict: notes, not options, so `traces validate`'s repair command skips them):
+    # measured_step_us's clock (thread_cpu on a 1-thread CPU, as calibrate times; else wall), and the transfer
+    # mechanism in simulator/mechanisms.py's names (one copy per block group, per layer, step and direction).
+    tracer_extra["measurement"] = {"step_clock": step_clock(loaded.model.device)[0], "transfer": "dma-per-block"}
     prompt_record, prompt_warning = prompt_manifest(task, loaded.tokenizer)
     if prompt_warning is not None:
         print(f"warning: {prompt_warning}", file=sys.stderr)
