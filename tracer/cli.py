@@ -35,6 +35,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-interval", type=int, default=1, help="gradient scorer: a backward pass every N decode steps (default: 1)")
     parser.add_argument("--out", required=True, help="run directory (created; rerun to resume)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars (the weights-loading bar included)")
+    parser.set_defaults(_trace_parser=parser)
+
+
+def command_words(args: argparse.Namespace) -> list[str]:
+    """The `thoughtkv trace` argv that gives these settings: every option not at its default, as typed. Recorded
+    in run.json (tracer.command) so that `traces validate` can print the exact command that repairs a run."""
+    words = ["thoughtkv", "trace"]
+    for action in args._trace_parser._actions:
+        if not action.option_strings or action.dest in ("help", "quiet"):
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        if action.nargs == 0:  # a flag; a --x/--no-x pair picks the spelling of its value
+            words.append(action.option_strings[0] if value or len(action.option_strings) == 1 else action.option_strings[1])
+        elif isinstance(value, list):
+            words += [action.option_strings[-1], *map(str, value)]
+        else:
+            words += [action.option_strings[-1], str(value)]
+    return words
 
 
 def config_from_args(args: argparse.Namespace):
@@ -47,7 +67,7 @@ def config_from_args(args: argparse.Namespace):
         **spec.as_dict(), batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
         seed=args.seed, device=args.device, dtype=args.dtype, access=not args.no_access,
         also_score=args.also_score, grad_window=args.grad_window, grad_interval=args.grad_interval,
-        threads=args.threads,
+        threads=args.threads, command=command_words(args),
     )
 
 

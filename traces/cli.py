@@ -52,24 +52,22 @@ def with_repair(exc: TraceFormatError, manifest: dict, run_dir: Path) -> TraceFo
 
 def repair_command(manifest: dict, run_dir: Path) -> str:
     """The command that resumes this run: rerun, it re-writes every sample with a damaged part
-    (traces.writer drops them on resume). Rebuilt from the settings the tracer recorded in run.json."""
+    (traces.writer drops them on resume): the argv `thoughtkv trace` recorded in run.json (tracer.command)."""
     settings = manifest.get("tracer")
     if manifest.get("kind") != "traced" or not isinstance(settings, dict):
         return f"the command that wrote {run_dir} (same --out)"
-    words = ["thoughtkv", "trace"]
-    for key, value in settings.items():
-        if key == "out" or value is None or isinstance(value, (dict, list)):
-            continue  # notes the tracer added (e.g. protected_excess) are not options
-        option = "--" + key.replace("_", "-")
-        if key == "access":
-            words += [] if value else ["--no-access"]
-        elif key == "n_samples":  # the sample list may have grown on resume since the first run
-            words += [option, str(len(manifest["task"]["sample_ids"]))]
-        elif isinstance(value, bool):
-            words += [option] if value else []
-        else:
-            words += [option, str(value)]
-    return shlex.join([*words, "--out", str(run_dir)])
+    n_samples = str(len(manifest["task"]["sample_ids"]))  # the sample list may have grown on resume
+    command = settings.get("command")
+    if isinstance(command, list) and all(isinstance(w, str) for w in command):  # as typed (tracer/cli.py)
+        words = list(command)
+        for option, value in (("--n-samples", n_samples), ("--out", str(run_dir))):
+            if option in words[:-1]:
+                words[words.index(option) + 1] = value
+            else:
+                words += [option, value]
+        return shlex.join(words)
+    # Written by demo, crosscheck or an older thoughtkv: the settings are in run.json, not the command line.
+    return f"the command that wrote {run_dir} with the same --out (run.json `tracer` holds its settings)"
 
 
 def info_lines(trace) -> list[str]:
