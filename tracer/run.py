@@ -57,6 +57,7 @@ class TraceConfig:
     grad_window: int = 1  # gradient scorer: next-token losses of the last N positions
     grad_interval: int = 1  # gradient scorer: one backward pass every N decode steps
     threads: int | None = None  # torch intra-op threads; None: tracer.preflight.resolve_threads's default
+    command: list[str] | None = None  # the `thoughtkv trace` argv, when the CLI made this config (repair command)
 
     @property
     def spec(self):
