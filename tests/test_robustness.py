@@ -340,12 +340,13 @@ def test_ctrl_c_during_trace_keeps_committed_samples(tmp_path):
 # -- consistency ------------------------------------------------------------------------------------------
 
 
-def test_groups_without_an_action_print_their_help_to_stderr(capsys):
-    groups = [[]] + [[name] for name in ("profiles", "traces", "analyze")]
-    for argv in groups:
-        assert main(argv) == 2
+def test_groups_without_an_action_refuse_in_one_line_listing_the_actions(capsys):
+    groups = {(): "simulate", ("profiles",): "validate", ("traces",): "synth", ("analyze",): "correlation"}
+    for argv, action in groups.items():
+        assert main(list(argv)) == 2
         captured = capsys.readouterr()
-        assert captured.out == "" and captured.err.startswith("usage: thoughtkv"), argv
+        lines = captured.err.strip().splitlines()
+        assert captured.out == "" and len(lines) == 1 and "choose one of" in lines[0] and action in lines[0], argv
 
 
 def test_usage_errors_are_one_line(capsys):

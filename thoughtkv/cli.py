@@ -4,7 +4,7 @@ A subcommand module exposes `add_arguments(parser)` and `run(args) -> int`; it m
 module level, so that `thoughtkv --help` and the torch-free subcommands start fast.
 
 Every refusal looks the same: one line on stderr, exit 2 — a `UserError` from the code, a usage error from
-argparse (`OneLineParser`), a group named without its action (its help goes to stderr). Ctrl-C ends any
+argparse (`OneLineParser`), a group named without its action (the line lists the actions). Ctrl-C ends any
 command within `HARD_INTERRUPT_GRACE_S`, even inside one long torch op (`hard_interrupt`).
 """
 
@@ -65,28 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.set_defaults(_group_parser=parser, _group_dest="command")
     for name, module_name, help_text in SUBCOMMANDS:
         p = sub.add_parser(name, help=help_text, description=help_text)
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name is None or not module_name.startswith(exc.name):
-                raise
-            p.set_defaults(_run=_not_yet(name))
-            continue
+        module = importlib.import_module(module_name)
         nested_parent = module.add_arguments(p)
         p.set_defaults(_run=module.run)
         group = _subparsers_of(p)
-        if group is not None:  # a group (profiles, traces, analyze): naming no action prints its help
+        if group is not None:  # a group (profiles, traces, analyze): naming no action is a one-line refusal
             p.set_defaults(_group_parser=p, _group_dest=group.dest)
         for child, child_module_name, child_help in NESTED.get(name, []):
             # The parent's add_arguments returns its subparsers action so that children can join it.
             cp = nested_parent.add_parser(child, help=child_help, description=child_help)
-            try:
-                child_module = importlib.import_module(child_module_name)
-            except ModuleNotFoundError as exc:
-                if exc.name is None or not child_module_name.startswith(exc.name):
-                    raise
-                cp.set_defaults(_run=_not_yet(f"{name} {child}"))
-                continue
+            child_module = importlib.import_module(child_module_name)
             child_module.add_arguments(cp)
             cp.set_defaults(_run=child_module.run)
     return parser
@@ -94,15 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _subparsers_of(parser: argparse.ArgumentParser):
     return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
-
-
-def _not_yet(name: str):
-    def run(_args: argparse.Namespace) -> int:
-        from thoughtkv_base import NotYetImplemented
-
-        raise NotYetImplemented(f"`thoughtkv {name}` is not implemented yet in this version")
-
-    return run
 
 
 @contextmanager
@@ -159,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     group = getattr(args, "_group_parser", None)
     if group is not None and getattr(args, args._group_dest, None) is None:
-        group.print_help(sys.stderr)
+        # Naming a group without its action is bad input like any other: one line, the choices, exit 2.
+        choices = ", ".join(_subparsers_of(group).choices)
+        print(f"{group.prog}: error: choose one of: {choices} (`{group.prog} --help` describes them)", file=sys.stderr)
         return 2
     try:
         with hard_interrupt(args.command):

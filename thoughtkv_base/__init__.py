@@ -7,7 +7,7 @@ It imports nothing of the project (import-linter checks this), so `traces`, `hwp
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["NotYetImplemented", "UserError", "__version__", "git_commit"]
+__all__ = ["UserError", "__version__", "git_commit"]
 
 
 class UserError(Exception):
@@ -18,10 +18,6 @@ class UserError(Exception):
     """
 
     exit_code = 2
-
-
-class NotYetImplemented(UserError):
-    """A subcommand whose issue has not landed yet: it says so and exits 2 instead of pretending."""
 
 
 def git_commit() -> str | None:
