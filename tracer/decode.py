@@ -294,6 +294,23 @@ class LayerTimer:
             handle.remove()
 
 
+def decode_step(model, cache: TieredCache, rows: list[int], input_ids: torch.Tensor, position_ids: torch.Tensor,
+                timer: LayerTimer, clock, synchronize):
+    """One forward of the active `rows`, as the trace times it: (logits [rows, vocab], next tokens, finite flags,
+    step µs, per-layer µs). `decode_batch` runs every step through here, and so does calibration's overhead
+    benchmark (tracer/calibrate/tiered.py), so the overhead it fits is this path's."""
+    started = clock()
+    cache.set_active(rows)
+    logits = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    # The step's one device->host copy: each row's next token and whether its logits were finite, fetched
+    # together with the values every layer recorded this step (tracer.cache.DeferredCopies).
+    packed = torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()])
+    tokens, finite = cache.copies.add(packed, lambda a: a.astype(np.int64).reshape(2, -1).tolist()).value()
+    synchronize()
+    wall_us = (clock() - started) * 1e6  # step_clock: the decode thread's CPU time on a 1-thread CPU
+    return logits, tokens, finite, wall_us, timer.read_us()
+
+
 @torch.no_grad()
 def decode_batch(
     model, jobs: Iterable[DecodeJob], cache: TieredCache, batch_size: int, max_new_tokens: int, eos_ids: set[int],
@@ -310,16 +327,8 @@ def decode_batch(
     _, clock = step_clock(device)
 
     def step(rows: list[int], input_ids: torch.Tensor, position_ids: torch.Tensor) -> Iterator[tuple[DecodeJob, DecodeResult]]:
-        started = clock()
-        cache.set_active(rows)
-        logits = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        # The step's one device->host copy: each row's next token and whether its logits were finite, fetched
-        # together with the values every layer recorded this step (tracer.cache.DeferredCopies).
-        packed = torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()])
-        tokens, finite = cache.copies.add(packed, lambda a: a.astype(np.int64).reshape(2, -1).tolist()).value()
-        synchronize()
-        wall_us = (clock() - started) * 1e6  # step_clock: the decode thread's CPU time on a 1-thread CPU
-        layer_us = timer.read_us()
+        logits, tokens, finite, wall_us, layer_us = decode_step(model, cache, rows, input_ids, position_ids, timer,
+                                                                clock, synchronize)
         for index, row_id in enumerate(rows):
             row = active[row_id]
             if row.job.recorder is not None:

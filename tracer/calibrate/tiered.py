@@ -2,7 +2,8 @@
 
 A measured run pays, besides the model's arithmetic, the tiered cache's bookkeeping on every layer: recall
 bounds, attention weights handed back, scoring, placement, recording. `tiered_decoder_factory(policy, ...)`
-steps a (near-zero-work) model exactly as `tracer.decode.greedy_decode` does, with the same cache settings,
+steps a (near-zero-work) model through the trace's own step (`tracer.decode.decode_step`, what
+`decode_batch` runs at batch 1), with the same cache settings,
 so that `tracer.calibrate.overhead.overhead_sweep` measures that bookkeeping as per-step and per-layer overhead.
 """
 
@@ -26,22 +27,27 @@ def tiered_decoder_factory(
 
     def make_decoder(model: torch.nn.Module, prompt_ids: torch.Tensor) -> Callable[[], None]:
         from tracer.cache import TieredCache
-        from tracer.decode import use_tiered_attention
+        from tracer.decode import LayerTimer, decode_step, step_clock, use_tiered_attention
         from tracer.recorder import Recorder
 
         use_tiered_attention(model)
         recorder = Recorder(record_access=True)
-        cache = TieredCache(model.config.num_hidden_layers, make_settings(config), recorder)
+        settings = make_settings(config)
+        cache = TieredCache(model.config.num_hidden_layers, settings)
+        cache.reset_row(0, settings, recorder)  # as decode_batch admits a sample
+        # The trace's own step (decode_batch -> decode_step): layer-timer hooks, the one deferred copy, the
+        # recorder's end of step; one row, as a batch-1 trace.
+        timer, clock = LayerTimer(model), step_clock(prompt_ids.device)[1]
+        synchronize = torch.cuda.synchronize if prompt_ids.device.type == "cuda" else (lambda: None)
         state = {"ids": prompt_ids, "positions": torch.arange(prompt_ids.shape[1], device=prompt_ids.device)[None]}
 
         @torch.no_grad()
         def step() -> None:
-            logits = model(input_ids=state["ids"], position_ids=state["positions"], cache=cache, use_cache=True,
-                           logits_to_keep=1).logits[0, -1]
-            token, _finite = int(logits.argmax()), bool(torch.isfinite(logits).all())
-            recorder.end_step(0.0)
-            state["ids"] = torch.tensor([[token]], device=prompt_ids.device)
-            state["positions"] = torch.tensor([[cache.logical_len]], device=prompt_ids.device)
+            _, tokens, _finite, wall_us, layer_us = decode_step(model, cache, [0], state["ids"], state["positions"],
+                                                               timer, clock, synchronize)
+            recorder.end_step(wall_us, layer_us)
+            state["ids"] = torch.tensor([[tokens[0]]], device=prompt_ids.device)
+            state["positions"] = torch.tensor([[cache.rows[0][0].logical_len]], device=prompt_ids.device)
 
         step()  # the prefill
         return step
