@@ -68,7 +68,7 @@ from simulator.mechanisms import context as transfer_context
 from simulator.options import KEY_FIELDS, ServingConfig
 from simulator.schedule import StepSchedule
 from simulator.serving_fast import FastServing
-from simulator.tiers import check_spill, tier_chain
+from simulator.tiers import check_spill, serving_memory, tier_chain
 from simulator.workload import step_arrays
 from traces import open_run
 
@@ -305,15 +305,9 @@ class ServingSim:
         self.env = simpy.Environment()
         self.hw = Hardware(self.env, profile, timeline)  # the engine's GPU and link channels
         self.timeline = timeline
-        self.kv_capacity_bytes = profile.gpu.hbm_capacity_bytes - shape.weight_bytes
-        if self.kv_capacity_bytes <= 0:
-            raise ServingError(f"{shape.name}: weights ({shape.weight_bytes / 1e9:.1f} GB) do not fit in "
-                               f"{profile.name}'s HBM; pick a larger GPU")
-        self.chain = tier_chain(profile, config.options.offload_tier)  # ddr, TIER, or ddr+TIER (spill)
-        self.tier = costs.offload_tier(profile, self.chain.primary)
-        self.ddr_capacity_bytes = self.tier.capacity_bytes
-        self.spill_capacity_bytes = costs.offload_tier(profile, self.chain.spill).capacity_bytes \
-            if self.chain.spill else 0.0
+        memory = serving_memory(profile, shape, config.options.offload_tier)  # simulator/tiers.py, shared
+        self.kv_capacity_bytes, self.chain, self.tier = memory.kv_capacity_bytes, memory.chain, memory.tier
+        self.ddr_capacity_bytes, self.spill_capacity_bytes = memory.ddr_capacity_bytes, memory.spill_capacity_bytes
         self.spill_works = spill_works  # the samples costed on the spill tier
         self.sample_of = [a.sample for a in arrivals]
         self.reserved_spill_bytes = 0.0

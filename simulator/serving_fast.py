@@ -30,9 +30,8 @@ import numpy as np
 from hwprofiles import HardwareProfile
 from simulator import costs, mechanisms
 from simulator.engine import Channel, engines_per_channel
-from simulator.errors import ServingError
 from simulator.options import ServingConfig
-from simulator.tiers import check_spill, tier_chain
+from simulator.tiers import check_spill, serving_memory
 
 
 class _Clock:
@@ -62,14 +61,9 @@ class FastServing:
         self.spill_works = spill_works
         self.clock = _Clock()
         self.hw = _Hardware(self.clock, profile)
-        self.kv_capacity_bytes = profile.gpu.hbm_capacity_bytes - shape.weight_bytes
-        if self.kv_capacity_bytes <= 0:
-            raise ServingError(f"{shape.name}: weights ({shape.weight_bytes / 1e9:.1f} GB) do not fit in "
-                               f"{profile.name}'s HBM; pick a larger GPU")
-        self.chain = tier_chain(profile, config.options.offload_tier)  # ddr, TIER, or ddr+TIER (spill)
-        self.tier = costs.offload_tier(profile, self.chain.primary)
-        self.spill_capacity_bytes = costs.offload_tier(profile, self.chain.spill).capacity_bytes \
-            if self.chain.spill else 0.0
+        memory = serving_memory(profile, shape, config.options.offload_tier)  # simulator/tiers.py, shared
+        self.kv_capacity_bytes, self.chain, self.tier = memory.kv_capacity_bytes, memory.chain, memory.tier
+        self.ddr_capacity_bytes, self.spill_capacity_bytes = memory.ddr_capacity_bytes, memory.spill_capacity_bytes
         self.layer_overhead_s = costs.overheads_for(shape, profile).layer_s
         # --transfer: as ServingSim (the copies' cost, coalescing, per-direction overheads, the layers' time)
         self.mechanism = mechanisms.mechanism_for(config.options.transfer, profile)
@@ -78,7 +72,6 @@ class FastServing:
         check_spill(self.chain, self.mechanism, self.coalesced, self.hw.h2d.n_engines)
         self.overhead_s = {"h2d": self.mechanism.copy_overhead_s(self.transfer, "h2d"),
                            "d2h": mechanisms.offload_mechanism(self.mechanism).copy_overhead_s(self.transfer, "d2h")}
-        self.ddr_capacity_bytes = self.tier.capacity_bytes
         self.requests = requests
         self.sample_of = np.array([a.sample for a in arrivals], dtype=np.int64)
         self.queue_changes: list[tuple[float, int]] = [(0.0, 0)]

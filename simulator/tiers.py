@@ -72,3 +72,26 @@ def check_spill(chain: TierChain, mechanism, coalesced: bool, engines: int) -> N
                            "tiers; use --transfer dma-per-block")
     if engines != 1:
         raise ServingError(f"a spill tier ({chain.spill}) is modelled for one copy engine per direction")
+
+
+@dataclass(frozen=True)
+class ServingMemory:
+    """What a serving simulation may hold (the DES and its fast path read the same): HBM for KV beside the
+    weights, the offload tier chain, its primary tier and the capacities of it and of the spill tier."""
+
+    kv_capacity_bytes: float
+    chain: TierChain
+    tier: object  # costs.OffloadTier of chain.primary
+    ddr_capacity_bytes: float
+    spill_capacity_bytes: float
+
+
+def serving_memory(profile: HardwareProfile, shape, offload_tier: str) -> ServingMemory:
+    kv_capacity_bytes = profile.gpu.hbm_capacity_bytes - shape.weight_bytes
+    if kv_capacity_bytes <= 0:
+        raise ServingError(f"{shape.name}: weights ({shape.weight_bytes / 1e9:.1f} GB) do not fit in "
+                           f"{profile.name}'s HBM; pick a larger GPU")
+    chain = tier_chain(profile, offload_tier)  # ddr, TIER, or ddr+TIER (spill)
+    tier = costs.offload_tier(profile, chain.primary)
+    spill = costs.offload_tier(profile, chain.spill).capacity_bytes if chain.spill else 0.0
+    return ServingMemory(kv_capacity_bytes, chain, tier, tier.capacity_bytes, spill)
