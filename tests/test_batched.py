@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from _helpers import (
+    TINY_CONFIGS,
+    TINY_SHAPES,
+    has_committed_part,
+    kill_if_running,
+    start_thoughtkv,
+    wait_while_running,
+)
+from transformers import AutoModelForCausalLM
 
 import tracer.attention  # noqa: F401  (registers the "thoughtkv" attention function)
 from tracer.cache import TieredCache, TierSettings
@@ -15,13 +23,7 @@ from tracer.recorder import Recorder
 from tracer.scorers import build_scorer
 from traces.policy import PolicySpec
 
-SHAPES = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512)
-CONFIGS = {
-    "qwen2": lambda: Qwen2Config(**SHAPES),
-    "llama": lambda: LlamaConfig(**SHAPES),
-    "mistral": lambda: MistralConfig(**SHAPES, sliding_window=None),
-}
+SHAPES, CONFIGS = TINY_SHAPES, TINY_CONFIGS
 PROMPT_LENGTHS = [7, 31, 12, 45, 20, 9, 38, 16, 26]
 MAX_NEW = 40
 POLICIES = {
@@ -139,11 +141,6 @@ def test_kv_buffers_are_sized_from_the_policy_and_a_batch_that_cannot_fit_is_ref
 def test_a_killed_batched_run_resumes_with_nothing_lost_or_doubled(tmp_path):
     """`trace --batch-size 4` killed after its first committed sample, resumed at --batch-size 3: every sample
     once, the committed ones untouched, and every sample's text and trace rows equal to a batch-1 run's."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
     from pathlib import Path
 
     from thoughtkv.cli import main
@@ -153,19 +150,10 @@ def test_a_killed_batched_run_resumes_with_nothing_lost_or_doubled(tmp_path):
     common = ["--model", "micro", "--task", "chains", "--n-samples", "8", "--policy", "hierarchy", "--hbm-budget",
               "0.3", "--block-size", "4", "--window-tokens", "16", "--recall-k", "6", "--max-new-tokens", "60", "--quiet"]
     out = tmp_path / "batched"
-    command = [sys.executable, "-m", "thoughtkv", "trace", *common, "--batch-size", "4", "--out", str(out)]
-    process = subprocess.Popen(command, cwd=repo, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = start_thoughtkv(["trace", *common, "--batch-size", "4", "--out", str(out)], repo)
     parts = out / "samples.parquet"
-    deadline = time.time() + 300
-    while time.time() < deadline and process.poll() is None:
-        if parts.is_dir() and any(p.suffix == ".parquet" for p in parts.iterdir()):
-            break
-        time.sleep(0.02)
-    killed = process.poll() is None
-    if killed:
-        os.kill(process.pid, signal.SIGKILL)
-    process.wait()
+    wait_while_running(process, lambda: has_committed_part(parts), timeout_s=300, poll_s=0.02)
+    killed = kill_if_running(process)
     before = {p.name: p.read_bytes() for p in parts.iterdir() if p.suffix == ".parquet"}
     assert before, process.stderr.read().decode()[-2000:]
     assert killed and len(before) < 8  # it really died mid-run

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from _helpers import (
+    kill_if_running,
+    start_thoughtkv,
+    wait_while_running,
+)
 
 from thoughtkv.cli import main
 from tracer.regrade import HIDDEN_PREFIX, regrade_run
@@ -120,19 +120,14 @@ def test_a_real_kill_mid_regrade_leaves_a_readable_run(tmp_path):
     cases = (GSM8K_CASES * 2)[:60]  # enough parts that the staged table takes a while to write
     _old_gsm8k_run(run_dir, cases, access=False)
     old_correct = open_run(run_dir).samples()["correct"].tolist()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "thoughtkv", "traces", "regrade", str(run_dir)], cwd=REPO,
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
-    while time.time() < deadline and process.poll() is None:
+    process = start_thoughtkv(["traces", "regrade", str(run_dir)], REPO)
+
+    def mid_way() -> bool:  # part-way through writing the new (hidden) table
         hidden = list(run_dir.glob(f"{HIDDEN_PREFIX}*"))
-        if hidden and len(list(hidden[0].glob("part-*"))) >= 10:  # mid-way through writing the new table
-            break
-        time.sleep(0.01)
-    killed = process.poll() is None
-    if killed:
-        os.kill(process.pid, signal.SIGKILL)
-    process.wait()
+        return bool(hidden) and len(list(hidden[0].glob("part-*"))) >= 10
+
+    wait_while_running(process, mid_way, timeout_s=120, poll_s=0.01)
+    killed = kill_if_running(process)
     assert killed, process.stderr.read().decode()[-2000:]
     run = open_run(run_dir)
     run.validate()

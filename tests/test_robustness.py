@@ -19,6 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import (
+    has_committed_part,
+    start_thoughtkv,
+    wait_while_running,
+)
 
 from thoughtkv.cli import SUBCOMMANDS, build_parser, main
 from traces import open_run
@@ -316,16 +321,11 @@ def test_ctrl_c_inside_one_long_torch_op_ends_within_seconds():
 
 def test_ctrl_c_during_trace_keeps_committed_samples(tmp_path):
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "thoughtkv", *trace_args(out, "--n-samples", "40")]
-    command[command.index("--max-new-tokens") + 1] = "120"
-    process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    args = trace_args(out, "--n-samples", "40")
+    args[args.index("--max-new-tokens") + 1] = "120"
+    process = start_thoughtkv(args, REPO, text=True)
     samples_dir = out / "samples.parquet"
-    deadline = time.time() + 180
-    while time.time() < deadline and process.poll() is None:
-        if samples_dir.is_dir() and any(p.suffix == ".parquet" for p in samples_dir.iterdir()):
-            break
-        time.sleep(0.05)
+    wait_while_running(process, lambda: has_committed_part(samples_dir), timeout_s=180)
     time.sleep(0.3)  # somewhere inside a later decode step
     sent = time.perf_counter()
     process.send_signal(signal.SIGINT)

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig, Qwen2Config
+from _helpers import (
+    TINY_CONFIGS,
+    TINY_SHAPES,
+)
+from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
 
 import tracer.attention  # noqa: F401  (registers the "thoughtkv" attention function)
 from thoughtkv_base import UserError
@@ -14,13 +18,7 @@ from tracer.recorder import Recorder
 from tracer.scorers import build_scorer
 from traces.policy import PolicySpec, budget_tokens, parse_budget
 
-SHAPES = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512)
-CONFIGS = {
-    "qwen2": lambda: Qwen2Config(**SHAPES),
-    "llama": lambda: LlamaConfig(**SHAPES),
-    "mistral": lambda: MistralConfig(**SHAPES, sliding_window=None),
-}
+SHAPES, CONFIGS = TINY_SHAPES, TINY_CONFIGS
 PROMPT_LEN, STEPS = 20, 64
 
 

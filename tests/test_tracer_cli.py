@@ -3,14 +3,15 @@ GSM8K from the shared file validates; killing it mid-run and rerunning loses and
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from _helpers import (
+    has_committed_part,
+    kill_if_running,
+    start_thoughtkv,
+    wait_while_running,
+)
 
 from thoughtkv.cli import main
 from traces import open_run
@@ -49,27 +50,19 @@ def test_bad_arguments_exit_2_with_one_line(flags, message, tmp_path, capsys):
 @needs_gsm8k
 def test_trace_kill_and_resume(tmp_path):
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "thoughtkv", "trace", "--model", "random:tiny", "--task", "gsm8k",
+    args = ["trace", "--model", "random:tiny", "--task", "gsm8k",
                "--data-file", str(GSM8K), "--n-samples", "3", "--policy", "hierarchy", "--hbm-budget", "0.5",
                "--evict-ratio", "0.1", "--block-size", "8", "--recall-k", "2", "--max-new-tokens", "12",
                "--out", str(out), "--quiet"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = start_thoughtkv(args, REPO)
     parts = out / "samples.parquet"
-    deadline = time.time() + 240
-    while time.time() < deadline and process.poll() is None:
-        if parts.is_dir() and any(p.suffix == ".parquet" for p in parts.iterdir()):
-            break
-        time.sleep(0.05)
-    killed = process.poll() is None
-    if killed:
-        os.kill(process.pid, signal.SIGKILL)
-    process.wait()
+    wait_while_running(process, lambda: has_committed_part(parts), timeout_s=240)
+    killed = kill_if_running(process)
     before = {p.name: p.read_bytes() for p in parts.iterdir() if p.suffix == ".parquet"}
     assert before, process.stderr.read().decode()[-2000:]
     assert killed and len(before) < 3  # it really died mid-run
 
-    assert main(command[3:]) == 0  # the same command, in-process: resumes
+    assert main(args) == 0  # the same command, in-process: resumes
     run = open_run(out)
     run.validate()
     samples = run.samples()
