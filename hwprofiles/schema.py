@@ -82,13 +82,25 @@ class OverheadSpec:
     the same fixed costs measured with near-zero weights, which apply when the model's weights fit in the
     last-level cache of `cache_bytes` (then nothing evicts the ops' code and data between steps);
     `simulator.costs.overheads_for` chooses.
+
+    `placement_overhead_s` / `recall_overhead_s` (and their cached twins) are the extra cost of a layer-step in
+    which the tiered cache's placement moved blocks (offload, eviction, promotion) / recalled blocks: measured
+    per policy by `thoughtkv calibrate` and kept in `provenance.overheads_by_decoder`, from where
+    `simulator.costs.profile_for_policy` sets them for the policy being simulated (policy-specific, so no YAML
+    field of their own; 0 everywhere else). `token_overhead_s` (YAML `token_overhead`) is charged per token a
+    layer-step reads or writes KV of.
     """
 
     step_overhead_s: float = 0.0
     layer_overhead_s: float = 0.0
     step_overhead_cached_s: float | None = None
     layer_overhead_cached_s: float | None = None
-    cache_bytes: int | None = None  # the last-level cache the cached set applies to
+    cache_bytes: int | None = None  # the working set that stays in the cache (the cached set applies below it)
+    placement_overhead_s: float = 0.0
+    placement_overhead_cached_s: float = 0.0
+    recall_overhead_s: float = 0.0  # per layer-step that recalls: the hierarchy's recall bookkeeping (likewise set)
+    recall_overhead_cached_s: float = 0.0
+    token_overhead_s: float = 0.0  # per token a layer-step reads or writes KV of (attention, scoring, bookkeeping)
 
     def __post_init__(self):
         given = [v is not None for v in (self.step_overhead_cached_s, self.layer_overhead_cached_s, self.cache_bytes)]
@@ -393,6 +405,7 @@ def profile_from_dict(data: Any, file: str) -> HardwareProfile:
         overheads = OverheadSpec(
             step_overhead_s=o.quantity("step_overhead", "time", OVERHEAD_S, positive=False, required=False),
             layer_overhead_s=o.quantity("layer_overhead", "time", OVERHEAD_S, positive=False, required=False),
+            token_overhead_s=o.quantity("token_overhead", "time", OVERHEAD_S, positive=False, required=False),
             **cached,
         )
         o.done()
@@ -549,6 +562,8 @@ def profile_to_yaml_dict(profile: HardwareProfile, sources: dict[str, str]) -> d
             "layer_overhead": _quantity_dict(o.layer_overhead_s, "time", source("overheads.layer_overhead")),
         },
     }
+    if o.token_overhead_s:
+        data["overheads"]["token_overhead"] = _quantity_dict(o.token_overhead_s, "time", source("overheads.token_overhead"))
     if o.has_cached:
         data["overheads"].update({
             "step_overhead_cached": _quantity_dict(o.step_overhead_cached_s, "time",

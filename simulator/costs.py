@@ -9,8 +9,12 @@ Roofline per GPU operation (one layer of one step, for a batch of `batch` identi
     bytes  = layer_weight_bytes + batch * (a + q) * kv_bytes_per_token_layer
     time_s = max(flops / achievable_flops_per_s, bytes / achievable_hbm_bytes_per_s) + layer_overhead_s
 
-where the overheads are the profile's streaming or cached set (`overheads_for`: cached when the model's weights
-fit in the profile's last-level cache).
+where layer_overhead_s = layer_overhead + token_overhead * batch * (a + q) (`layer_overhead_s`; the per-token
+term is calibrated, 0 on datasheet profiles) and the overheads are the profile's streaming or cached set
+(`overheads_for`: cached when the model's weights
+fit in the profile's last-level cache), plus `placement_s` on the layer-steps whose placement moved blocks (the
+tiered cache's bookkeeping when a block completes under a binding budget) and `recall_s` on those that recalled
+(measured profiles only: `event_times`).
 
 with q = query_tokens (1 when decoding, P at the prefill) and a = attended tokens = hbm_tokens +
 recalled_tokens of the trace row (the new tokens included). `pairs(q, a)` counts causal (query, key) pairs.
@@ -124,7 +128,7 @@ def roofline(flops, hbm_bytes, profile: HardwareProfile, overhead_s: float) -> O
     memory_time = np.asarray(hbm_bytes, dtype=np.float64) / profile.gpu.hbm_bytes_per_s
     compute_time, memory_time = np.broadcast_arrays(compute_time, memory_time)
     compute_bound = compute_time >= memory_time
-    overhead = np.full(compute_time.shape, float(overhead_s))
+    overhead = np.broadcast_to(np.asarray(overhead_s, dtype=np.float64), compute_time.shape).copy()
     return OpTimes(
         total_s=np.maximum(compute_time, memory_time) + overhead,
         compute_s=np.where(compute_bound, compute_time, 0.0),
@@ -140,6 +144,9 @@ class Overheads:
     step_s: float  # once per step, with the LM head
     layer_s: float  # once per layer-step
     set: str  # "streaming" (the weights come from memory every step) or "cached" (they stay in the cache)
+    placement_s: float = 0.0  # once per layer-step whose placement moved blocks (measured profiles only)
+    token_s: float = 0.0  # per token a layer-step reads or writes KV of (measured profiles only)
+    recall_s: float = 0.0  # once per layer-step that recalled blocks (measured hierarchy only)
 
 
 def overheads_for(shape: ModelShape, profile: HardwareProfile) -> Overheads:
@@ -148,31 +155,69 @@ def overheads_for(shape: ModelShape, profile: HardwareProfile) -> Overheads:
     run as fast as with no weights at all), else the streaming ones (every datasheet GPU profile)."""
     o = profile.overheads
     if o.has_cached and shape.weight_bytes <= o.cache_bytes:
-        return Overheads(o.step_overhead_cached_s, o.layer_overhead_cached_s, "cached")
-    return Overheads(o.step_overhead_s, o.layer_overhead_s, "streaming")
+        return Overheads(o.step_overhead_cached_s, o.layer_overhead_cached_s, "cached", o.placement_overhead_cached_s,
+                         o.token_overhead_s, o.recall_overhead_cached_s)
+    return Overheads(o.step_overhead_s, o.layer_overhead_s, "streaming", o.placement_overhead_s, o.token_overhead_s,
+                     o.recall_overhead_s)
+
+
+def layer_overhead_s(shape: ModelShape, profile: HardwareProfile, kv_bytes):
+    """The fixed cost of layer operations whose KV reads and writes are `kv_bytes` (weights excluded; a batch's
+    sum): the per-layer overhead plus the per-token one for the tokens those bytes hold (attention, scoring and
+    the tiered cache's bookkeeping grow with the context; 0 on datasheet profiles). The one formula the trace
+    replay, the mechanisms and both serving engines charge."""
+    o = overheads_for(shape, profile)
+    if o.token_s == 0:
+        return o.layer_s
+    return o.layer_s + o.token_s * np.asarray(kv_bytes, dtype=np.float64) / shape.kv_bytes_per_token_layer
 
 
 def profile_for_policy(profile: HardwareProfile, policy: str) -> tuple[HardwareProfile, str]:
     """The profile with the framework overheads calibrated for this policy's decode path, and where they came
-    from. `thoughtkv calibrate` measures every tiered decoder (full / evict / hierarchy: the hierarchy's
-    bookkeeping costs ~40% more per layer on a CPU) and keeps them in provenance.overheads_by_decoder; the
-    profile's own `overheads` are one of them. Datasheet profiles have none: returned unchanged. Both the
-    streaming and the cached set are taken when the profile has the cached one."""
+    from. `thoughtkv calibrate` measures every tiered decoder (full / evict / hierarchy) and keeps them in
+    provenance.overheads_by_decoder; the profile's own `overheads` are one of them. Datasheet profiles have
+    none: returned unchanged. Both the streaming and the cached set are taken when the profile has them.
+
+    The hierarchy's calibration recalls on every step (its DDR holds more than recall_k blocks), a trace's
+    hierarchy only where DDR holds blocks: its layer-steps are charged the evict decoder's overhead (the same
+    scoring, no recall) and the difference to the hierarchy's as `recall_s` on the layer-steps that recalled."""
     by_decoder = profile.provenance.get("overheads_by_decoder") or {}
     measured = by_decoder.get(f"tiered/{policy}")
     if measured is None:
         return profile, "profile overheads (no per-policy calibration in provenance)"
-    changes = dict(step_overhead_s=float(measured["step_overhead_s"]), layer_overhead_s=float(measured["layer_overhead_s"]))
+    base = by_decoder.get("tiered/evict", measured) if policy == "hierarchy" else measured
+
+    def value(entry: dict, key: str) -> float:
+        return max(0.0, float(entry.get(key, 0.0)))
+
+    changes = dict(step_overhead_s=value(measured, "step_overhead_s"), layer_overhead_s=value(base, "layer_overhead_s"),
+                   placement_overhead_s=value(measured, "placement_layer_overhead_s"),
+                   recall_overhead_s=max(0.0, value(measured, "layer_overhead_s") - value(base, "layer_overhead_s")))
     if profile.overheads.has_cached and "warm_step_overhead_s" in measured:
-        changes.update(step_overhead_cached_s=max(0.0, float(measured["warm_step_overhead_s"])),
-                       layer_overhead_cached_s=max(0.0, float(measured["warm_layer_overhead_s"])))
+        changes.update(
+            step_overhead_cached_s=value(measured, "warm_step_overhead_s"),
+            layer_overhead_cached_s=value(base, "warm_layer_overhead_s"),
+            placement_overhead_cached_s=value(measured, "warm_placement_layer_overhead_s"),
+            recall_overhead_cached_s=max(0.0, value(measured, "warm_layer_overhead_s")
+                                         - value(base, "warm_layer_overhead_s")))
     overheads = dataclasses.replace(profile.overheads, **changes)
     return dataclasses.replace(profile, overheads=overheads), f"tiered/{policy}"
 
 
 def layer_times(shape: ModelShape, profile: HardwareProfile, query_tokens, attended_tokens, batch: int = 1) -> OpTimes:
     flops, hbm_bytes = layer_flops_bytes(shape, query_tokens, attended_tokens, batch)
-    return roofline(flops, hbm_bytes, profile, overheads_for(shape, profile).layer_s)
+    return roofline(flops, hbm_bytes, profile, layer_overhead_s(shape, profile, hbm_bytes - shape.layer_weight_bytes))
+
+
+def event_times(shape: ModelShape, profile: HardwareProfile, moved_blocks, recall_bytes, batch: int = 1) -> np.ndarray:
+    """The tiered cache's bookkeeping that only some layer-steps pay: the placement overhead where the placement
+    moved blocks (`moved_blocks` > 0; None: unknown, none charged) and the recall overhead where blocks were
+    recalled (`recall_bytes` > 0), `batch` times (each sequence of a lockstep batch does its own)."""
+    o = overheads_for(shape, profile)
+    out = o.recall_s * batch * (np.asarray(recall_bytes, dtype=np.float64) > 0)
+    if moved_blocks is not None:
+        out = out + o.placement_s * batch * (np.asarray(moved_blocks, dtype=np.float64) > 0)
+    return out
 
 
 def head_times(shape: ModelShape, profile: HardwareProfile, batch: int = 1) -> OpTimes:

@@ -26,6 +26,7 @@ Interface (both engines, the fast paths and serving use only this):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,10 +51,6 @@ class TransferContext:
     shape: costs.ModelShape
     tier: costs.OffloadTier
     host_read_bytes_per_s: float  # the host reading offloaded KV (cpu-attention): DDR, or the extra tier
-
-    @property
-    def layer_overhead_s(self) -> float:
-        return costs.overheads_for(self.shape, self.profile).layer_s
 
 
 def context(profile: HardwareProfile, shape: costs.ModelShape, tier: str = "ddr") -> TransferContext:
@@ -192,7 +189,7 @@ class Mechanism:
     def layer_times(self, ctx: TransferContext, load: LayerLoad) -> costs.OpTimes:
         """A batch's layer operation: roofline of weights once + the summed FLOPs and KV bytes."""
         return costs.roofline(load.flops, ctx.shape.layer_weight_bytes + load.kv_bytes, ctx.profile,
-                              ctx.layer_overhead_s)
+                              costs.layer_overhead_s(ctx.shape, ctx.profile, load.kv_bytes))
 
     def stretch(self, ctx: TransferContext, op_s, overlapping_copy_s) -> np.ndarray:
         """The operation's time when copies of `overlapping_copy_s` run beside it (no effect but for sm-copy)."""
@@ -321,7 +318,8 @@ def overlapping_copy_s(recall_s: np.ndarray, offload_s: np.ndarray, overlap: str
 
 def build_workload(mechanism: Mechanism, sample_id: str, shape: costs.ModelShape, profile: HardwareProfile,
                    query_tokens, hbm_tokens, recalled_tokens, bytes_h2d, bytes_d2h, hbm_kv_bytes, ddr_kv_bytes,
-                   batch: int = 1, tier: str = "ddr", overlap: str = "none", async_offload: bool = True):
+                   batch: int = 1, tier: str = "ddr", overlap: str = "none", async_offload: bool = True,
+                   moved_blocks=None):
     """`workload.build_workload` under a transfer mechanism (arrays [steps, layers] of one sample).
 
     `dma-per-block` without a copy curve is exactly `workload.build_workload`. The others replace the copy
@@ -336,7 +334,7 @@ def build_workload(mechanism: Mechanism, sample_id: str, shape: costs.ModelShape
     hbm = np.asarray(hbm_tokens, dtype=np.float64)
     rec = np.asarray(recalled_tokens, dtype=np.float64)
     work = base_workload(sample_id, shape, profile, query_tokens, hbm + rec, bytes_h2d, bytes_d2h, hbm_kv_bytes,
-                         ddr_kv_bytes, batch, tier)
+                         ddr_kv_bytes, batch, tier, moved_blocks)
     ctx = context(profile, shape, tier)
     n_steps, n_layers = hbm.shape
 
@@ -349,6 +347,8 @@ def build_workload(mechanism: Mechanism, sample_id: str, shape: costs.ModelShape
     if type(mechanism).layer_times is not Mechanism.layer_times:
         load = sequence_load(mechanism, shape, query_tokens, hbm, rec, bytes_h2d).scaled(batch)
         layer = mechanism.layer_times(ctx, load)
+        events = costs.event_times(shape, profile, moved_blocks, bytes_h2d, batch)
+        layer = dataclasses.replace(layer, total_s=layer.total_s + events, overhead_s=layer.overhead_s + events)
         head = costs.head_times(shape, profile, batch)
         work.compute_s = with_head(layer.total_s, float(head.total_s))
         work.compute_only_s = with_head(layer.compute_s, float(head.compute_s))

@@ -133,6 +133,7 @@ class StepPlacement:
     evicted_blocks: np.ndarray
     n_recalled: np.ndarray  # blocks copied DDR -> HBM before attention
     n_offloaded: np.ndarray  # blocks copied HBM -> DDR after attention
+    n_moved: np.ndarray  # blocks whose tier the placement changed (offloaded, promoted, evicted)
     mass_hbm: np.ndarray
     mass_ddr: np.ndarray  # on recalled blocks
     mass_evicted: np.ndarray  # on blocks evicted before this step
@@ -184,6 +185,7 @@ class Placement:
             evicted_blocks=evicted.sum(1),
             n_recalled=recalled.sum(1),
             n_offloaded=np.zeros(self.n_layers, dtype=np.int64),
+            n_moved=np.zeros(self.n_layers, dtype=np.int64),
             mass_hbm=np.where(in_hbm, mass, 0.0).sum(1),
             mass_ddr=mass_recalled,
             mass_evicted=np.where(evicted, mass, 0.0).sum(1),
@@ -192,6 +194,7 @@ class Placement:
         self.score = self.scorer.update(self.score, mass, attended, step)
         offloaded, promoted, newly_evicted = self._rebalance(n_blocks, logical_len, recalled)
         result.n_offloaded = offloaded.sum(1)
+        result.n_moved = offloaded.sum(1) + promoted.sum(1) + newly_evicted.sum(1)
         if record_ids:
             result.ids = {
                 "recalled_block_ids": _row_ids(recalled),

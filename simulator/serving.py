@@ -98,6 +98,7 @@ class SampleWork:
     hbm_kv_bytes: np.ndarray  # [steps] KV bytes in HBM at attention, all layers, incl. recall buffers
     ddr_kv_bytes: np.ndarray  # [steps] KV bytes in DDR
     load: LayerLoad | None = None  # [steps, layers] demand, for mechanisms that change the layers (zero-copy, ...)
+    event_s: np.ndarray | None = None  # [steps, layers] placement / recall bookkeeping (costs.event_times)
 
     @property
     def n_steps(self) -> int:
@@ -109,7 +110,7 @@ class SampleWork:
         load = None if self.load is None else LayerLoad(**{f: getattr(self.load, f)[:n] for f in LOAD_FIELDS})
         return SampleWork(self.sample_id, self.prompt_tokens, *(getattr(self, f)[:n] for f in (
             "flops", "kv_read_bytes", "recall_bytes", "recall_s", "offload_bytes", "offload_s", "hbm_kv_bytes",
-            "ddr_kv_bytes")), load)
+            "ddr_kv_bytes")), load, None if self.event_s is None else self.event_s[:n])
 
     @property
     def peak_hbm_kv_bytes(self) -> float:
@@ -142,6 +143,7 @@ def sample_work(steps: pd.DataFrame, sample: pd.Series, shape: costs.ModelShape,
         recall_bytes=work.recall_bytes.reshape(ops), recall_s=work.recall_s.reshape(ops),
         offload_bytes=work.offload_bytes.reshape(ops), offload_s=work.offload_s.reshape(ops),
         hbm_kv_bytes=work.step_hbm_kv_bytes, ddr_kv_bytes=work.step_ddr_kv_bytes, load=load,
+        event_s=costs.event_times(shape, profile, grid["moved_blocks"], grid["bytes_h2d"]),
     )
 
 
@@ -416,7 +418,7 @@ class ServingSim:
         flops = np.sum([w.flops[s] for w, s in rows], axis=0)
         kv_bytes = np.sum([w.kv_read_bytes[s] for w, s in rows], axis=0)
         layer_s = costs.roofline(flops, self.shape.layer_weight_bytes + kv_bytes, self.profile,
-                                 costs.overheads_for(self.shape, self.profile).layer_s).total_s
+                                 costs.layer_overhead_s(self.shape, self.profile, kv_bytes)).total_s
         op_s = [*layer_s.tolist(), float(costs.head_times(self.shape, self.profile, batch=len(batch)).total_s)]
         recall_s = np.array([w.recall_s[s] for w, s in rows])  # [batch, ops]
         recall_bytes = np.array([w.recall_bytes[s] for w, s in rows])
@@ -430,6 +432,9 @@ class ServingSim:
         offload_bytes = np.array([w.offload_bytes[s] for w, s in rows])
         if needs_batch_op_s(self.mechanism):  # zero-copy / cpu-attention layers, sm-copy's stretch
             op_s = self.mechanism_op_s(rows, offload_s, offload_bytes, following_s, following_bytes)
+        if any(w.event_s is not None for w, _ in rows):  # each sequence's placement / recall bookkeeping
+            events = np.sum([w.event_s[s] for w, s in rows if w.event_s is not None], axis=0)
+            op_s = [*(np.asarray(op_s[:-1]) + events).tolist(), op_s[-1]]
         yield from self.schedule.run(
             op_s, recall_s, recall_bytes, offload_s, offload_bytes, batch, [r.rid for r in batch], following_s,
             following_bytes, n_layers=self.shape.n_layers)

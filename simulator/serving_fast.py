@@ -64,7 +64,6 @@ class FastServing:
         memory = serving_memory(profile, shape, config.options.offload_tier)  # simulator/tiers.py, shared
         self.kv_capacity_bytes, self.chain, self.tier = memory.kv_capacity_bytes, memory.chain, memory.tier
         self.ddr_capacity_bytes, self.spill_capacity_bytes = memory.ddr_capacity_bytes, memory.spill_capacity_bytes
-        self.layer_overhead_s = costs.overheads_for(shape, profile).layer_s
         # --transfer: as ServingSim (the copies' cost, coalescing, per-direction overheads, the layers' time)
         self.mechanism = mechanisms.mechanism_for(config.options.transfer, profile)
         self.transfer = mechanisms.context(profile, shape, self.chain.primary)
@@ -90,6 +89,8 @@ class FastServing:
         # FLOPs and KV bytes side by side: one gather per iteration for both
         self.demand = np.stack([np.concatenate([w.flops for w in works]).reshape(-1, n_layers),
                                 np.concatenate([w.kv_read_bytes for w in works]).reshape(-1, n_layers)], axis=1)
+        self.event_s = np.concatenate([w.event_s if w.event_s is not None else np.zeros_like(w.flops)
+                                       for w in works]).reshape(-1, n_layers)  # placement / recall bookkeeping
         self.recall_s = np.concatenate([w.recall_s for w in works])
         self.recall_bytes = np.concatenate([w.recall_bytes for w in works])
         self.offload_s = np.concatenate([w.offload_s for w in works])
@@ -207,6 +208,15 @@ class FastServing:
 
     def _op_s(self, rows: np.ndarray, offload_s=None, offload_bytes=None, following_s=None,
               following_bytes=None) -> list[float]:
+        """`_layer_op_s` plus every request's placement / recall bookkeeping on its layers (as ServingSim)."""
+        op_s = self._layer_op_s(rows, offload_s, offload_bytes, following_s, following_bytes)
+        events = self.event_s[rows].sum(axis=0)
+        if not events.any():
+            return op_s
+        return [*(np.asarray(op_s[:-1]) + events).tolist(), op_s[-1]]
+
+    def _layer_op_s(self, rows: np.ndarray, offload_s=None, offload_bytes=None, following_s=None,
+                    following_bytes=None) -> list[float]:
         """The iteration's operation times: one roofline over the batch per layer (weights once, every
         request's FLOPs and KV bytes), then the LM head for the batch; under a mechanism that changes them
         (zero-copy, cpu-attention, sm-copy beside copies) mechanisms.batch_op_s, as ServingSim.mechanism_op_s."""
@@ -229,7 +239,8 @@ class FastServing:
         flops, kv_bytes = self.demand[rows].sum(axis=0)
         # costs.roofline's total, operation for operation (the same divisions, max and overhead)
         layer_s = np.maximum(flops / profile.gpu.matmul_flops_per_s,
-                             (shape.layer_weight_bytes + kv_bytes) / profile.gpu.hbm_bytes_per_s) + self.layer_overhead_s
+                             (shape.layer_weight_bytes + kv_bytes) / profile.gpu.hbm_bytes_per_s) \
+            + costs.layer_overhead_s(shape, profile, kv_bytes)
         batch = len(rows)
         head_s = self.head_s.get(batch)
         if head_s is None:

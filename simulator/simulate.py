@@ -102,7 +102,7 @@ def simulate_run(
             kvpl = shape.kv_bytes_per_token_layer
             arrays.update(
                 hbm_tokens=played.hbm_tokens, recalled_tokens=played.recalled_tokens,
-                bytes_h2d=played.bytes_h2d, bytes_d2h=played.bytes_d2h,
+                bytes_h2d=played.bytes_h2d, bytes_d2h=played.bytes_d2h, moved_blocks=played.moved_blocks,
                 hbm_kv_bytes=(played.hbm_tokens + played.recalled_tokens) * kvpl,
                 ddr_kv_bytes=played.ddr_tokens * kvpl,
             )
@@ -117,7 +117,7 @@ def simulate_run(
             arrays["recalled_tokens"], arrays["bytes_h2d"], arrays["bytes_d2h"], arrays["hbm_kv_bytes"],
             arrays["ddr_kv_bytes"], options.batch,
             tiers.tier_for(profile, chain, options.batch * float(arrays["ddr_kv_bytes"].sum(1).max())), overlap,
-            async_offload,
+            async_offload, moved_blocks=arrays.get("moved_blocks"),  # None once projected: another model's costs
         )
         record = timeline if index == 0 else None  # a timeline shows the first sample (the DES records it)
         use_fast = engine == "fast" or (engine == "auto" and record is None

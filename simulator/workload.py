@@ -12,6 +12,7 @@ only differ in how they schedule, never in what things cost.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,15 +21,19 @@ from hwprofiles import HardwareProfile
 from simulator import costs
 from traces.errors import TraceFormatError
 
-# The steps.parquet columns the engines read (one row per step and layer).
-STEP_COLUMNS = (
+# The steps.parquet columns the engines read (one row per step and layer): numbers, and the block-id lists whose
+# lengths say how many blocks the placement moved (`moved_blocks`: the placement overhead is charged there).
+NUMERIC_STEP_COLUMNS = (
     "step", "layer", "query_tokens", "logical_len", "hbm_tokens", "ddr_tokens", "recalled_tokens", "bytes_h2d",
     "bytes_d2h", "hbm_kv_bytes", "ddr_kv_bytes",
 )
+MOVE_COLUMNS = ("promoted_block_ids", "offloaded_block_ids", "evicted_block_ids")
+STEP_COLUMNS = NUMERIC_STEP_COLUMNS + MOVE_COLUMNS
 
 
 def step_arrays(frame, n_layers: int, where: str = "steps table") -> dict[str, np.ndarray]:
-    """One sample's steps rows (any order) -> {column: float64 array [n_steps, n_layers]} for STEP_COLUMNS.
+    """One sample's steps rows (any order) -> {column: float64 array [n_steps, n_layers]} for NUMERIC_STEP_COLUMNS
+    and `moved_blocks` (the lengths of the MOVE_COLUMNS lists present, summed; 0 where none are).
 
     Refuses rows that are not exactly one per (step, layer) for steps 0..n-1: the arrays would mix up layers."""
     frame = frame.sort_values(["step", "layer"], kind="stable")
@@ -39,7 +44,13 @@ def step_arrays(frame, n_layers: int, where: str = "steps table") -> dict[str, n
             or (layer != np.tile(np.arange(n_layers), n_steps)).any()):
         raise TraceFormatError(f"{where}: {len(frame)} rows that are not one per (step, layer) for {n_layers} layers; "
                                "run `thoughtkv traces validate`")
-    return {c: frame[c].to_numpy(dtype=np.float64).reshape(n_steps, n_layers) for c in STEP_COLUMNS}
+    arrays = {c: frame[c].to_numpy(dtype=np.float64).reshape(n_steps, n_layers) for c in NUMERIC_STEP_COLUMNS}
+    moved = np.zeros(len(frame), dtype=np.float64)
+    for column in MOVE_COLUMNS:
+        if column in frame:
+            moved += frame[column].map(lambda ids: 0 if ids is None else len(ids)).to_numpy(dtype=np.float64)
+    arrays["moved_blocks"] = moved.reshape(n_steps, n_layers)
+    return arrays
 
 
 @dataclass
@@ -78,10 +89,14 @@ def build_workload(
     ddr_kv_bytes: np.ndarray,
     batch: int = 1,
     tier: str = "ddr",
+    moved_blocks: np.ndarray | None = None,
 ) -> Workload:
-    """Arrays [n_steps, n_layers] of one sample (trace rows or a what-if replay) -> a Workload."""
+    """Arrays [n_steps, n_layers] of one sample (trace rows or a what-if replay) -> a Workload. `moved_blocks`
+    (blocks the placement moved per layer-step; None: none known) adds the placement overhead where > 0."""
     n_steps, n_layers = query_tokens.shape
     layer = costs.layer_times(shape, profile, query_tokens, attended_tokens, batch)
+    events = costs.event_times(shape, profile, moved_blocks, bytes_h2d, batch)  # placement and recall bookkeeping
+    layer = dataclasses.replace(layer, total_s=layer.total_s + events, overhead_s=layer.overhead_s + events)
     head = costs.head_times(shape, profile, batch)
 
     def with_head(per_layer: np.ndarray, head_value: float) -> np.ndarray:

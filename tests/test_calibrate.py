@@ -73,7 +73,7 @@ def test_overhead_grows_with_layers():
     from tracer.calibrate.overhead import overhead_sweep
 
     timing = Timing(torch.device("cpu"), warmup=2, clock=time.thread_time)
-    series = overhead_sweep([1, 6], torch.float32, n_steps=9, timing=timing)
+    series = overhead_sweep([1, 6], torch.float32, n_steps=9, timing=timing).quiet
     one, six = series.time_s
     assert six > 1.5 * one
 
@@ -118,14 +118,25 @@ def test_calibrate_quick_writes_a_profile_the_loader_accepts(tmp_path):
     if llc is None:  # no Linux sysfs: all three fields are omitted
         assert not profile.overheads.has_cached
         return
-    warm = fits["overhead/tiered/full"]
     o = profile.overheads
-    assert o.cache_bytes == llc[0]
-    assert o.step_overhead_cached_s == pytest.approx(max(0.0, warm["fixed"]), rel=1e-4, abs=1e-9)
-    assert o.layer_overhead_cached_s == pytest.approx(max(0.0, warm["slope"]), rel=1e-4, abs=1e-9)
+    # The cached set applies up to the working set whose reads ran >= 2x the largest one's (at most the LLC).
+    sweep = prov["series"]["working_set_read"]
+    rates = [x / t for x, t in zip(sweep["x"], sweep["time_s"])]
+    resident = [x for x, r in zip(sweep["x"][:-1], rates[:-1]) if r >= 2 * rates[-1]]
+    if not resident:
+        assert not o.has_cached
+        return
+    assert o.cache_bytes == min(int(max(resident)), llc[0])
+    full = by_decoder["tiered/full"]
+    assert o.step_overhead_cached_s == pytest.approx(full["warm_step_overhead_s"], rel=1e-4, abs=1e-9)
+    assert o.layer_overhead_cached_s == pytest.approx(full["warm_layer_overhead_s"], rel=1e-4, abs=1e-9)
     raw = yaml.safe_load(out.read_text())["overheads"]
     assert raw["cache_bytes"]["unit"] == "MiB" and "/sys/devices/system/cpu/" in raw["cache_bytes"]["source"]
     assert "no weights streamed" in raw["step_overhead_cached"]["source"]
+    # The placement is timed apart on the policies that move blocks (smoke: one block completes in the sweep).
+    for decoder in ("tiered/evict", "tiered/hierarchy"):
+        assert by_decoder[decoder]["placement_layer_overhead_s"] >= 0
+    assert "placement_layer_overhead_s" not in by_decoder["tiered/full"]
 
 
 def test_last_level_cache_reads_the_highest_level_from_sysfs(tmp_path):
@@ -173,3 +184,16 @@ def test_calibrate_cuda_without_a_gpu_is_refused(tmp_path, capsys):
     assert main(["calibrate", "--device", "cuda", "--out", str(tmp_path / "g.yaml")]) == 2
     err = capsys.readouterr().err  # tracer.preflight: the one --device check, with the README's fix
     assert ("CPU build" in err and "download.pytorch.org" in err) or "sees no GPU" in err
+
+
+def test_effective_cache_is_the_largest_working_set_read_twice_as_fast_as_memory():
+    from tracer.calibrate import Calibration, effective_cache_bytes, plan_for
+
+    mib = 2**20
+    cal = Calibration("cpu", "cpu", "float32", 1, "tiny", plan_for("cpu", "smoke"))
+    sizes = [mib * 2**i for i in range(6)]  # 1 .. 32 MiB; the last one is "memory"
+    bandwidths = [50e9, 30e9, 21e9, 19e9, 12e9, 10e9]  # 21 >= 2 x 10: 4 MiB is the last resident size
+    cal.series["working_set_read"] = {"x": sizes, "time_s": [x / b for x, b in zip(sizes, bandwidths)]}
+    assert effective_cache_bytes(cal) == 4 * mib
+    cal.series["working_set_read"]["time_s"] = [x / 10e9 for x in sizes]  # no size faster than memory
+    assert effective_cache_bytes(cal) is None

@@ -104,3 +104,65 @@ def test_a_run_is_charged_the_overheads_calibrated_for_its_own_policy(tmp_path):
     steps = int(per_policy.samples["steps"].iloc[0])
     extra = per_policy.samples["total_s"].iloc[0] - plain.samples["total_s"].iloc[0]
     assert extra == pytest.approx(steps * n_layers * 1e-3, rel=1e-9)
+
+
+def test_the_token_overhead_is_charged_per_token_of_kv_a_layer_step_reads_or_writes(h200):
+    shape = shape_of("tiny")
+    token_s = 1.5e-7
+    profile = dataclasses.replace(h200, overheads=OverheadSpec(*STREAMING, token_overhead_s=token_s))
+    for query, attended, batch in ((1, 100, 1), (1, 900, 4), (64, 64, 1)):
+        bare = float(layer_times(shape, with_overheads(h200, None), query, attended, batch).total_s)
+        charged = float(layer_times(shape, profile, query, attended, batch).total_s)
+        assert charged - bare == pytest.approx(token_s * batch * (attended + query), rel=1e-9)
+
+
+@pytest.mark.parametrize("engine", ["des", "fast"])
+def test_placement_and_recall_overheads_are_charged_where_the_trace_moved_and_recalled(tmp_path, engine):
+    """A hierarchy trace on a profile whose calibration says: evict decoder X per layer, hierarchy X + R (its
+    sweep recalls every step), placement P. Independently of the cost model: the extra time over the same profile
+    without per-policy calibration is R per layer-step whose row recalled (bytes_h2d > 0) + P per layer-step whose
+    row lists moved blocks + (X - the profile's own layer overhead) per layer-step."""
+    import numpy as np
+
+    from traces import open_run
+
+    run_dir = tmp_path / "h"
+    synth_run(run_dir, model="qwen2-1.5b", prompt_tokens=64, decode_steps=40, policy="hierarchy", hbm_budget=0.5,
+              recall_k=2, samples=1, seed=0)
+    base = load_profile("h100-pcie")
+    x, r, p = 2e-4, 3e-4, 5e-4
+    step_s = base.overheads.step_overhead_s
+    by_decoder = {"tiered/evict": {"step_overhead_s": step_s, "layer_overhead_s": x},
+                  "tiered/hierarchy": {"step_overhead_s": step_s, "layer_overhead_s": x + r,
+                                       "placement_layer_overhead_s": p}}
+    calibrated = dataclasses.replace(base, provenance={"kind": "measured", "overheads_by_decoder": by_decoder})
+    plain = simulate_run(run_dir, base, SimOptions(engine=engine))
+    charged = simulate_run(run_dir, calibrated, SimOptions(engine=engine))
+    steps = open_run(run_dir).steps()
+    recalled = int((steps["bytes_h2d"] > 0).sum())
+    moved = int(sum(len(a) + len(b) + len(c) > 0 for a, b, c in zip(
+        steps["offloaded_block_ids"], steps["evicted_block_ids"], steps["promoted_block_ids"])))
+    assert 0 < recalled < len(steps) and 0 < moved < len(steps)  # the test must see both kinds of step
+    expected = recalled * r + moved * p + len(steps) * (x - base.overheads.layer_overhead_s)
+    extra = charged.samples["total_s"].iloc[0] - plain.samples["total_s"].iloc[0]
+    assert extra == pytest.approx(expected, rel=1e-9)
+    assert np.isfinite(charged.steps["latency_s"]).all()
+
+
+def test_step_arrays_count_the_blocks_each_row_moved():
+    import pandas as pd
+
+    from simulator.workload import NUMERIC_STEP_COLUMNS, step_arrays
+
+    rows = []
+    for step in range(2):
+        for layer in range(2):
+            row = {c: 1.0 for c in NUMERIC_STEP_COLUMNS}
+            row.update(step=step, layer=layer, offloaded_block_ids=[3] * (step + layer), evicted_block_ids=[],
+                       promoted_block_ids=[5] if layer == 1 else [])
+            rows.append(row)
+    arrays = step_arrays(pd.DataFrame(rows), 2)
+    assert arrays["moved_blocks"].tolist() == [[0, 2], [1, 3]]
+    no_ids = step_arrays(pd.DataFrame(rows).drop(columns=["offloaded_block_ids", "evicted_block_ids",
+                                                          "promoted_block_ids"]), 2)
+    assert no_ids["moved_blocks"].tolist() == [[0, 0], [0, 0]]

@@ -165,17 +165,21 @@ def _stage(name: str) -> None:
 def calibrate_here(profiles_dir: Path, args: argparse.Namespace) -> Path | None:
     """This machine's measured profile, calibrated now (into the demo's output, never into the package): the
     cross-check (Figure 6) then compares the simulator with timings from the same machine and day. A rerun
-    reuses it when it was calibrated on this host (traces.host), else calibrates again."""
+    reuses it when it was calibrated on this host (traces.host) for the same model shapes, else calibrates again."""
     if args.calibrate == "none":
         return None
     import yaml
 
+    from tracer.calibrate import architecture_for_model
     from traces.host import host_facts, same_host
 
-    path = profiles_dir / f"measured-here-{args.device.split(':')[0]}.yaml"
+    device_type = args.device.split(":")[0]
+    architecture = architecture_for_model(args.model, device_type)  # weight reads with the traced model's shapes
+    path = profiles_dir / f"measured-here-{device_type}.yaml"
     if path.is_file():
-        recorded = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("provenance", {}).get("host_facts")
-        if same_host(recorded, host_facts()):
+        provenance = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("provenance", {})
+        if same_host(provenance.get("host_facts"), host_facts()) and \
+                provenance.get("architecture_for_attention") == architecture:
             _stage(f"calibrate: {path} (this host, reused)")
             return path
     _stage(f"calibrate: this machine, {args.calibrate} plan -> {path}")
@@ -183,7 +187,8 @@ def calibrate_here(profiles_dir: Path, args: argparse.Namespace) -> Path | None:
     from tracer.preflight import resolve_threads
 
     profiles_dir.mkdir(parents=True, exist_ok=True)
-    return calibrate(args.device.split(":")[0], path, resolve_threads(args.device, None), level=args.calibrate)
+    return calibrate(device_type, path, resolve_threads(args.device, None), level=args.calibrate,
+                     architecture=architecture)
 
 
 # -- 1. trace -------------------------------------------------------------------------------------------------

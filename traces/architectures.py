@@ -116,6 +116,27 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 
 
+def architecture_from_config(name: str, config: dict, source: str) -> Architecture:
+    """An Architecture from a transformers `config.json` dict (a bundled or local model's own shapes)."""
+    try:
+        n_heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        rope = config.get("rope_parameters") or {}
+        return Architecture(
+            name, "(local model)", (config.get("architectures") or ["?"])[0], str(config.get("model_type", "?")),
+            n_layers=int(config["num_hidden_layers"]), hidden_size=hidden, n_heads=n_heads,
+            n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
+            head_dim=int(config.get("head_dim") or hidden // n_heads),
+            intermediate_size=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            qkv_bias=str(config.get("model_type")) == "qwen2", source=source,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"{source}: not a decoder config with the shapes thoughtkv needs ({exc})") from None
+
+
 def get_architecture(name: str) -> Architecture:
     try:
         return ARCHITECTURES[name]

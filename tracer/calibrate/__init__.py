@@ -52,6 +52,9 @@ from pathlib import Path
 from thoughtkv_base import UserError
 from tracer.preflight import resolve_threads
 
+# Weights whose reads run >= 2x memory bandwidth mostly come from the cache; the overheads measured with
+# near-zero weights (the cached set) then apply (costs.overheads_for).
+CACHED_SPEEDUP = 2.0
 FULL_DUPLEX_MIN_RATIO = 1.6  # both-directions throughput / one direction, above which the link is full duplex
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
@@ -71,13 +74,17 @@ class CalibrationPlan:
     gemm_n: int
     kv_lengths: tuple[int, ...]
     overhead_layer_counts: tuple[int, ...] = (1, 2, 4, 8)
-    overhead_steps: int = 40
+    overhead_steps: int = 64  # 4 of them move blocks (one block of 16 completes every 16 steps)
     # Long enough that hierarchy holds more DDR blocks than recall_k (4), so the recall takes its top-k path.
     overhead_prompt_tokens: int = 320
     repeats: int = 11
     warmup: int = 3
     weights_min_bytes: int = 256 * 2**20  # model-shape weight reads: pass the last-level cache
     prefill_tokens: int = 256  # tokens per GEMM of the model-shape matmul benchmark (a prompt's prefill)
+    # Prompt lengths of the per-token cost sweep (`token_cost_sweep`: what one more attended token costs a layer).
+    token_prompts: tuple[int, ...] = (64, 1024)
+    # Weight-read working sets (CPU): where reads stop being served by the cache (`effective_cache_bytes`).
+    working_set_sizes_bytes: tuple[int, ...] = tuple(2**20 * 2**i for i in range(9))  # 1 MiB ... 256 MiB
 
 
 PLAN_LEVELS = ("full", "quick", "smoke")
@@ -92,8 +99,9 @@ def plan_for(device_type: str, level: str = "full") -> CalibrationPlan:
         return CalibrationPlan(
             copy_sizes_bytes=(4 * kib, 64 * kib, 1 * mib, 4 * mib), duplex_bytes=1 * mib,
             device_copy_bytes=4 * mib, matvec_n=512, gemm_n=128, kv_lengths=(64, 256, 1024),
-            overhead_layer_counts=(1, 3), overhead_steps=4, overhead_prompt_tokens=40, repeats=3, warmup=1,
-            weights_min_bytes=2**20, prefill_tokens=16,
+            overhead_layer_counts=(1, 3), overhead_steps=8, overhead_prompt_tokens=105, repeats=3, warmup=1,
+            weights_min_bytes=2**20, prefill_tokens=16, working_set_sizes_bytes=(2**20, 2**21, 2**22),
+            token_prompts=(16, 48),
         )
     sizes = tuple(4 * kib * 4**i for i in range(9))  # 4 KB ... 256 MB
     if device_type == "cuda":
@@ -110,7 +118,7 @@ def plan_for(device_type: str, level: str = "full") -> CalibrationPlan:
         plan = dataclasses.replace(
             plan, copy_sizes_bytes=sizes[:8], duplex_bytes=plan.duplex_bytes // 4,
             device_copy_bytes=plan.device_copy_bytes // 4, kv_lengths=plan.kv_lengths[:4], repeats=7, warmup=2,
-            overhead_steps=24,
+            overhead_steps=48,
         )
     return plan
 
@@ -150,13 +158,11 @@ def measure(
 
     from tracer.calibrate import bench
     from tracer.calibrate.fit import fit_fixed_plus_linear
-    from tracer.calibrate.overhead import overhead_sweep
-    from traces.architectures import get_architecture
-
+    from tracer.calibrate.overhead import model_shapes, overhead_sweep, token_cost_sweep
     torch.set_num_threads(threads)
     device = torch.device(device_type)
     dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
-    arch = get_architecture(architecture)
+    arch = resolve_architecture(architecture)
     clock_name, clock = ("cuda_events", time.perf_counter) if device_type == "cuda" else bench.cpu_clock(threads)
     cal = Calibration(device_type, device_name(device), str(dtype).removeprefix("torch."), threads, architecture,
                       plan, clock=clock_name, statistic=statistic, overhead_decoder=overhead_decoder)
@@ -192,12 +198,39 @@ def measure(
         ("attention", lambda: record(bench.attention_decode_sweep(
             list(plan.kv_lengths), arch.n_heads, arch.n_kv_heads, arch.head_dim, dtype, timing))),
     ]
+    if device_type == "cpu":  # the cached overheads' condition: up to which size weights stay in the cache
+        steps.append(("cache size", lambda: record(bench.working_set_sweep(list(plan.working_set_sizes_bytes), dtype,
+                                                                           timing))))
+
+    # The no-weights ("warm", cached-set) sweep runs the architecture's own layer shapes when its largest model
+    # is small (at most `weights_min_bytes`): those are the models whose weights stay in the cache, and their
+    # non-matmul ops (norms, rotary, attention on real heads) cost more than a near-zero model's.
+    largest_bytes = max(plan.overhead_layer_counts) * weights.layer_bytes + weights.head_bytes
+    own_shapes = model_shapes(arch) if largest_bytes <= plan.weights_min_bytes else None
+    cal.figures["warm_sweep_own_shapes"] = float(own_shapes is not None)
+
+    cal.figures["kv_bytes_per_token_layer"] = float(2 * arch.n_kv_heads * arch.head_dim
+                                                    * torch.tensor([], dtype=dtype).element_size())
+    steps.append(("token cost", lambda: record(token_cost_sweep(
+        decoder_factory("tiered/full"), list(plan.token_prompts), max(8, plan.overhead_steps // 2), dtype, timing,
+        model_shapes(arch), TOKEN_SWEEP_LAYERS))))
+
+    def overheads(decoder: str, prefix: str, stream) -> None:
+        sweep = overhead_sweep(list(plan.overhead_layer_counts), dtype, plan.overhead_steps, timing,
+                               decoder_factory(decoder), plan.overhead_prompt_tokens, stream,
+                               own_shapes if stream is None else None)
+        quiet, placement = sweep.quiet, sweep.placement
+        record(_named(quiet, f"{prefix}/{decoder}"))
+        if sweep.attended_tokens is not None:
+            cal.figures[f"attended_tokens/{prefix}/{decoder}"] = sweep.attended_tokens
+        if placement is not None:  # the steps whose placement moved blocks, timed apart (overhead.py)
+            cal.series[f"placement_{prefix}/{decoder}"] = {"x": placement.x, "time_s": placement.time_s,
+                                                           "unit": placement.unit}
+
     for decoder in OVERHEAD_DECODERS:
         for prefix, stream in (("overhead", None), ("overhead_with_weights", weights)):
-            steps.append((f"{prefix} {decoder}", lambda decoder=decoder, prefix=prefix, stream=stream: record(_named(
-                overhead_sweep(list(plan.overhead_layer_counts), dtype, plan.overhead_steps, timing,
-                               decoder_factory(decoder), plan.overhead_prompt_tokens, stream),
-                f"{prefix}/{decoder}"))))
+            steps.append((f"{prefix} {decoder}", lambda decoder=decoder, prefix=prefix, stream=stream:
+                          overheads(decoder, prefix, stream)))
     from tqdm import tqdm
 
     with tqdm(steps, desc="calibrate", unit="bench", disable=not progress) as bar:
@@ -205,6 +238,45 @@ def measure(
             bar.set_postfix_str(name)
             run_step()
     return cal
+
+
+def resolve_architecture(name: str):
+    """A known architecture (traces.architectures) or a bundled model's own shapes (`micro`, `micro_long`: read
+    from its config.json), so that a calibration measures weight reads with the shapes of the model it is for."""
+    import json
+
+    from tracer.models import BUNDLED_MODELS
+    from traces.architectures import ARCHITECTURES, architecture_from_config, get_architecture
+
+    if name in BUNDLED_MODELS and name not in ARCHITECTURES:
+        config = BUNDLED_MODELS[name] / "config.json"
+        return architecture_from_config(name, json.loads(config.read_text(encoding="utf-8")), str(config))
+    return get_architecture(name)
+
+
+def architecture_for_model(model: str, device_type: str) -> str:
+    """The calibration architecture for a model spec: its own shapes when they are known here (a bundled model,
+    `random:NAME`, a known name), else the device's default (qwen2-7b on CUDA, tiny on the CPU)."""
+    from tracer.models import BUNDLED_MODELS
+    from traces.architectures import ARCHITECTURES
+
+    name = model.removeprefix("random:")
+    if name in ARCHITECTURES or name in BUNDLED_MODELS:
+        return name
+    return "qwen2-7b" if device_type == "cuda" else "tiny"
+
+
+TOKEN_SWEEP_LAYERS = 2
+
+
+def token_overhead_s(cal: Calibration) -> float:
+    """Framework cost of one attended token in one layer-step: the token sweep's slope per layer, minus that
+    token's K and V read at the measured bandwidth (the cost model charges those bytes already); >= 0."""
+    fit = cal.fits.get("token_cost")
+    if fit is None:
+        return 0.0
+    kv_s = cal.figures["kv_bytes_per_token_layer"] / cal.figures["model_weights_read_bytes_per_s"]
+    return max(0.0, fit["slope"] / TOKEN_SWEEP_LAYERS - kv_s)
 
 
 OVERHEAD_DECODERS = ("dynamic-cache", "tiered/full", "tiered/evict", "tiered/hierarchy")
@@ -243,13 +315,48 @@ def overheads_by_decoder(cal: Calibration) -> dict[str, dict[str, float]]:
             continue
         decoder = name.removeprefix("overhead_with_weights/")
         warm = cal.fits[f"overhead/{decoder}"]
+        # A warm sweep on the architecture's own shapes read its own weights (from the cache): subtract them too.
+        own = cal.figures.get("warm_sweep_own_shapes", 0.0) > 0
+        # The sweeps' layers attended ~prompt tokens each; the simulator charges those per token
+        # (token_overhead_s), so the per-layer figure is what is left at zero tokens.
+        per_token = token_overhead_s(cal)
+        cold_tokens = per_token * cal.figures.get(f"attended_tokens/overhead_with_weights/{decoder}", 0.0)
+        warm_tokens = per_token * cal.figures.get(f"attended_tokens/overhead/{decoder}", 0.0)
         out[decoder] = {
             "step_overhead_s": max(0.0, cold["fixed"] - head_s),
-            "layer_overhead_s": max(0.0, cold["slope"] - layer_s),
-            "warm_step_overhead_s": warm["fixed"], "warm_layer_overhead_s": warm["slope"],
+            "layer_overhead_s": max(0.0, cold["slope"] - layer_s - cold_tokens),
+            "warm_step_overhead_s": max(0.0, warm["fixed"] - head_s) if own else warm["fixed"],
+            "warm_layer_overhead_s": max(0.0, warm["slope"] - (layer_s if own else 0.0) - warm_tokens),
             "max_rel_residual": cold["max_rel_residual"],
         }
+        for key, series in (("placement_layer_overhead_s", f"placement_overhead_with_weights/{decoder}"),
+                            ("warm_placement_layer_overhead_s", f"placement_overhead/{decoder}")):
+            if series in cal.series:
+                out[decoder][key] = per_layer(cal.series[series])
     return out
+
+
+def per_layer(series: dict) -> float:
+    """Least-squares slope through the origin of time vs layers: the placement runs on every layer of a moving
+    step (all layers have the same length in the sweep), so its extra time has no per-step part to fit."""
+    import numpy as np
+
+    x, t = np.asarray(series["x"], dtype=np.float64), np.asarray(series["time_s"], dtype=np.float64)
+    return max(0.0, float(x @ t / (x @ x)))
+
+
+def effective_cache_bytes(cal: Calibration) -> int | None:
+    """The largest working set whose weight reads run at least CACHED_SPEEDUP x the bandwidth of the largest
+    one (from memory): up to that size weights stay resident between steps. Measured, not the sysfs size: a
+    virtual machine may report its host's whole last-level cache (480 MiB here) while the slice it gets is far
+    smaller (measured here: 23 GB/s up to 32 MiB, 16 GB/s at 96 MiB, 10 GB/s from 256 MiB). None when no size
+    is that much faster (then no cached set)."""
+    series = cal.series.get("working_set_read")
+    if series is None:
+        return None
+    rates = [x / t for x, t in zip(series["x"], series["time_s"])]
+    resident = [int(x) for x, rate in zip(series["x"][:-1], rates[:-1]) if rate >= CACHED_SPEEDUP * rates[-1]]
+    return max(resident) if resident else None
 
 
 def _duplex(cal: Calibration, times: tuple[float, float, float]) -> None:
@@ -356,10 +463,13 @@ def build_profile(cal: Calibration, name: str):
     # CPU: the same decoder's overheads with no weights streamed, for models whose weights fit in the last-level
     # cache (see the module docstring); all three fields or none.
     llc = last_level_cache() if cal.device == "cpu" else None
+    resident_bytes = effective_cache_bytes(cal) if llc is not None else None
+    if resident_bytes is not None:
+        resident_bytes = min(resident_bytes, llc[0])
     cached = {}
-    if llc is not None:
+    if resident_bytes is not None:
         cached = dict(step_overhead_cached_s=max(0.0, overhead["warm_step_overhead_s"]),
-                      layer_overhead_cached_s=max(0.0, overhead["warm_layer_overhead_s"]), cache_bytes=llc[0])
+                      layer_overhead_cached_s=max(0.0, overhead["warm_layer_overhead_s"]), cache_bytes=resident_bytes)
     profile = HardwareProfile(
         name=name,
         description=f"measured by `thoughtkv calibrate` on {cal.device_name} ({cal.device}, {cal.dtype}, "
@@ -384,7 +494,7 @@ def build_profile(cal: Calibration, name: str):
             full_duplex=full_duplex,
         ),
         overheads=OverheadSpec(step_overhead_s=overhead["step_overhead_s"], layer_overhead_s=overhead["layer_overhead_s"],
-                               **cached),
+                               token_overhead_s=token_overhead_s(cal), **cached),
         provenance=provenance(cal),
     )
     p = cal.plan
@@ -414,18 +524,30 @@ def build_profile(cal: Calibration, name: str):
         "overheads.step_overhead": f"measured: intercept of decode-step time vs layers of a near-zero-work Qwen2 "
                                    f"whose layers stream {cal.architecture}'s weights ({cal.overhead_decoder} decode, "
                                    f"layers {list(p.overhead_layer_counts)}), minus the lm_head's read time",
-        "overheads.layer_overhead": f"measured: slope of the same fit minus one layer's weight-read time "
-                                    f"({cal.overhead_decoder} decode)",
+        "overheads.layer_overhead": f"measured: slope of the same fit minus one layer's weight-read time and its "
+                                    f"attended tokens' token_overhead ({cal.overhead_decoder} decode)",
+        "overheads.token_overhead": f"measured: slope of decode-step time vs attended tokens of a "
+                                    f"{TOKEN_SWEEP_LAYERS}-layer Qwen2 with {cal.architecture}'s shapes (tiered/full "
+                                    f"decode, prompts {list(p.token_prompts)}) per layer, minus one token's K and V "
+                                    f"read at the measured weight-read bandwidth",
     }
-    if llc is not None:
+    own = cal.figures.get("warm_sweep_own_shapes", 0.0) > 0
+    warm_model = f"a Qwen2 with {cal.architecture}'s shapes" if own else "a near-zero-work Qwen2"
+    warm_minus = ", minus its own weights' read time" if own else ""
+    if cached:
         sources.update({
-            "overheads.step_overhead_cached": f"measured: intercept of decode-step time vs layers of the near-zero-work "
-                                              f"Qwen2 alone, no weights streamed ({cal.overhead_decoder} decode, "
-                                              f"layers {list(p.overhead_layer_counts)}): the per-step cost when the "
-                                              f"model's weights fit in cache_bytes",
+            "overheads.step_overhead_cached": f"measured: intercept of decode-step time vs layers of {warm_model}, "
+                                              f"no weights streamed ({cal.overhead_decoder} decode, layers "
+                                              f"{list(p.overhead_layer_counts)}){warm_minus}: the per-step cost when "
+                                              f"the model's weights fit in cache_bytes",
             "overheads.layer_overhead_cached": f"measured: slope of the same no-weights fit ({cal.overhead_decoder} "
-                                               f"decode)",
-            "overheads.cache_bytes": llc[1],
+                                               f"decode){warm_minus}",
+            "overheads.cache_bytes": f"measured: the largest working set of {cal.dtype} weight reads running >= "
+                                     f"{CACHED_SPEEDUP:g}x the bandwidth of a "
+                                     f"{p.working_set_sizes_bytes[-1] // 2**20} MiB one (sizes "
+                                     f"{p.working_set_sizes_bytes[0] // 2**20}..{p.working_set_sizes_bytes[-1] // 2**20} "
+                                     f"MiB), at most the last-level cache ({llc[1].removeprefix('measured: ')}: "
+                                     f"{llc[0] // 2**20} MiB)",
         })
     # The measured copy curves (time vs bytes per direction), which the simulator interpolates instead of the
     # fitted line (simulator/mechanisms.py, "Copy curve").
@@ -539,7 +661,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="profile YAML to write; its stem is the profile name "
                              "(default: hwprofiles/measured/measured-<device>.yaml)")
     parser.add_argument("--architecture", default=None,
-                        help="model shapes for the attention benchmark (default: tiny on cpu, qwen2-7b on cuda)")
+                        help="model shapes for the weight-read, GEMM and attention benchmarks: a known architecture "
+                             "or a bundled model (micro, micro_long); calibrate for the model you will trace "
+                             "(default: tiny on cpu, qwen2-7b on cuda)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: 1 on cpu, torch's default on cuda); recorded")
     parser.add_argument("--overhead-decoder", default="tiered/full", choices=OVERHEAD_DECODERS,
@@ -580,13 +704,11 @@ def resolve_device(device: str | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from traces.architectures import get_architecture
-
     device_type = resolve_device(args.device)
     out = resolve_out(args.out, device_type, args.force)
     architecture = args.architecture or ("qwen2-7b" if device_type == "cuda" else "tiny")
     try:
-        get_architecture(architecture)
+        resolve_architecture(architecture)
     except UserError as exc:
         raise CalibrationError(f"--architecture: {exc}") from None
     threads = resolve_threads(device_type, args.threads)

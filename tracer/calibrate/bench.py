@@ -193,6 +193,27 @@ def attention_decode_sweep(
     return Series("attention_decode", kv_bytes, times, "kv_bytes")
 
 
+def working_set_sweep(sizes_bytes: list[int], dtype: torch.dtype, timing: Timing) -> Series:
+    """Time of reading weight sets of each size as a decode step does (one token through each matrix in turn,
+    1 MiB matrices, repeated back to back): while the set fits in what the cache gives this process, the reads
+    come from the cache and run several times faster than from memory. x = bytes of the set."""
+    element = torch.tensor([], dtype=dtype).element_size()
+    side = int((2**20 // element) ** 0.5)  # one matrix = 1 MiB
+    matrices = [torch.empty(side, side, device=timing.device, dtype=dtype).normal_(0, 0.02)
+                for _ in range(max(1, max(sizes_bytes) // (side * side * element)))]
+    x = torch.randn(1, side, device=timing.device).to(dtype)
+    times = []
+    for n_bytes in sizes_bytes:
+        chosen = matrices[: max(1, n_bytes // (side * side * element))]
+
+        def read(chosen=chosen) -> None:
+            for weight in chosen:
+                F.linear(x, weight)
+
+        times.append(timing.time_s(read))
+    return Series("working_set_read", [float(n) for n in sizes_bytes], times, "bytes")
+
+
 class ModelWeights:
     """The linear weights one decode step of `arch` reads: q, k, v, o, gate, up, down of `n_copies` distinct
     layers (enough to pass `min_bytes`, so that a layer's reads come from memory, not a cache; at most the

@@ -7,12 +7,18 @@ layer also streams the real model's weights (`weights=`), so that the overhead i
 cold as in a real decode step, and the weights' own time is subtracted afterwards (calibrate.py). The model is a
 real Qwen2 from transformers (the layout of `random:tiny` and `random:qwen2-7b`), stepped by the same decode
 code the measured run uses, so that the overhead it pays is the one calibrated. The test trace never enters.
+
+Steps in which the tiered cache's placement moves blocks (a block completes under a binding budget: every 16th
+step) cost more (measured on this CPU: +0.5-0.7 ms per layer for evict / hierarchy, ~2x a quiet layer), so they
+are timed apart: the quiet steps give the fit above, the moving ones the placement overhead per layer
+(`placement_extra`), which the simulator charges on the layer-steps a trace says moved blocks.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -22,15 +28,26 @@ from tracer.calibrate.bench import STATISTICS, ModelWeights, Series, Timing
 NEAR_ZERO_SHAPES = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                         intermediate_size=32, vocab_size=64, tie_word_embeddings=True)
 
-# make_decoder(model, prompt_ids) -> step(): decodes one token; the measured run's decode code, or the plain
-# DynamicCache loop below when the caller has no tiered cache.
-DecoderFactory = Callable[[torch.nn.Module, torch.Tensor], Callable[[], None]]
+# make_decoder(model, prompt_ids) -> step(): decodes one token; returns None, or (whether the placement moved
+# blocks, the step's seconds as the trace records them, the tokens a layer attended); the measured run's decode
+# code, or the plain DynamicCache loop below when the caller has no tiered cache.
+StepOutcome = tuple[bool, float, int]
+DecoderFactory = Callable[[torch.nn.Module, torch.Tensor], Callable[[], StepOutcome | None]]
 
 
-def near_zero_model(n_layers: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def model_shapes(arch) -> dict:
+    """The Qwen2 config fields of an architecture's own shapes (traces.architectures.Architecture)."""
+    return dict(hidden_size=arch.hidden_size, num_attention_heads=arch.n_heads, num_key_value_heads=arch.n_kv_heads,
+                head_dim=arch.head_dim, intermediate_size=arch.intermediate_size, vocab_size=arch.vocab_size,
+                tie_word_embeddings=arch.tie_word_embeddings)
+
+
+def near_zero_model(n_layers: int, dtype: torch.dtype, device: torch.device, shapes: dict | None = None
+                    ) -> torch.nn.Module:
+    """A Qwen2 of `n_layers` with NEAR_ZERO_SHAPES, or with `shapes` (an architecture's own: `model_shapes`)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(num_hidden_layers=n_layers, max_position_embeddings=4096, **NEAR_ZERO_SHAPES)
+    config = Qwen2Config(num_hidden_layers=n_layers, max_position_embeddings=4096, **(shapes or NEAR_ZERO_SHAPES))
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config).to(device=device, dtype=dtype).eval()
@@ -56,23 +73,43 @@ def dynamic_cache_decoder(model: torch.nn.Module, prompt_ids: torch.Tensor) -> C
     return step
 
 
-def time_decode_steps_s(step: Callable[[], None], n_steps: int, timing: Timing) -> float:
+@dataclass(frozen=True)
+class StepTimes:
+    """Decode-step time reduced over the steps where no block moved (`quiet_s`) and over those where the
+    placement moved blocks (`moving_s`; None when none did, e.g. the full cache or a DynamicCache)."""
+
+    quiet_s: float
+    moving_s: float | None
+    attended_tokens: float | None = None  # mean tokens a layer attended over the timed steps (tiered decoders)
+
+
+def time_decode_steps_s(step: Callable[[], StepOutcome | None], n_steps: int, timing: Timing) -> StepTimes:
     """Time of one decode step, reduced over `n_steps` consecutive steps (on CUDA: wall time up to the device
-    finishing the step; `timing.repeats` is not used: consecutive steps are the repeats)."""
+    finishing the step; `timing.repeats` is not used: consecutive steps are the repeats). `step()` returns True
+    when the cache's placement moved blocks in that step (offload, eviction, promotion): those steps pay the
+    placement's bookkeeping on top of the step's fixed cost and are reduced apart, so that neither the
+    per-layer overhead nor the placement overhead is a blend of the two. A step that reports its own time (the
+    tracer's, as a trace records it) is timed by that; otherwise by `timing`'s clock around the call."""
     device = timing.device
     clock = time.perf_counter if device.type == "cuda" else timing.clock
     for _ in range(timing.warmup):
         step()
-    times = []
+    quiet, moving, attended = [], [], []
     for _ in range(n_steps):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = clock()
-        step()
+        outcome = step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append(clock() - start)
-    return STATISTICS[timing.statistic](times)
+        elapsed = clock() - start
+        moved, reported_s, tokens = outcome if outcome is not None else (False, None, None)
+        (moving if moved else quiet).append(elapsed if reported_s is None else reported_s)
+        if tokens is not None:
+            attended.append(tokens)
+    reduce = STATISTICS[timing.statistic]
+    return StepTimes(reduce(quiet or moving), reduce(moving) if moving else None,
+                     sum(attended) / len(attended) if attended else None)
 
 
 def overhead_sweep(
@@ -83,24 +120,61 @@ def overhead_sweep(
     make_decoder: DecoderFactory = dynamic_cache_decoder,
     prompt_tokens: int = 16,
     weights: ModelWeights | None = None,
-) -> Series:
-    """Decode-step time of near-zero-work models with each layer count. With `weights`, every decoder layer
-    first reads one layer of the real model's weights and the lm_head reads the real lm_head: the step then
-    streams the memory a real decode step streams, so the framework's dispatch runs with the caches as cold as
-    they really are (measured here: the same non-matmul ops cost ~2x more next to `tiny`'s weight reads than
-    in a near-zero model alone). Subtracting the weights' own time (`layer_bytes / bandwidth`) leaves the
-    overhead the simulator must add."""
-    times = []
+    shapes: dict | None = None,
+) -> Sweep:
+    """Decode-step time of near-zero-work models with each layer count, and (when the decoder's placement moved
+    blocks at every layer count) the extra time of a step in which it did (`placement_extra`, per layer count),
+    and the mean tokens a layer attended (tiered decoders; calibrate subtracts their per-token cost).
+
+    With `weights`, every decoder layer first reads one layer of the real model's weights and the lm_head reads
+    the real lm_head: the step then streams the memory a real decode step streams, so the framework's dispatch
+    runs with the caches as cold as they really are (measured here: the same non-matmul ops cost ~2x more next
+    to `tiny`'s weight reads than in a near-zero model alone). Subtracting the weights' own time
+    (`layer_bytes / bandwidth`) leaves the overhead the simulator must add. With `shapes` (no `weights`), the
+    layers have the architecture's own shapes: a small model whose weights stay in the cache pays, besides
+    dispatch, its norms, rotary and attention on real head shapes (measured here for the bundled micro
+    shapes: 641 us per layer vs 404 us near-zero, of which weight reads are ~90 us); its step minus its weights'
+    read time is then the overhead the simulator adds to the roofline."""
+    quiet, extra, attended = [], [], []
     for n_layers in layer_counts:
-        model = near_zero_model(n_layers, dtype, timing.device)
+        model = near_zero_model(n_layers, dtype, timing.device, shapes)
         handles = []
         if weights is not None:
             handles = [layer.register_forward_pre_hook(lambda *_: weights.layer()) for layer in model.model.layers]
             handles.append(model.lm_head.register_forward_hook(lambda *_: weights.head()))
-        prompt_ids = torch.arange(prompt_tokens, device=timing.device)[None] % NEAR_ZERO_SHAPES["vocab_size"]
+        prompt_ids = torch.arange(prompt_tokens, device=timing.device)[None] % model.config.vocab_size
         step = make_decoder(model, prompt_ids)
-        times.append(time_decode_steps_s(step, n_steps, timing))
+        times = time_decode_steps_s(step, n_steps, timing)
+        quiet.append(times.quiet_s)
+        extra.append(None if times.moving_s is None else max(0.0, times.moving_s - times.quiet_s))
+        attended.append(times.attended_tokens)
         for handle in handles:
             handle.remove()
     name = "decode_step_overhead" if weights is None else "decode_step_with_weights"
-    return Series(name, [float(n) for n in layer_counts], times, "layers")
+    x = [float(n) for n in layer_counts]
+    placement = None if None in extra else Series(f"placement_extra/{name}", x, extra, "layers")
+    return Sweep(Series(name, x, quiet, "layers"), placement,
+                 None if None in attended else sum(attended) / len(attended))
+
+
+@dataclass(frozen=True)
+class Sweep:
+    quiet: Series  # step time vs layers (steps where nothing moved)
+    placement: Series | None  # extra time of a moving step vs layers
+    attended_tokens: float | None  # mean tokens a layer attended in the timed steps
+
+
+def token_cost_sweep(make_decoder: DecoderFactory, prompts: list[int], n_steps: int, dtype: torch.dtype,
+                     timing: Timing, shapes: dict | None, n_layers: int = 2) -> Series:
+    """Decode-step time of an `n_layers` model with `shapes` against the tokens a layer attends, from prompts of
+    each length: the slope is what one more attended token costs a layer-step (attention, scoring, the
+    tiered cache's per-token bookkeeping), which a fixed per-layer overhead cannot carry (measured here on the
+    micro shapes: +0.14 us per token and layer, so a 1,000-token context adds ~20% to a 600 us layer)."""
+    model = near_zero_model(n_layers, dtype, timing.device, shapes)
+    x, times = [], []
+    for prompt in prompts:
+        prompt_ids = torch.arange(prompt, device=timing.device)[None] % model.config.vocab_size
+        measured = time_decode_steps_s(make_decoder(model, prompt_ids), n_steps, timing)
+        x.append(float(measured.attended_tokens if measured.attended_tokens is not None else prompt))
+        times.append(measured.quiet_s)
+    return Series("token_cost", x, times, "attended_tokens")

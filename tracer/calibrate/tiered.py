@@ -41,13 +41,21 @@ def tiered_decoder_factory(
         synchronize = torch.cuda.synchronize if prompt_ids.device.type == "cuda" else (lambda: None)
         state = {"ids": prompt_ids, "positions": torch.arange(prompt_ids.shape[1], device=prompt_ids.device)[None]}
 
+        def moved_so_far() -> int:  # blocks that ever left HBM (offloads, evictions), summed over layers
+            return sum(layer.n_ddr_blocks + layer.n_evicted_blocks for layer in cache.rows[0])
+
         @torch.no_grad()
-        def step() -> None:
+        def step() -> tuple[bool, float, int]:
+            before = moved_so_far()
             _, tokens, _finite, wall_us, layer_us = decode_step(model, cache, [0], state["ids"], state["positions"],
                                                                timer, clock, synchronize)
             recorder.end_step(wall_us, layer_us)
             state["ids"] = torch.tensor([[tokens[0]]], device=prompt_ids.device)
             state["positions"] = torch.tensor([[cache.rows[0][0].logical_len]], device=prompt_ids.device)
+            # The step's time as the trace records it (measured_step_us: the forward and the step's one copy;
+            # not the recorder's end of step or this loop's bookkeeping), so the fit is what a trace measures.
+            attended = recorder.columns["hbm_tokens"][-1] + recorder.columns["recalled_tokens"][-1]
+            return moved_so_far() != before, wall_us / 1e6, int(attended)
 
         step()  # the prefill
         return step
