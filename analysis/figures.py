@@ -387,3 +387,52 @@ def mass_lost_vs_accuracy(frame: pd.DataFrame, rho: float) -> Figure:
             bbox={"facecolor": "white", "edgecolor": "0.7", "linewidth": 0.5})
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return figure
+
+
+# -- accuracy vs recall traffic (the long workload's Pareto) -----------------------------------------------
+
+
+@styled
+def accuracy_vs_recall(cells: pd.DataFrame) -> Figure:
+    """Accuracy (95% Wilson CI) vs recall traffic (recalled tokens per layer-step, % of the context), one curve
+    per HBM budget and recall rule (hierarchy, nothing evicted), pure eviction at each budget at zero recall
+    (its best scorer, hollow) and the full cache as a band. `cells`: one row per traced cell with columns
+    policy, hbm_budget, evict_ratio, recall_rule, scorer, n, accuracy, ci_low, ci_high, recalled_frac,
+    h2d_bytes_per_token_ref (the `capacity_accuracy_long.csv` the table command writes)."""
+    figure = new_figure((5.2, 3.2))
+    ax = figure.subplots()
+    full = cells[cells["policy"] == "full"]
+    if not full.empty:
+        row = full.iloc[0]
+        ax.axhspan(row["ci_low"], row["ci_high"], color="0.88", zorder=0, label=f"{FULL_LABEL} (n={int(row['n'])})")
+        ax.axhline(row["accuracy"], color="0.4", linestyle=(0, (1, 1)), linewidth=1.0, zorder=1)
+    hierarchy = cells[(cells["policy"] == "hierarchy") & (cells["evict_ratio"] == 0)]
+    budgets = sorted(hierarchy["hbm_budget"].unique(), reverse=True)
+    rules = sorted(hierarchy["recall_rule"].unique())
+    for i, budget in enumerate(budgets):
+        style = series_style(i)
+        for j, rule in enumerate(rules):
+            rows = hierarchy[(hierarchy["hbm_budget"] == budget) & (hierarchy["recall_rule"] == rule)]
+            if rows.empty:
+                continue
+            rows = rows.sort_values("recalled_frac")
+            yerr = np.vstack([rows["accuracy"] - rows["ci_low"], rows["ci_high"] - rows["accuracy"]])
+            ax.errorbar(rows["recalled_frac"], rows["accuracy"], yerr=yerr, capsize=2, elinewidth=0.7,
+                        color=style["color"], marker=style["marker"], linestyle="-" if j == 0 else "--",
+                        label=f"HBM {budget:.0%}, recall {rule} ({_n_text(rows['n'])})")
+        evict = cells[(cells["policy"] == "evict") & (cells["hbm_budget"] == budget)]
+        if not evict.empty:
+            best = evict.loc[evict["accuracy"].idxmax()]
+            ax.errorbar([0.0], [best["accuracy"]], yerr=[[best["accuracy"] - best["ci_low"]],
+                                                         [best["ci_high"] - best["accuracy"]]],
+                        capsize=2, elinewidth=0.7, color=style["color"], marker=style["marker"],
+                        markerfacecolor="white", linestyle="none",
+                        label=f"HBM {budget:.0%}, pure eviction ({best['scorer']}, n={int(best['n'])})")
+    ax.set_xlabel("recalled tokens per layer-step (% of the context)")
+    ax.set_ylabel("accuracy (%), 95% Wilson CI")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlim(left=-0.01)
+    _percent_axis(ax.xaxis)
+    _percent_axis(ax.yaxis)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=6)
+    return figure

@@ -44,8 +44,24 @@ def method_label(policy: str, evict_ratio: float, scorer: str | None, show_score
     return label
 
 
+def recall_label(recall_k, recall_budget, recall_rule) -> str:
+    """How a hierarchy recalls, for a legend: 'recall <= 10%' (a share of the context) or 'recall 4 blocks', with
+    the rule when it is not the default max-over-heads bound."""
+    if recall_budget is not None and pd.notna(recall_budget):
+        text = f"recall ≤ {float(recall_budget):.0%}"
+    elif recall_k is not None and pd.notna(recall_k):
+        text = f"recall {int(recall_k)} blocks"
+    else:
+        text = "recall"
+    if isinstance(recall_rule, str) and recall_rule not in ("quest", ""):
+        text += f" {recall_rule}"
+    return text
+
+
 def add_method(frame: pd.DataFrame, show_scorer: bool | None = None) -> pd.DataFrame:
-    """Copy of `frame` with `method` and `is_full` columns; scorers are named only when there are several."""
+    """Copy of `frame` with `method` and `is_full` columns; scorers are named only when there are several, and a
+    hierarchy's recall (k, budget, rule) only when its runs differ in it: runs that recalled differently are
+    different methods (different traffic), never pooled into one line."""
     frame = frame.copy()
     frame["is_full"] = [is_full_cache(p) for p in frame["policy"]]
     scorer = frame["scorer"] if "scorer" in frame else pd.Series(None, index=frame.index, dtype=object)
@@ -55,6 +71,12 @@ def add_method(frame: pd.DataFrame, show_scorer: bool | None = None) -> pd.DataF
         method_label(p, r, s, show_scorer)
         for p, r, s in zip(frame["policy"], frame["evict_ratio"], scorer)
     ]
+    missing = pd.Series(None, index=frame.index, dtype=object)
+    recalls = [recall_label(k, b, rule) for k, b, rule in zip(
+        *(frame[c] if c in frame else missing for c in ("recall_k", "recall_budget", "recall_rule")))]
+    recalling = (frame["policy"] == "hierarchy").to_numpy()
+    if len({r for r, h in zip(recalls, recalling) if h}) > 1:
+        frame["method"] = [f"{m}, {r}" if h else m for m, r, h in zip(frame["method"], recalls, recalling)]
     if "model" in frame and frame["model"].nunique() > 1:  # never pool two models into one line
         frame["method"] = frame["model"].astype(str) + ": " + frame["method"]
     return frame

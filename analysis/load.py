@@ -207,6 +207,8 @@ def run_row(run: TraceRun) -> dict:
         "block_size": int(policy["block_size"]),
         "scorer": policy["scorer"],
         "recall_k": policy["recall_k"],
+        "recall_budget": policy.get("recall_budget"),  # None: recall_k blocks; else a share of the context
+        "recall_rule": policy.get("recall_rule"),
         "device": manifest["hardware"].get("device"),
         "n_samples": len(samples),
         "n_scored": len(scored),

@@ -273,3 +273,19 @@ def test_focus_method_prefers_the_more_accurate_of_equally_sampled_methods():
     })
     assert frames.focus_method(latency) == "h, evict 0%"  # eviction is never the focus when another ties
     assert frames.focus_method(latency.drop(columns="accuracy")) == "h, evict 10%"  # no accuracy: by name
+
+
+def test_hierarchy_runs_that_recall_differently_are_different_methods():
+    import pandas as pd
+
+    from analysis.frames import add_method
+
+    base = dict(policy="hierarchy", evict_ratio=0.0, scorer="h2o", recall_k=4, recall_rule="quest")
+    rows = [dict(base, recall_budget=0.1), dict(base, recall_budget=0.2), dict(base, recall_budget=0.2,
+                                                                              recall_rule="quest-per-head"),
+            dict(policy="full", evict_ratio=0.0, scorer=None, recall_k=4, recall_budget=None, recall_rule="quest")]
+    methods = add_method(pd.DataFrame(rows))["method"].tolist()
+    assert methods[0].endswith("recall ≤ 10%") and methods[1].endswith("recall ≤ 20%")
+    assert methods[2].endswith("recall ≤ 20% quest-per-head") and len(set(methods)) == 4
+    same = add_method(pd.DataFrame([rows[0], rows[0]]))["method"].tolist()
+    assert same[0] == same[1] and "recall" not in same[0]  # one recall setting: not named

@@ -140,10 +140,13 @@ def test_long_table_grid_is_the_issues_grid(tmp_path):
     from tracer.micro.table_long import cells, headline, trace_config, write_markdown
 
     grid = cells("all")
-    assert len(grid) == 1 + 4 * (3 + 3 * 2) and len({c.name for c in grid}) == len(grid)
-    hierarchy = [c for c in grid if c.policy == "hierarchy"]
+    assert len(grid) == 1 + 4 * (3 + 3 * 2) + 3 and len({c.name for c in grid}) == len(grid)
+    hierarchy = [c for c in grid if c.policy == "hierarchy" and c.recall_rule == "quest"]
     assert {(c.hbm_budget, c.recall_budget, c.evict_ratio) for c in hierarchy} == {
         (b, r, e) for b in (0.1, 0.2, 0.3, 0.5) for r in (0.05, 0.1, 0.2) for e in (0.0, 0.1)}
+    per_head = [c for c in grid if c.recall_rule == "quest-per-head"]  # the figure's rule comparison
+    assert {(c.hbm_budget, c.recall_budget, c.evict_ratio) for c in per_head} == {(0.3, r, 0.0) for r in (0.05, 0.1, 0.2)}
+    assert trace_config(per_head[0], tmp_path, 200).recall_rule == "quest-per-head"
     assert {(c.hbm_budget, c.scorer) for c in grid if c.policy == "evict"} == {
         (b, s) for b in (0.1, 0.2, 0.3, 0.5) for s in ("recency", "h2o", "tova")}
     assert [c.hbm_budget for c in cells("key")[1:]] == [0.3] * 9
@@ -154,4 +157,46 @@ def test_long_table_grid_is_the_issues_grid(tmp_path):
     assert trace_config(grid[0], tmp_path, 200).n_samples == 500  # the full cell is the 500-problem check
     assert headline(tmp_path).startswith("In one sentence: not yet")
     write_markdown(tmp_path / "t.md", tmp_path)
-    assert "Cells not run yet: 37 of 37." in (tmp_path / "t.md").read_text()
+    assert "Cells not run yet: 40 of 40." in (tmp_path / "t.md").read_text()
+    assert (tmp_path / "capacity_accuracy_long.csv").read_text() == ""  # no cell has run: no rows
+
+
+def test_accuracy_vs_recall_figure_draws_every_cell_of_the_csv():
+    """One curve per (HBM budget, recall rule) of the hierarchy cells with nothing evicted, pure eviction's best
+    scorer at zero recall per budget, the full cache as a band; evict-0.1 cells are not on it."""
+    import pandas as pd
+
+    from analysis.figures import accuracy_vs_recall
+
+    rows = [dict(policy="full", hbm_budget=1.0, scorer="h2o", evict_ratio=0.0, recall_rule=None, n=500,
+                 accuracy=1.0, ci_low=0.99, ci_high=1.0, recalled_frac=0.0)]
+    for budget in (0.5, 0.3):
+        for scorer, accuracy in (("recency", 0.0), ("h2o", 0.04)):
+            rows.append(dict(policy="evict", hbm_budget=budget, scorer=scorer, evict_ratio=0.0, recall_rule=None,
+                             n=50, accuracy=accuracy, ci_low=0.0, ci_high=0.1, recalled_frac=0.0))
+        for rule in (("quest", "quest-per-head") if budget == 0.3 else ("quest",)):
+            for evict in (0.0, 0.1):
+                for recall in (0.05, 0.1, 0.2):
+                    rows.append(dict(policy="hierarchy", hbm_budget=budget, scorer="h2o", evict_ratio=evict,
+                                     recall_rule=rule, n=50, accuracy=recall * 2, ci_low=recall, ci_high=recall * 3,
+                                     recalled_frac=recall * 0.95))
+    figure = accuracy_vs_recall(pd.DataFrame(rows))
+    ax = figure.axes[0]
+    labels = ax.get_legend_handles_labels()[1]
+    assert labels == ["full cache (n=500)", "HBM 50%, recall quest (n=50)", "HBM 50%, pure eviction (h2o, n=50)",
+                      "HBM 30%, recall quest (n=50)", "HBM 30%, recall quest-per-head (n=50)",
+                      "HBM 30%, pure eviction (h2o, n=50)"]
+    data_lines = [container.lines[0] for container in ax.containers]  # one errorbar container per series
+    curves = [line for line in data_lines if len(line.get_xdata()) == 3]
+    assert len(data_lines) == 5 and len(curves) == 3
+    assert all(list(line.get_xdata()) == pytest.approx([0.0475, 0.095, 0.19]) for line in curves)
+    assert all(list(line.get_ydata()) == pytest.approx([0.1, 0.2, 0.4]) for line in curves)
+
+
+def test_capacity_long_refuses_a_figure_with_no_runs(tmp_path, capsys):
+    from thoughtkv.cli import main
+
+    assert main(["capacity-long", "--out", str(tmp_path / "docs"), "--runs", str(tmp_path / "runs"),
+                 "--figure-only"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no hierarchy cell has run yet" in err[0]

@@ -32,6 +32,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("demo", "thoughtkv.demo", "the main job on the bundled micro model: trace, simulate, report"),
     ("calibrate", "tracer.calibrate", "microbenchmarks of this machine -> a measured hardware profile"),
     ("crosscheck", "thoughtkv.crosscheck", "measured decode vs simulator on the calibrated profile"),
+    ("capacity-long", "thoughtkv.capacity_long", "the long workload's capacity-accuracy-traffic table and Pareto figure"),
     ("analyze", "analysis.analyze_cli", "statistics on traces (e.g. rank correlation between scorers)"),
 ]
 

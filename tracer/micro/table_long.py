@@ -39,6 +39,7 @@ class Cell:
     scorer: str = "h2o"
     evict_ratio: float = 0.0
     recall_budget: float | None = None
+    recall_rule: str = "quest"  # quest (max over KV heads) | quest-per-head (each KV head its own top blocks)
 
     @property
     def name(self) -> str:
@@ -46,8 +47,9 @@ class Cell:
             return "full"
         if self.policy == "evict":
             return f"evict-{self.scorer}-b{round(self.hbm_budget * 100)}"
+        rule = "" if self.recall_rule == "quest" else "-qph"
         return (f"hier-e{round(self.evict_ratio * 100)}-r{round(self.recall_budget * 100)}"
-                f"-b{round(self.hbm_budget * 100)}")
+                f"-b{round(self.hbm_budget * 100)}{rule}")
 
     @property
     def label(self) -> str:
@@ -55,7 +57,8 @@ class Cell:
             return "full cache"
         if self.policy == "evict":
             return f"evict {self.scorer}"
-        return f"hierarchy e={self.evict_ratio:g}, recall ≤ {self.recall_budget:.0%}"
+        rule = "" if self.recall_rule == "quest" else f", {self.recall_rule}"
+        return f"hierarchy e={self.evict_ratio:g}, recall ≤ {self.recall_budget:.0%}{rule}"
 
 
 def column(budget: float) -> list[Cell]:
@@ -66,12 +69,18 @@ def column(budget: float) -> list[Cell]:
     ]
 
 
+def rule_cells(budget: float = KEY_BUDGET) -> list[Cell]:
+    """The more selective recall rule (quest-per-head: each KV head recalls its own top blocks, the union is
+    copied) at one budget, nothing evicted, for the accuracy-vs-traffic figure's comparison with `quest`."""
+    return [Cell("hierarchy", budget, HIERARCHY_SCORER, 0.0, recall, "quest-per-head") for recall in RECALL_BUDGETS]
+
+
 def cells(which: str) -> list[Cell]:
-    """`key`: full and the 30% column; `all`: those first, then the other budgets."""
+    """`key`: full and the 30% column; `all`: those first, the recall-rule comparison, then the other budgets."""
     key = [Cell("full"), *column(KEY_BUDGET)]
     if which == "key":
         return key
-    return key + [cell for budget in HBM_BUDGETS if budget != KEY_BUDGET for cell in column(budget)]
+    return key + rule_cells() + [cell for budget in HBM_BUDGETS if budget != KEY_BUDGET for cell in column(budget)]
 
 
 def trace_config(cell: Cell, runs: Path, n_samples: int, model: str = str(MODEL_DIR),
@@ -86,7 +95,7 @@ def trace_config(cell: Cell, runs: Path, n_samples: int, model: str = str(MODEL_
     if cell.policy == "evict":
         return TraceConfig(**common, policy="evict", scorer=cell.scorer, hbm_budget=cell.hbm_budget)
     return TraceConfig(**common, policy="hierarchy", scorer=cell.scorer, hbm_budget=cell.hbm_budget,
-                       evict_ratio=cell.evict_ratio, recall_budget=cell.recall_budget)
+                       evict_ratio=cell.evict_ratio, recall_budget=cell.recall_budget, recall_rule=cell.recall_rule)
 
 
 def run_table(out_dir: Path, runs: Path, n_samples: int, which: str, progress: bool = True,
@@ -173,6 +182,47 @@ HEADER = ("HBM budget", "method", "accuracy % [95% CI]", "n", "HBM % (attention)
           "D2H/token @qwen2-7b")
 
 
+CSV_NAME = "capacity_accuracy_long.csv"
+
+
+def result_rows(runs: Path) -> list[dict]:
+    """One record per cell that has run: its settings, n, accuracy with Wilson CI and traffic (the CSV the
+    accuracy-vs-traffic figure is drawn from: analysis.figures.accuracy_vs_recall)."""
+    from traces.stats import wilson_interval
+
+    rows = []
+    for cell in cells("all"):
+        result = cell_result(cell, runs)
+        if result is None:
+            continue
+        n, correct, traffic = result
+        low, high = wilson_interval(correct, n)
+        rows.append({"cell": cell.name, "policy": cell.policy, "hbm_budget": cell.hbm_budget, "scorer": cell.scorer,
+                     "evict_ratio": cell.evict_ratio, "recall_budget": cell.recall_budget,
+                     "recall_rule": cell.recall_rule if cell.policy == "hierarchy" else None,
+                     "n": n, "correct": correct, "accuracy": correct / n, "ci_low": low, "ci_high": high,
+                     **{k: traffic[k] for k in ("hbm_frac", "attended_frac", "recalled_frac",
+                                                "recalled_tokens_per_layer_step", "h2d_bytes_per_token",
+                                                "d2h_bytes_per_token", "h2d_bytes_per_token_ref",
+                                                "d2h_bytes_per_token_ref")}})
+    return rows
+
+
+def write_csv(path: Path, runs: Path) -> None:
+    import csv
+    import io
+
+    rows = result_rows(runs)
+    buffer = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(buffer.getvalue())
+    os.replace(temporary, path)
+
+
 def write_markdown(path: Path, runs: Path) -> None:
     rows = [row for cell in cells("all") if (row := cell_row(cell, runs)) is not None]
     missing = len(cells("all")) - len(rows)
@@ -184,8 +234,9 @@ def write_markdown(path: Path, runs: Path) -> None:
         "(rows with different n are not equally precise). HBM budget = share of each sequence's current logical",
         f"length kept in HBM; blocks of {BLOCK_SIZE} tokens, {SINK_TOKENS} sink tokens and a {WINDOW_TOKENS}-token",
         f"recent window always resident; hierarchy placement by {HIERARCHY_SCORER}, recalling per layer and decode",
-        "step the top DDR blocks (quest bound) up to the recall budget (a share of the current context, rounded",
-        "down to whole blocks). Traffic (traces.stats.traffic_summary, decode steps only): `HBM %` and `attended %`",
+        "step the top DDR blocks (quest bound: max over KV heads; `quest-per-head` rows: each KV head its own top",
+        "blocks) up to the recall budget (a share of the current context, rounded down to whole blocks).",
+        "Traffic (traces.stats.traffic_summary, decode steps only): `HBM %` and `attended %`",
         "are mean shares of the context resident / attended (resident + recalled) per layer-step; bytes are per",
         "generated token over all layers, for the micro model (fp32 KV, 3 layers x 3 KV heads x 32) and for the",
         "same access pattern priced at qwen2-7b's bf16 KV (57,344 bytes/token).",
@@ -203,3 +254,4 @@ def write_markdown(path: Path, runs: Path) -> None:
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # shards write side by side: replace atomically
     temporary.write_text("\n".join(lines) + "\n")
     os.replace(temporary, path)
+    write_csv(path.with_name(CSV_NAME), runs)
