@@ -25,6 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-samples", type=int, default=200, help="problems per cell (default: 200)")
     parser.add_argument("--cells", choices=["key", "all"], default="all", help="key: full and the 30%% column only")
     parser.add_argument("--figure-only", action="store_true", help="draw from the runs there are; trace nothing")
+    parser.add_argument("--shard", default="0/1", help="I/N: trace every N-th cell from the I-th (N processes)")
+    parser.add_argument("--batch-size", type=int, default=1, help="samples decoded per step (same results, faster)")
 
 
 def draw(out: Path, runs: Path) -> Path:
@@ -44,12 +46,18 @@ def draw(out: Path, runs: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.n_samples < 1:
-        raise UserError(f"--n-samples must be >= 1 (got {args.n_samples})")
+    if args.n_samples < 1 or args.batch_size < 1:
+        raise UserError(f"--n-samples and --batch-size must be >= 1 (got {args.n_samples}, {args.batch_size})")
+    try:
+        index, count = (int(part) for part in args.shard.split("/"))
+    except ValueError:
+        raise UserError(f"--shard {args.shard!r}: use I/N, e.g. 0/2") from None
+    if not 0 <= index < count:
+        raise UserError(f"--shard {args.shard!r}: need 0 <= I < N")
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.figure_only:
         from tracer.micro.table_long import run_table
 
-        run_table(args.out, args.runs, args.n_samples, args.cells)
+        run_table(args.out, args.runs, args.n_samples, args.cells, shard=(index, count), batch_size=args.batch_size)
     print(f"wrote {draw(args.out, args.runs)}")
     return 0

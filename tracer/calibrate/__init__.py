@@ -199,6 +199,10 @@ def measure(
         ("attention", lambda: record(bench.attention_decode_sweep(
             list(plan.kv_lengths), arch.n_heads, arch.n_kv_heads, arch.head_dim, dtype, timing))),
     ]
+    if device_type == "cuda":  # pageable host memory: what a framework without pinned pools copies from / to
+        for direction in ("h2d", "d2h"):
+            steps.append((f"copy {direction} pageable", lambda direction=direction: record(
+                bench.copy_sweep(direction, sizes, timing, pinned=False))))
     if device_type == "cpu":  # the cached overheads' condition: up to which size weights stay in the cache
         steps.append(("cache size", lambda: record(bench.working_set_sweep(list(plan.working_set_sizes_bytes), dtype,
                                                                            timing))))
@@ -557,25 +561,30 @@ def build_profile(cal: Calibration, name: str):
     what = "pinned host <-> device copies" if cal.device == "cuda" else \
         "host -> host copies (the CPU tiered cache's copy; a CPU has no pinning, so it stands for the pinned curve)"
     for key, _ in curves:
+        copies = what if key.endswith("_pinned") else "pageable host <-> device copies (no pinned buffer)"
         sources[f"transfer.copy_curve.{key}"] = (
-            f"measured: {cal.statistic} of {p.repeats} timed {what}, {p.copy_sizes_bytes[0]} B .. "
+            f"measured: {cal.statistic} of {p.repeats} timed {copies}, {p.copy_sizes_bytes[0]} B .. "
             f"{p.copy_sizes_bytes[-1]} B; made non-decreasing in size (a larger copy is never faster: noise)")
     return profile, sources
 
 
 def copy_curves(cal: Calibration) -> tuple:
-    """The copy sweeps as hwprofiles CopyCurves: ("h2d_pinned", curve), ("d2h_pinned", curve); each time is
-    at least the one of the size before it (the schema refuses a curve that gets faster with size)."""
+    """The copy sweeps as hwprofiles CopyCurves: ("h2d_pinned", curve), ("d2h_pinned", curve), and on CUDA
+    ("h2d_pageable", ...), ("d2h_pageable", ...); each time is at least the one of the size before it (the schema
+    refuses a curve that gets faster with size)."""
     import numpy as np
 
     from hwprofiles import CopyCurve
 
     curves = []
-    for direction in ("h2d", "d2h"):
-        series = cal.series[f"copy_{direction}"]
-        times = np.maximum.accumulate(np.asarray(series["time_s"], dtype=np.float64))
-        curves.append((f"{direction}_pinned", CopyCurve(tuple(float(x) for x in series["x"]),
-                                                         tuple(float(t) for t in times))))
+    for memory, suffix in (("pinned", ""), ("pageable", "_pageable")):
+        for direction in ("h2d", "d2h"):
+            series = cal.series.get(f"copy_{direction}{suffix}")
+            if series is None:
+                continue
+            times = np.maximum.accumulate(np.asarray(series["time_s"], dtype=np.float64))
+            curves.append((f"{direction}_{memory}", CopyCurve(tuple(float(x) for x in series["x"]),
+                                                               tuple(float(t) for t in times))))
     return tuple(curves)
 
 

@@ -83,14 +83,16 @@ class Timing:
         return STATISTICS[self.statistic](times)
 
 
-def host_buffer(n_bytes: int, device: torch.device) -> torch.Tensor:
-    """Host memory as the DDR tier holds it: pinned when the compute device is CUDA."""
-    return torch.empty(n_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+def host_buffer(n_bytes: int, device: torch.device, pinned: bool = True) -> torch.Tensor:
+    """Host memory as the DDR tier holds it: pinned when the compute device is CUDA (unless `pinned=False`:
+    pageable memory, which a CUDA copy stages through a driver buffer)."""
+    return torch.empty(n_bytes, dtype=torch.uint8, pin_memory=pinned and device.type == "cuda")
 
 
-def copy_sweep(direction: str, sizes_bytes: list[int], timing: Timing) -> Series:
+def copy_sweep(direction: str, sizes_bytes: list[int], timing: Timing, pinned: bool = True) -> Series:
     """Time one copy of each size: 'h2d' (host -> device), 'd2h' (device -> host), 'd2d' (device -> device) or
-    'h2h' (host -> host, the DDR tier's own bandwidth).
+    'h2h' (host -> host, the DDR tier's own bandwidth); host memory pinned, or pageable with `pinned=False`
+    (series `copy_{direction}_pageable`).
 
     Buffers are allocated once at the largest size and sliced, so no allocation is timed.
     """
@@ -101,7 +103,7 @@ def copy_sweep(direction: str, sizes_bytes: list[int], timing: Timing) -> Series
     elif direction == "h2h":
         src, dst = host_buffer(largest, device), host_buffer(largest, device)
     else:
-        host = host_buffer(largest, device)
+        host = host_buffer(largest, device, pinned)
         dev = torch.empty(largest, dtype=torch.uint8, device=device)
         src, dst = (host, dev) if direction == "h2d" else (dev, host)
     src.fill_(1)
@@ -110,7 +112,7 @@ def copy_sweep(direction: str, sizes_bytes: list[int], timing: Timing) -> Series
     for n in sizes_bytes:
         s, d = src[:n], dst[:n]
         times.append(timing.time_s(lambda s=s, d=d: d.copy_(s, non_blocking=True)))
-    return Series(f"copy_{direction}", [float(n) for n in sizes_bytes], times, "bytes")
+    return Series(f"copy_{direction}" + ("" if pinned else "_pageable"), [float(n) for n in sizes_bytes], times, "bytes")
 
 
 def duplex_time_s(n_bytes: int, timing: Timing) -> tuple[float, float, float]:

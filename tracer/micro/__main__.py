@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard", default="0/1", help="I/N: run every N-th cell from the I-th")
     p.add_argument("--model", default=None, help="default: the bundled tracer/assets/micro_long")
     p.add_argument("--full-n-samples", type=int, default=500, help="problems of the full-cache cell (at least n)")
+    p.add_argument("--batch-size", type=int, default=1, help="samples decoded per step (same results, faster)")
     p = sub.add_parser("samples", help="regenerate the shipped sample traces in traces/samples/")
     p.add_argument("--out", type=Path, default=None, help="default: the repository's traces/samples")
     p.add_argument("--n-samples", type=int, default=20)
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         shard = _shard(args.shard)
         model = args.model or str(MODEL_DIR)
         written = run_table(args.out, args.runs, args.n_samples, args.cells, shard=shard, model=model,
-                            full_n_samples=args.full_n_samples)
+                            full_n_samples=args.full_n_samples, batch_size=args.batch_size)
         print(f"wrote {written}")
     elif args.command == "samples":
         from tracer.micro.samples import write_samples

@@ -84,12 +84,12 @@ def cells(which: str) -> list[Cell]:
 
 
 def trace_config(cell: Cell, runs: Path, n_samples: int, model: str = str(MODEL_DIR),
-                 full_n_samples: int = FULL_N_SAMPLES):
+                 full_n_samples: int = FULL_N_SAMPLES, batch_size: int = 1):
     from tracer.run import TraceConfig
 
     common = dict(model=model, task=TASK, out=str(runs / cell.name), n_samples=n_samples, block_size=BLOCK_SIZE,
                   sink_tokens=SINK_TOKENS, window_tokens=WINDOW_TOKENS, max_new_tokens=MAX_NEW_TOKENS, seed=0,
-                  access=False)  # the table needs the steps table only; access rows would double the run's size
+                  access=False, batch_size=batch_size)  # batched = sequential, per sample (tests/test_batched*)  # the table needs the steps table only; access rows would double the run's size
     if cell.policy == "full":
         return TraceConfig(**{**common, "n_samples": max(n_samples, full_n_samples)}, policy="full")
     if cell.policy == "evict":
@@ -100,7 +100,7 @@ def trace_config(cell: Cell, runs: Path, n_samples: int, model: str = str(MODEL_
 
 def run_table(out_dir: Path, runs: Path, n_samples: int, which: str, progress: bool = True,
               shard: tuple[int, int] = (0, 1), model: str = str(MODEL_DIR),
-              full_n_samples: int = FULL_N_SAMPLES) -> Path:
+              full_n_samples: int = FULL_N_SAMPLES, batch_size: int = 1) -> Path:
     """Trace the cells (shard (i, n): every n-th cell from the i-th, for n processes side by side)."""
     from tqdm.auto import tqdm
 
@@ -111,7 +111,7 @@ def run_table(out_dir: Path, runs: Path, n_samples: int, which: str, progress: b
     index, count = shard
     target = out_dir / "capacity_accuracy_long.md"
     for cell in tqdm(cells(which)[index::count], desc="capacity-accuracy cells", unit="cell", disable=not progress):
-        run_trace(trace_config(cell, runs, n_samples, model, full_n_samples), progress=progress)
+        run_trace(trace_config(cell, runs, n_samples, model, full_n_samples, batch_size), progress=progress)
         write_markdown(target, runs)  # after every cell: a partial table is kept, each row with its n
     return target
 
