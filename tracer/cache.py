@@ -82,6 +82,11 @@ class TieredLayer(DynamicLayer):
         self.n_recalled = 0  # staging slots [n_hbm, n_hbm + n_recalled) filled this step
         self.new_start = 0
         self.n_ddr_blocks = self.n_evicted_blocks = 0
+        # Chunked prefill (tracer.decode): every chunk but the last only appends and scores; placement and the
+        # step's record wait for the last chunk, so the prompt is placed (and recorded as one prefill step of
+        # all its tokens) exactly as one unchunked prefill would be.
+        self.defer_placement = False
+        self.deferred_query_tokens = 0
         self.ddr_ids = torch.zeros(0, dtype=torch.long)  # sorted ids of the blocks whose home is DDR
         self.recalled_ids = self.hidden_keys = None
         self.copies = DeferredCopies()  # a TieredCache shares one among all its layers and rows
@@ -228,6 +233,9 @@ class TieredLayer(DynamicLayer):
                 self.keys_buf[0, :, :n_attended], values=self.values_buf[0, :, :n_attended],
             )
             self.token_scores = settings.scorer.score(observation, self.token_scores)
+        if self.defer_placement:  # a prefill chunk before the last: scored, not placed nor recorded
+            self.deferred_query_tokens += weights_mean.shape[0]
+            return
         is_decode = weights_mean.shape[0] == 1 and step > 0
         if settings.track_importance and is_decode:
             self.importance.index_add_(0, positions, weights_mean[-1])
@@ -238,12 +246,14 @@ class TieredLayer(DynamicLayer):
         if self.recorder is not None:
             recalled = [] if self.recalled_ids is None else self.copies.add(self.recalled_ids, _as_ids)
             self.recorder.add_layer_row(
-                layer=self.layer_idx, query_tokens=weights_mean.shape[0], logical_len=self.logical_len,
+                layer=self.layer_idx, query_tokens=weights_mean.shape[0] + self.deferred_query_tokens,
+                logical_len=self.logical_len,
                 recalled_block_ids=recalled,
                 promoted_block_ids=promoted, offloaded_block_ids=offloaded, evicted_block_ids=evicted,
                 bytes_h2d=self.bytes_h2d, bytes_d2h=bytes_d2h, **before,
                 **(self.ddr.pop_quant_error() if hasattr(self.ddr, "pop_quant_error") else {}),
             )
+        self.deferred_query_tokens = 0
         self.step = step + 1
 
     def _occupancy(self, last_weights: torch.Tensor, positions: torch.Tensor) -> dict:

@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=1,
                         help="samples decoded per step, freed rows refilled at once; per-sample results as at 1 (default: 1)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="decode limit per sample (default: 256)")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=2048,
+                        help="prefill a longer prompt in chunks of this many tokens: bounds the prefill's attention "
+                             "scores; the prompt is placed after the last chunk, as one unchunked prefill (default: 2048)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds random weights, the random scorer and generated tasks (default: 0)")
     parser.add_argument("--device", default=None, help=DEVICE_HELP)
@@ -65,6 +68,7 @@ def config_from_args(args: argparse.Namespace):
     return TraceConfig(
         model=args.model, task=args.task, out=args.out, n_samples=args.n_samples, data_file=args.data_file,
         **spec.as_dict(), batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
         seed=args.seed, device=args.device, dtype=args.dtype, access=not args.no_access,
         also_score=args.also_score, grad_window=args.grad_window, grad_interval=args.grad_interval,
         threads=args.threads, command=command_words(args),

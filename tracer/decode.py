@@ -314,10 +314,13 @@ def decode_step(model, cache: TieredCache, rows: list[int], input_ids: torch.Ten
 @torch.no_grad()
 def decode_batch(
     model, jobs: Iterable[DecodeJob], cache: TieredCache, batch_size: int, max_new_tokens: int, eos_ids: set[int],
-    progress=None, keep_logits: bool = False,
+    progress=None, keep_logits: bool = False, prefill_chunk_tokens: int | None = None,
 ) -> Iterator[tuple[DecodeJob, DecodeResult]]:
     """Decode `jobs` with up to `batch_size` in flight; yields (job, result) as each finishes (completion
-    order). Consume each result (e.g. `tokens_table`) before asking for the next: its row is then refilled."""
+    order). Consume each result (e.g. `tokens_table`) before asking for the next: its row is then refilled.
+    A prompt longer than `prefill_chunk_tokens` is prefilled in chunks of that many tokens (None: at once), which
+    bounds the prefill's attention scores at chunk x prompt instead of prompt x prompt; the prompt is placed
+    and recorded after the last chunk, as one prefill step (`_prefill_front`)."""
     device = model.device
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     pending = iter(jobs)
@@ -326,9 +329,13 @@ def decode_batch(
     timer = LayerTimer(model)
     _, clock = step_clock(device)
 
-    def step(rows: list[int], input_ids: torch.Tensor, position_ids: torch.Tensor) -> Iterator[tuple[DecodeJob, DecodeResult]]:
+    def step(rows: list[int], input_ids: torch.Tensor, position_ids: torch.Tensor,
+             earlier: tuple[float, list[float] | None] = (0.0, None)) -> Iterator[tuple[DecodeJob, DecodeResult]]:
         logits, tokens, finite, wall_us, layer_us = decode_step(model, cache, rows, input_ids, position_ids, timer,
                                                                 clock, synchronize)
+        wall_us += earlier[0]  # a chunked prefill: the chunks before this last one belong to the same step
+        if earlier[1] is not None and layer_us is not None:
+            layer_us = [a + b for a, b in zip(layer_us, earlier[1], strict=True)]
         for index, row_id in enumerate(rows):
             row = active[row_id]
             if row.job.recorder is not None:
@@ -358,7 +365,11 @@ def decode_batch(
                 cache.reset_row(row_id, job.settings, job.recorder)
                 active[row_id] = _Row(job, time.perf_counter(), logits=[] if keep_logits else None)
                 prompt = job.prompt_ids
-                yield from step([row_id], torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device)[None])
+                last = prefill_chunks(len(prompt), prefill_chunk_tokens)[-1]
+                earlier = _prefill_front(model, cache, row_id, prompt[: last.start], prefill_chunk_tokens, timer, clock,
+                                         synchronize)
+                yield from step([row_id], torch.tensor([prompt[last]], device=device),
+                                torch.arange(last.start, last.stop, device=device)[None], earlier)
             if not active:
                 return
             rows = sorted(active)
@@ -367,6 +378,43 @@ def decode_batch(
             yield from step(rows, input_ids, position_ids)
     finally:
         timer.close()
+
+
+def prefill_chunks(n_tokens: int, chunk_tokens: int | None) -> list[slice]:
+    """The prompt's prefill forwards: consecutive slices of at most `chunk_tokens` (one slice when None)."""
+    if chunk_tokens is None or n_tokens <= chunk_tokens:
+        return [slice(0, n_tokens)]
+    return [slice(start, min(start + chunk_tokens, n_tokens)) for start in range(0, n_tokens, chunk_tokens)]
+
+
+def _prefill_front(model, cache: TieredCache, row_id: int, front: list[int], chunk_tokens: int | None, timer, clock,
+                   synchronize) -> tuple[float, list[float] | None]:
+    """Prefill every chunk of the prompt but the last (`front`) into `row_id`'s layers, with their placement and
+    recording deferred to the last chunk; returns those forwards' (µs, per-layer µs), which the prefill step's
+    timing includes. Each chunk attends the whole prefix so far (all of it still in HBM: nothing is placed yet)
+    and its own tokens causally, so the logits equal one unchunked prefill's."""
+    if not front:
+        return 0.0, None
+    layers = cache.rows[row_id]
+    total_us, total_layer_us = 0.0, None
+    device = model.device
+    for layer in layers:
+        layer.defer_placement = True
+    try:
+        for chunk in prefill_chunks(len(front), chunk_tokens):
+            started = clock()
+            cache.set_active([row_id])
+            model(input_ids=torch.tensor([front[chunk]], device=device), cache=cache, use_cache=True,
+                  position_ids=torch.arange(chunk.start, chunk.stop, device=device)[None], logits_to_keep=1)
+            synchronize()
+            total_us += (clock() - started) * 1e6
+            layer_us = timer.read_us()
+            if layer_us is not None:
+                total_layer_us = layer_us if total_layer_us is None else [a + b for a, b in zip(total_layer_us, layer_us)]
+    finally:
+        for layer in layers:
+            layer.defer_placement = False
+    return total_us, total_layer_us
 
 
 def tokens_table(result: DecodeResult) -> dict[str, object]:

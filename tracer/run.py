@@ -44,6 +44,7 @@ class TraceConfig:
     recall_rule: str = _POLICY_DEFAULTS.recall_rule  # the tracer runs traces.policy.TRACER_RECALL_RULES
     batch_size: int = 1  # samples decoded per step (continuous refill; per-sample results as at batch 1)
     max_new_tokens: int = 256
+    prefill_chunk_tokens: int | None = 2048  # a longer prompt is prefilled in chunks of this many tokens
     sink_tokens: int = _POLICY_DEFAULTS.sink_tokens
     window_tokens: int = _POLICY_DEFAULTS.window_tokens
     promote: bool = _POLICY_DEFAULTS.promote
@@ -89,6 +90,8 @@ class TraceConfig:
         from tracer.preflight import resolve_device, resolve_threads
 
         resolve_threads(resolve_device(self.device), self.threads)
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
+            raise BadTraceConfig(f"--prefill-chunk-tokens must be at least 1 (got {self.prefill_chunk_tokens})")
         for name in ("n_samples", "max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise BadTraceConfig(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
@@ -318,7 +321,8 @@ def trace_samples(loaded, task, samples, config: TraceConfig, progress: bool = F
     jobs = (prepare_job(loaded, task, sample, config) for sample in samples)
     first = TieredCache(model.config.num_hidden_layers, make_settings(config))
     with tqdm(desc="decode", unit="tok", leave=False, disable=not progress) as bar:
-        for job, result in decode_batch(model, jobs, first, config.batch_size, config.max_new_tokens, eos_ids, bar):
+        for job, result in decode_batch(model, jobs, first, config.batch_size, config.max_new_tokens, eos_ids, bar,
+                                        prefill_chunk_tokens=config.prefill_chunk_tokens):
             yield sample_parts(loaded, task, job, result)
 
 
