@@ -8,7 +8,8 @@
   other processes on a shared box take (wall time is kept too: the trace's `measured_step_us`). On CUDA the
   step time is the trace's own `measured_step_us` (wall, up to `torch.cuda.synchronize`).
 - `measured_run(loaded, config, clock)`: `tracer.run.run_trace` into a fresh directory with the timer
-  attached -> the run directory and a per-step table (sample_id, step, measured_s, layers_s, wall_s).
+  attached -> the run directory and a per-step table (sample_id, step, measured_s and layers_s as the trace
+  records them, the forward's wall_s and forward_s by the hooks).
 """
 
 from __future__ import annotations
@@ -64,8 +65,10 @@ class StepTimer:
     clock_name: str = "thread_cpu"
     step_s: list[float] = field(default_factory=list)
     layers_s: list[float] = field(default_factory=list)
+    wall_s: list[float] = field(default_factory=list)  # the forward's wall time (others' turns included)
     _handles: list = field(default_factory=list)
     _step_start: float = 0.0
+    _wall_start: float = 0.0
     _layer_start: float = 0.0
     _layers_sum: float = 0.0
 
@@ -74,10 +77,12 @@ class StepTimer:
 
         def step_begin(*_args, **_kwargs):
             self._layers_sum = 0.0
+            self._wall_start = time.perf_counter()
             self._step_start = clock()
 
         def step_end(*_args, **_kwargs):
             self.step_s.append(clock() - self._step_start)
+            self.wall_s.append(time.perf_counter() - self._wall_start)
             self.layers_s.append(self._layers_sum)
 
         def layer_begin(*_args, **_kwargs):
@@ -101,7 +106,8 @@ class StepTimer:
 
 def measured_run(loaded, config, clock_name: str) -> tuple[Path, pd.DataFrame]:
     """Traces `config` (its `out` must not hold a run yet) with the step timer attached; returns the run
-    directory and per-step times. `clock_name` 'trace' = use the trace's measured_step_us (CUDA)."""
+    directory and per-step times (the trace's own; the hooks count the forwards and time them as forward_s
+    with `clock_name`, 'trace' = wall)."""
     from tracer.run import run_trace
     from traces import open_run
 
@@ -114,8 +120,11 @@ def measured_run(loaded, config, clock_name: str) -> tuple[Path, pd.DataFrame]:
     finally:
         timer.detach()
     run = open_run(out)
-    steps = run.steps(columns=["sample_id", "step", "layer", "measured_step_us"])
-    steps = steps[steps["layer"] == 0].drop(columns="layer")
+    rows = run.steps(columns=["sample_id", "step", "layer", "measured_step_us", "measured_layer_us"])
+    steps = (rows.groupby(["sample_id", "step"], sort=False)
+             .agg(measured_step_us=("measured_step_us", "first"), layer_us=("measured_layer_us", "sum"),
+                  layer_rows=("measured_layer_us", "count"))
+             .reset_index())
     samples = run.samples()
     order = dict(zip(samples["sample_id"], samples["sample_index"]))
     steps = steps.assign(sample_index=steps["sample_id"].map(order)).sort_values(["sample_index", "step"])
@@ -123,9 +132,12 @@ def measured_run(loaded, config, clock_name: str) -> tuple[Path, pd.DataFrame]:
     if len(steps) != len(timer.step_s):
         raise RuntimeError(f"{len(timer.step_s)} forward passes for {len(steps)} trace steps in {out}: the "
                            "measured run must be the only decode with this model (no oracle teacher pass)")
-    steps["wall_s"] = steps.pop("measured_step_us") / 1e6
-    if clock_name == "trace":
-        steps["measured_s"], steps["layers_s"] = steps["wall_s"], float("nan")
-    else:
-        steps["measured_s"], steps["layers_s"] = timer.step_s, timer.layers_s
+    # The step as the trace records it (measured_step_us: the forward, the next tokens and the step's one
+    # device->host copy, by the trace's step clock: thread CPU time on a 1-thread CPU) and its layers by the
+    # trace's layer timer: the same quantities calibration fits (tracer.calibrate.tiered) and the demo's
+    # Figure 6 sums. The forward hooks' own times (forward only) are kept as `forward_s`.
+    complete = steps.pop("layer_rows") > 0
+    steps["measured_s"] = steps.pop("measured_step_us") / 1e6
+    steps["layers_s"] = (steps.pop("layer_us") / 1e6).where(complete)
+    steps["wall_s"], steps["forward_s"] = timer.wall_s, timer.step_s
     return out, steps

@@ -29,9 +29,10 @@ NEAR_ZERO_SHAPES = dict(hidden_size=32, num_attention_heads=2, num_key_value_hea
                         intermediate_size=32, vocab_size=64, tie_word_embeddings=True)
 
 # make_decoder(model, prompt_ids) -> step(): decodes one token; returns None, or (whether the placement moved
-# blocks, the step's seconds as the trace records them, the tokens a layer attended); the measured run's decode
-# code, or the plain DynamicCache loop below when the caller has no tiered cache.
-StepOutcome = tuple[bool, float, int]
+# blocks, the step's seconds as the trace records them, the tokens a layer attended, the decoder layers' summed
+# seconds by the trace's layer timer or None); the measured run's decode code, or the plain DynamicCache loop
+# below when the caller has no tiered cache.
+StepOutcome = tuple[bool, float, int, float | None]
 DecoderFactory = Callable[[torch.nn.Module, torch.Tensor], Callable[[], StepOutcome | None]]
 
 
@@ -81,6 +82,8 @@ class StepTimes:
     quiet_s: float
     moving_s: float | None
     attended_tokens: float | None = None  # mean tokens a layer attended over the timed steps (tiered decoders)
+    layers_s: float | None = None  # the decoder layers' share of a quiet step (the trace's layer timer)
+    rest_s: float | None = None  # the rest of a quiet step (embedding, LM head, sampling, the step's copy)
 
 
 def time_decode_steps_s(step: Callable[[], StepOutcome | None], n_steps: int, timing: Timing) -> StepTimes:
@@ -94,7 +97,7 @@ def time_decode_steps_s(step: Callable[[], StepOutcome | None], n_steps: int, ti
     clock = time.perf_counter if device.type == "cuda" else timing.clock
     for _ in range(timing.warmup):
         step()
-    quiet, moving, attended = [], [], []
+    quiet, moving, attended, layers, rest = [], [], [], [], []
     for _ in range(n_steps):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -103,13 +106,18 @@ def time_decode_steps_s(step: Callable[[], StepOutcome | None], n_steps: int, ti
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = clock() - start
-        moved, reported_s, tokens = outcome if outcome is not None else (False, None, None)
-        (moving if moved else quiet).append(elapsed if reported_s is None else reported_s)
+        moved, reported_s, tokens, layers_s = outcome if outcome is not None else (False, None, None, None)
+        step_s = elapsed if reported_s is None else reported_s
+        (moving if moved else quiet).append(step_s)
         if tokens is not None:
             attended.append(tokens)
+        if layers_s is not None and not moved:
+            layers.append(layers_s)
+            rest.append(step_s - layers_s)
     reduce = STATISTICS[timing.statistic]
     return StepTimes(reduce(quiet or moving), reduce(moving) if moving else None,
-                     sum(attended) / len(attended) if attended else None)
+                     sum(attended) / len(attended) if attended else None,
+                     reduce(layers) if layers else None, reduce(rest) if rest else None)
 
 
 def overhead_sweep(
@@ -135,7 +143,7 @@ def overhead_sweep(
     dispatch, its norms, rotary and attention on real head shapes (measured here for the bundled micro
     shapes: 641 us per layer vs 404 us near-zero, of which weight reads are ~90 us); its step minus its weights'
     read time is then the overhead the simulator adds to the roofline."""
-    quiet, extra, attended = [], [], []
+    quiet, extra, attended, layers, rest = [], [], [], [], []
     for n_layers in layer_counts:
         model = near_zero_model(n_layers, dtype, timing.device, shapes)
         handles = []
@@ -148,13 +156,17 @@ def overhead_sweep(
         quiet.append(times.quiet_s)
         extra.append(None if times.moving_s is None else max(0.0, times.moving_s - times.quiet_s))
         attended.append(times.attended_tokens)
+        layers.append(times.layers_s)
+        rest.append(times.rest_s)
         for handle in handles:
             handle.remove()
     name = "decode_step_overhead" if weights is None else "decode_step_with_weights"
     x = [float(n) for n in layer_counts]
     placement = None if None in extra else Series(f"placement_extra/{name}", x, extra, "layers")
+    split = None if None in layers else (Series(f"layers/{name}", x, layers, "layers"),
+                                         Series(f"rest/{name}", x, rest, "layers"))
     return Sweep(Series(name, x, quiet, "layers"), placement,
-                 None if None in attended else sum(attended) / len(attended))
+                 None if None in attended else sum(attended) / len(attended), split)
 
 
 @dataclass(frozen=True)
@@ -162,6 +174,7 @@ class Sweep:
     quiet: Series  # step time vs layers (steps where nothing moved)
     placement: Series | None  # extra time of a moving step vs layers
     attended_tokens: float | None  # mean tokens a layer attended in the timed steps
+    split: tuple[Series, Series] | None = None  # (layers' time, the rest) vs layers, by the trace's layer timer
 
 
 def token_cost_sweep(make_decoder: DecoderFactory, prompts: list[int], n_steps: int, dtype: torch.dtype,

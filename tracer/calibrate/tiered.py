@@ -55,7 +55,8 @@ def tiered_decoder_factory(
             # The step's time as the trace records it (measured_step_us: the forward and the step's one copy;
             # not the recorder's end of step or this loop's bookkeeping), so the fit is what a trace measures.
             attended = recorder.columns["hbm_tokens"][-1] + recorder.columns["recalled_tokens"][-1]
-            return moved_so_far() != before, wall_us / 1e6, int(attended)
+            layers_s = None if layer_us is None else sum(layer_us) / 1e6
+            return moved_so_far() != before, wall_us / 1e6, int(attended), layers_s
 
         step()  # the prefill
         return step
