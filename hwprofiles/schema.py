@@ -100,6 +100,8 @@ class OverheadSpec:
     placement_overhead_cached_s: float = 0.0
     recall_overhead_s: float = 0.0  # per layer-step that recalls: the hierarchy's recall bookkeeping (likewise set)
     recall_overhead_cached_s: float = 0.0
+    recall_block_overhead_s: float = 0.0  # per block a recalling layer-step recalls (likewise set)
+    recall_block_overhead_cached_s: float = 0.0
     token_overhead_s: float = 0.0  # per token a layer-step reads or writes KV of (attention, scoring, bookkeeping)
 
     def __post_init__(self):

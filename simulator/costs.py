@@ -147,6 +147,7 @@ class Overheads:
     placement_s: float = 0.0  # once per layer-step whose placement moved blocks (measured profiles only)
     token_s: float = 0.0  # per token a layer-step reads or writes KV of (measured profiles only)
     recall_s: float = 0.0  # once per layer-step that recalled blocks (measured hierarchy only)
+    recall_block_s: float = 0.0  # per block recalled
 
 
 def overheads_for(shape: ModelShape, profile: HardwareProfile) -> Overheads:
@@ -156,9 +157,9 @@ def overheads_for(shape: ModelShape, profile: HardwareProfile) -> Overheads:
     o = profile.overheads
     if o.has_cached and shape.weight_bytes <= o.cache_bytes:
         return Overheads(o.step_overhead_cached_s, o.layer_overhead_cached_s, "cached", o.placement_overhead_cached_s,
-                         o.token_overhead_s, o.recall_overhead_cached_s)
+                         o.token_overhead_s, o.recall_overhead_cached_s, o.recall_block_overhead_cached_s)
     return Overheads(o.step_overhead_s, o.layer_overhead_s, "streaming", o.placement_overhead_s, o.token_overhead_s,
-                     o.recall_overhead_s)
+                     o.recall_overhead_s, o.recall_block_overhead_s)
 
 
 def layer_overhead_s(shape: ModelShape, profile: HardwareProfile, kv_bytes):
@@ -179,8 +180,10 @@ def profile_for_policy(profile: HardwareProfile, policy: str) -> tuple[HardwareP
     none: returned unchanged. Both the streaming and the cached set are taken when the profile has them.
 
     The hierarchy's calibration recalls on every step (its DDR holds more than recall_k blocks), a trace's
-    hierarchy only where DDR holds blocks: its layer-steps are charged the evict decoder's overhead (the same
-    scoring, no recall) and the difference to the hierarchy's as `recall_s` on the layer-steps that recalled."""
+    hierarchy only where DDR holds blocks, and often fewer blocks: its layer-steps are charged the evict
+    decoder's overhead (the same scoring, no recall), and a layer-step that recalls n blocks `recall_s +
+    n x recall_block_s`, from the hierarchy decoders that recall 4 and 1 blocks a layer-step (without the
+    1-block one: all of the difference to evict is the fixed part)."""
     by_decoder = profile.provenance.get("overheads_by_decoder") or {}
     measured = by_decoder.get(f"tiered/{policy}")
     if measured is None:
@@ -190,16 +193,26 @@ def profile_for_policy(profile: HardwareProfile, policy: str) -> tuple[HardwareP
     def value(entry: dict, key: str) -> float:
         return max(0.0, float(entry.get(key, 0.0)))
 
+    one_block = by_decoder.get("tiered/hierarchy-k1") if policy == "hierarchy" else None
+
+    def recall(key: str) -> tuple[float, float]:  # (fixed, per block) of a recalling layer-step
+        four = max(0.0, value(measured, key) - value(base, key))
+        if one_block is None or key not in one_block:
+            return four, 0.0
+        per_block = max(0.0, (four - max(0.0, value(one_block, key) - value(base, key))) / 3)
+        return max(0.0, four - 4 * per_block), per_block
+
+    fixed, per_block = recall("layer_overhead_s")
     changes = dict(step_overhead_s=value(measured, "step_overhead_s"), layer_overhead_s=value(base, "layer_overhead_s"),
                    placement_overhead_s=value(measured, "placement_layer_overhead_s"),
-                   recall_overhead_s=max(0.0, value(measured, "layer_overhead_s") - value(base, "layer_overhead_s")))
+                   recall_overhead_s=fixed, recall_block_overhead_s=per_block)
     if profile.overheads.has_cached and "warm_step_overhead_s" in measured:
+        fixed, per_block = recall("warm_layer_overhead_s")
         changes.update(
             step_overhead_cached_s=value(measured, "warm_step_overhead_s"),
             layer_overhead_cached_s=value(base, "warm_layer_overhead_s"),
             placement_overhead_cached_s=value(measured, "warm_placement_layer_overhead_s"),
-            recall_overhead_cached_s=max(0.0, value(measured, "warm_layer_overhead_s")
-                                         - value(base, "warm_layer_overhead_s")))
+            recall_overhead_cached_s=fixed, recall_block_overhead_cached_s=per_block)
     overheads = dataclasses.replace(profile.overheads, **changes)
     return dataclasses.replace(profile, overheads=overheads), f"tiered/{policy}"
 
@@ -209,12 +222,16 @@ def layer_times(shape: ModelShape, profile: HardwareProfile, query_tokens, atten
     return roofline(flops, hbm_bytes, profile, layer_overhead_s(shape, profile, hbm_bytes - shape.layer_weight_bytes))
 
 
-def event_times(shape: ModelShape, profile: HardwareProfile, moved_blocks, recall_bytes, batch: int = 1) -> np.ndarray:
+def event_times(shape: ModelShape, profile: HardwareProfile, moved_blocks, recall_bytes, batch: int = 1,
+                recalled_blocks=None) -> np.ndarray:
     """The tiered cache's bookkeeping that only some layer-steps pay: the placement overhead where the placement
-    moved blocks (`moved_blocks` > 0; None: unknown, none charged) and the recall overhead where blocks were
-    recalled (`recall_bytes` > 0), `batch` times (each sequence of a lockstep batch does its own)."""
+    moved blocks (`moved_blocks` > 0; None: unknown, none charged) and, where blocks were recalled
+    (`recall_bytes` > 0), the recall overhead plus the per-block one for `recalled_blocks` (None: one block),
+    `batch` times (each sequence of a lockstep batch does its own)."""
     o = overheads_for(shape, profile)
-    out = o.recall_s * batch * (np.asarray(recall_bytes, dtype=np.float64) > 0)
+    recalled = np.asarray(recall_bytes, dtype=np.float64) > 0
+    blocks = recalled if recalled_blocks is None else np.asarray(recalled_blocks, dtype=np.float64) * recalled
+    out = batch * (o.recall_s * recalled + o.recall_block_s * blocks)
     if moved_blocks is not None:
         out = out + o.placement_s * batch * (np.asarray(moved_blocks, dtype=np.float64) > 0)
     return out

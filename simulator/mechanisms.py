@@ -319,7 +319,7 @@ def overlapping_copy_s(recall_s: np.ndarray, offload_s: np.ndarray, overlap: str
 def build_workload(mechanism: Mechanism, sample_id: str, shape: costs.ModelShape, profile: HardwareProfile,
                    query_tokens, hbm_tokens, recalled_tokens, bytes_h2d, bytes_d2h, hbm_kv_bytes, ddr_kv_bytes,
                    batch: int = 1, tier: str = "ddr", overlap: str = "none", async_offload: bool = True,
-                   moved_blocks=None):
+                   moved_blocks=None, recalled_blocks=None):
     """`workload.build_workload` under a transfer mechanism (arrays [steps, layers] of one sample).
 
     `dma-per-block` without a copy curve is exactly `workload.build_workload`. The others replace the copy
@@ -334,7 +334,7 @@ def build_workload(mechanism: Mechanism, sample_id: str, shape: costs.ModelShape
     hbm = np.asarray(hbm_tokens, dtype=np.float64)
     rec = np.asarray(recalled_tokens, dtype=np.float64)
     work = base_workload(sample_id, shape, profile, query_tokens, hbm + rec, bytes_h2d, bytes_d2h, hbm_kv_bytes,
-                         ddr_kv_bytes, batch, tier, moved_blocks)
+                         ddr_kv_bytes, batch, tier, moved_blocks, recalled_blocks)
     ctx = context(profile, shape, tier)
     n_steps, n_layers = hbm.shape
 
@@ -347,7 +347,7 @@ def build_workload(mechanism: Mechanism, sample_id: str, shape: costs.ModelShape
     if type(mechanism).layer_times is not Mechanism.layer_times:
         load = sequence_load(mechanism, shape, query_tokens, hbm, rec, bytes_h2d).scaled(batch)
         layer = mechanism.layer_times(ctx, load)
-        events = costs.event_times(shape, profile, moved_blocks, bytes_h2d, batch)
+        events = costs.event_times(shape, profile, moved_blocks, bytes_h2d, batch, recalled_blocks)
         layer = dataclasses.replace(layer, total_s=layer.total_s + events, overhead_s=layer.overhead_s + events)
         head = costs.head_times(shape, profile, batch)
         work.compute_s = with_head(layer.total_s, float(head.total_s))

@@ -143,7 +143,8 @@ def sample_work(steps: pd.DataFrame, sample: pd.Series, shape: costs.ModelShape,
         recall_bytes=work.recall_bytes.reshape(ops), recall_s=work.recall_s.reshape(ops),
         offload_bytes=work.offload_bytes.reshape(ops), offload_s=work.offload_s.reshape(ops),
         hbm_kv_bytes=work.step_hbm_kv_bytes, ddr_kv_bytes=work.step_ddr_kv_bytes, load=load,
-        event_s=costs.event_times(shape, profile, grid["moved_blocks"], grid["bytes_h2d"]),
+        event_s=costs.event_times(shape, profile, grid["moved_blocks"], grid["bytes_h2d"],
+                                  recalled_blocks=grid["recalled_blocks"]),
     )
 
 

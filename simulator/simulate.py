@@ -103,6 +103,7 @@ def simulate_run(
             arrays.update(
                 hbm_tokens=played.hbm_tokens, recalled_tokens=played.recalled_tokens,
                 bytes_h2d=played.bytes_h2d, bytes_d2h=played.bytes_d2h, moved_blocks=played.moved_blocks,
+                recalled_blocks=played.recalled_blocks,
                 hbm_kv_bytes=(played.hbm_tokens + played.recalled_tokens) * kvpl,
                 ddr_kv_bytes=played.ddr_tokens * kvpl,
             )
@@ -118,6 +119,7 @@ def simulate_run(
             arrays["ddr_kv_bytes"], options.batch,
             tiers.tier_for(profile, chain, options.batch * float(arrays["ddr_kv_bytes"].sum(1).max())), overlap,
             async_offload, moved_blocks=arrays.get("moved_blocks"),  # None once projected: another model's costs
+            recalled_blocks=arrays.get("recalled_blocks"),
         )
         record = timeline if index == 0 else None  # a timeline shows the first sample (the DES records it)
         use_fast = engine == "fast" or (engine == "auto" and record is None

@@ -138,6 +138,7 @@ class Replay:
     bytes_h2d: np.ndarray
     bytes_d2h: np.ndarray
     moved_blocks: np.ndarray  # blocks whose tier the placement changed (the placement overhead is charged there)
+    recalled_blocks: np.ndarray  # blocks recalled (the per-block recall overhead)
     mass_evicted: np.ndarray
     mass_not_recalled: np.ndarray
 
@@ -175,6 +176,7 @@ def replay(access: pd.DataFrame, logical_len: np.ndarray, n_layers: int, traced_
         out["bytes_h2d"][s] = placed.n_recalled * block_bytes
         out["bytes_d2h"][s] = placed.n_offloaded * block_bytes
         out["moved_blocks"][s] = placed.n_moved
+        out["recalled_blocks"][s] = placed.n_recalled
         out["mass_evicted"][s] = placed.mass_evicted
         out["mass_not_recalled"][s] = placed.mass_not_recalled
     return Replay(**out)

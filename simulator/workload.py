@@ -28,7 +28,7 @@ NUMERIC_STEP_COLUMNS = (
     "bytes_d2h", "hbm_kv_bytes", "ddr_kv_bytes",
 )
 MOVE_COLUMNS = ("promoted_block_ids", "offloaded_block_ids", "evicted_block_ids")
-STEP_COLUMNS = NUMERIC_STEP_COLUMNS + MOVE_COLUMNS
+STEP_COLUMNS = NUMERIC_STEP_COLUMNS + MOVE_COLUMNS + ("recalled_block_ids",)
 
 
 def step_arrays(frame, n_layers: int, where: str = "steps table") -> dict[str, np.ndarray]:
@@ -50,6 +50,9 @@ def step_arrays(frame, n_layers: int, where: str = "steps table") -> dict[str, n
         if column in frame:
             moved += frame[column].map(lambda ids: 0 if ids is None else len(ids)).to_numpy(dtype=np.float64)
     arrays["moved_blocks"] = moved.reshape(n_steps, n_layers)
+    recalled = (frame["recalled_block_ids"].map(lambda ids: 0 if ids is None else len(ids)).to_numpy(dtype=np.float64)
+                if "recalled_block_ids" in frame else np.zeros(len(frame)))
+    arrays["recalled_blocks"] = recalled.reshape(n_steps, n_layers)
     return arrays
 
 
@@ -90,12 +93,13 @@ def build_workload(
     batch: int = 1,
     tier: str = "ddr",
     moved_blocks: np.ndarray | None = None,
+    recalled_blocks: np.ndarray | None = None,
 ) -> Workload:
     """Arrays [n_steps, n_layers] of one sample (trace rows or a what-if replay) -> a Workload. `moved_blocks`
     (blocks the placement moved per layer-step; None: none known) adds the placement overhead where > 0."""
     n_steps, n_layers = query_tokens.shape
     layer = costs.layer_times(shape, profile, query_tokens, attended_tokens, batch)
-    events = costs.event_times(shape, profile, moved_blocks, bytes_h2d, batch)  # placement and recall bookkeeping
+    events = costs.event_times(shape, profile, moved_blocks, bytes_h2d, batch, recalled_blocks)  # bookkeeping
     layer = dataclasses.replace(layer, total_s=layer.total_s + events, overhead_s=layer.overhead_s + events)
     head = costs.head_times(shape, profile, batch)
 

@@ -108,7 +108,7 @@ def test_calibrate_quick_writes_a_profile_the_loader_accepts(tmp_path):
     assert profile.overheads.layer_overhead_s == pytest.approx(expected_layer, rel=1e-4, abs=2e-8)
     assert profile.overheads.step_overhead_s == pytest.approx(expected_step, rel=1e-4, abs=2e-8)
     by_decoder = prov["overheads_by_decoder"]
-    assert set(by_decoder) == {"dynamic-cache", "tiered/full", "tiered/evict", "tiered/hierarchy"}
+    assert set(by_decoder) == {"dynamic-cache", "tiered/full", "tiered/evict", "tiered/hierarchy", "tiered/hierarchy-k1"}
     assert all(v["warm_layer_overhead_s"] > 0 for v in by_decoder.values())
     assert not profile.link.full_duplex  # the CPU path copies synchronously on the compute thread
     # The cached overheads: the same decoder's no-weights fit, for models that fit in the last-level cache.

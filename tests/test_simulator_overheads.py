@@ -166,3 +166,29 @@ def test_step_arrays_count_the_blocks_each_row_moved():
     no_ids = step_arrays(pd.DataFrame(rows).drop(columns=["offloaded_block_ids", "evicted_block_ids",
                                                           "promoted_block_ids"]), 2)
     assert no_ids["moved_blocks"].tolist() == [[0, 0], [0, 0]]
+
+
+def test_a_recall_costs_its_fixed_part_plus_a_part_per_recalled_block(tmp_path):
+    """Calibration's hierarchy decoders recall 4 and 1 blocks a layer-step: hierarchy X + R4, hierarchy-k1
+    X + R1 over evict X. A trace's layer-step recalling n blocks then pays (R1 - b) + n b with b = (R4 - R1) / 3,
+    counted here from the trace's own recalled_block_ids."""
+    from traces import open_run
+
+    run_dir = tmp_path / "h"
+    synth_run(run_dir, model="qwen2-1.5b", prompt_tokens=64, decode_steps=40, policy="hierarchy", hbm_budget=0.5,
+              recall_k=3, samples=1, seed=1)
+    base = load_profile("h100-pcie")
+    x, r4, r1 = 2e-4, 5e-4, 2e-4
+    step_s = base.overheads.step_overhead_s
+    entry = lambda layer: {"step_overhead_s": step_s, "layer_overhead_s": layer}  # noqa: E731
+    by_decoder = {"tiered/evict": entry(x), "tiered/hierarchy": entry(x + r4), "tiered/hierarchy-k1": entry(x + r1)}
+    calibrated = dataclasses.replace(base, provenance={"kind": "measured", "overheads_by_decoder": by_decoder})
+    plain = simulate_run(run_dir, base)
+    charged = simulate_run(run_dir, calibrated)
+    steps = open_run(run_dir).steps()
+    per_block = (r4 - r1) / 3
+    blocks = [len(ids) for ids in steps["recalled_block_ids"]]
+    assert len({b for b in blocks if b}) >= 2  # layer-steps recall different numbers of blocks
+    expected = sum((r1 - per_block) + per_block * b for b in blocks if b) + len(steps) * (x - base.overheads.layer_overhead_s)
+    extra = charged.samples["total_s"].iloc[0] - plain.samples["total_s"].iloc[0]
+    assert extra == pytest.approx(expected, rel=1e-9)

@@ -288,7 +288,9 @@ def token_overhead_s(cal: Calibration) -> float:
     return max(0.0, fit["slope"] / TOKEN_SWEEP_LAYERS - kv_s)
 
 
-OVERHEAD_DECODERS = ("dynamic-cache", "tiered/full", "tiered/evict", "tiered/hierarchy")
+# tiered/hierarchy recalls 4 blocks per layer-step, tiered/hierarchy-k1 one: the recall's fixed and per-block
+# costs (simulator.costs.profile_for_policy).
+OVERHEAD_DECODERS = ("dynamic-cache", "tiered/full", "tiered/evict", "tiered/hierarchy", "tiered/hierarchy-k1")
 
 
 def decoder_factory(name: str):
@@ -300,7 +302,8 @@ def decoder_factory(name: str):
         return dynamic_cache_decoder
     from tracer.calibrate.tiered import tiered_decoder_factory
 
-    return tiered_decoder_factory(name.removeprefix("tiered/"))
+    policy, _, k = name.removeprefix("tiered/").partition("-k")
+    return tiered_decoder_factory(policy, recall_k=int(k) if k else 4)
 
 
 def _named(series, name: str):
