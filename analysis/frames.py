@@ -47,8 +47,9 @@ def method_label(policy: str, evict_ratio: float, scorer: str | None, show_score
 def recall_label(recall_k, recall_budget, recall_rule) -> str:
     """How a hierarchy recalls, for a legend: 'recall <= 10%' (a share of the context) or 'recall 4 blocks', with
     the rule when it is not the default max-over-heads bound."""
-    if recall_budget is not None and pd.notna(recall_budget):
-        text = f"recall ≤ {float(recall_budget):.0%}"
+    if recall_budget is not None and pd.notna(recall_budget):  # a share of the context, or tokens when > 1
+        budget = float(recall_budget)
+        text = f"recall ≤ {budget:.0%}" if budget <= 1 else f"recall ≤ {budget:g} tokens"
     elif recall_k is not None and pd.notna(recall_k):
         text = f"recall {int(recall_k)} blocks"
     else:

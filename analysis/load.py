@@ -190,6 +190,7 @@ def run_row(run: TraceRun) -> dict:
     """One run as a row: its policy knobs, accuracy with 95% Wilson CI, and the measured evicted share."""
     manifest = run.manifest
     policy, model = manifest["policy"], manifest["model"]
+    spec = PolicySpec.from_manifest(policy)
     samples = run.samples()
     scored = samples["correct"].dropna()
     n_correct = int(scored.astype(bool).sum())
@@ -201,14 +202,14 @@ def run_row(run: TraceRun) -> dict:
         "model": model["id"],
         "task": manifest["task"]["name"],
         "policy": policy["name"],
-        "policy_key": PolicySpec.from_manifest(policy).identity(),  # what projections of this policy join on
+        "policy_key": spec.identity(),  # what projections of this policy join on
         "hbm_budget": float(policy["hbm_budget"]),
         "evict_ratio": float(policy["evict_ratio"]),
         "block_size": int(policy["block_size"]),
         "scorer": policy["scorer"],
         "recall_k": policy["recall_k"],
-        "recall_budget": policy.get("recall_budget"),  # None: recall_k blocks; else a share of the context
-        "recall_rule": policy.get("recall_rule"),
+        "recall_budget": spec.recall_budget,  # None: recall_k blocks; else a share of the context (or tokens)
+        "recall_rule": spec.recall_rule,  # the rule's name (run.json may hold its v1 description)
         "device": manifest["hardware"].get("device"),
         "n_samples": len(samples),
         "n_scored": len(scored),

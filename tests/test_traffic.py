@@ -29,6 +29,13 @@ def recalling(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def recalling_other(tmp_path_factory):
+    """The same method as `recalling` on other problems (seed 1): pooled with it into one table row."""
+    return _trace(tmp_path_factory, "recall1", policy="hierarchy", hbm_budget=0.3, recall_k=4, block_size=4,
+                  window_tokens=8, seed=1)
+
+
+@pytest.fixture(scope="module")
 def no_recall(tmp_path_factory):
     return _trace(tmp_path_factory, "norecall", policy="hierarchy", hbm_budget=0.3, recall_k=0, block_size=4,
                   window_tokens=8)
@@ -96,15 +103,27 @@ def test_prefill_and_empty_tables_are_not_counted(recalling):
         traffic_summary(steps, 0)
 
 
-def test_accuracy_table_carries_the_traffic_pooled_like_one_steps_table(recalling, no_recall):
+def test_accuracy_table_carries_the_traffic_pooled_like_one_steps_table(recalling, recalling_other, no_recall):
     import pandas as pd
 
     from analysis import frames, load, tables
 
-    runs = [recalling, no_recall]
-    table = tables.capacity_accuracy_table(frames.accuracy_frame(load.run_table(runs)))
-    # Both runs are "hierarchy, evict 0%" at 30%: pooled into one row, as if their steps were one table.
-    row = table[table["method"] != frames.FULL_LABEL].iloc[0]
+    def partial_rows(runs):
+        table = tables.capacity_accuracy_table(frames.accuracy_frame(load.run_table(runs)))
+        return table, table[table["method"] != frames.FULL_LABEL].reset_index(drop=True)
+
+    # Runs that recall differently are different methods (different traffic): two rows, each its own run's.
+    _, apart = partial_rows([recalling, no_recall])
+    assert len(apart) == 2 and apart["method"].nunique() == 2, apart["method"].tolist()
+    for run in (recalling, no_recall):
+        row = apart[apart["method"].str.endswith(f"recall {run.manifest['policy']['recall_k']} blocks")].iloc[0]
+        own = traffic_summary(run.steps(), run.manifest["model"]["kv_bytes_per_token"])
+        assert row["attended_frac"] == pytest.approx(own["attended_frac"], rel=1e-12)
+    # The same method on other problems: pooled into one row, as if their steps were one table.
+    runs = [recalling, recalling_other]
+    table, pooled = partial_rows(runs)
+    assert len(pooled) == 1
+    row = pooled.iloc[0]
     together = pd.concat([r.steps().assign(sample_id=lambda f, i=i: f"{i}:" + f["sample_id"]) for i, r in enumerate(runs)])
     expected = traffic_summary(together, recalling.manifest["model"]["kv_bytes_per_token"])
     for column in tables.TRAFFIC_WEIGHTS:

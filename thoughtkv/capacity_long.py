@@ -20,13 +20,18 @@ FIGURE_STEM = "accuracy_vs_recall_long"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=Path("docs"), help="folder for the table, its CSV and figures/")
-    parser.add_argument("--runs", type=Path, default=Path("build/micro_long_table"), help="one trace run per cell")
+    parser.add_argument("--out", type=Path, default=Path("docs"),
+                        help="folder for the table, its CSV and figures/ (default: docs)")
+    parser.add_argument("--runs", type=Path, default=Path("build/micro_long_table"),
+                        help="one trace run per cell, resumed (default: build/micro_long_table)")
     parser.add_argument("--n-samples", type=int, default=200, help="problems per cell (default: 200)")
-    parser.add_argument("--cells", choices=["key", "all"], default="all", help="key: full and the 30%% column only")
+    parser.add_argument("--cells", choices=["key", "all"], default="all",
+                        help="key: full and the 30%% column only (default: all)")
     parser.add_argument("--figure-only", action="store_true", help="draw from the runs there are; trace nothing")
-    parser.add_argument("--shard", default="0/1", help="I/N: trace every N-th cell from the I-th (N processes)")
-    parser.add_argument("--batch-size", type=int, default=1, help="samples decoded per step (same results, faster)")
+    parser.add_argument("--shard", default="0/1",
+                        help="I/N: trace every N-th cell from the I-th, for N processes side by side (default: 0/1)")
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="samples decoded per step: the same results, faster (default: 1)")
 
 
 def draw(out: Path, runs: Path) -> Path:
