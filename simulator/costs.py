@@ -237,6 +237,20 @@ def event_times(shape: ModelShape, profile: HardwareProfile, moved_blocks, recal
     return out
 
 
+def with_events(layer: OpTimes, shape: ModelShape, profile: HardwareProfile, moved_blocks, recall_bytes,
+                batch: int = 1, recalled_blocks=None) -> OpTimes:
+    """`layer` with `event_times` added to its total and overhead (the trace replay and the mechanisms)."""
+    events = event_times(shape, profile, moved_blocks, recall_bytes, batch, recalled_blocks)
+    return dataclasses.replace(layer, total_s=layer.total_s + events, overhead_s=layer.overhead_s + events)
+
+
+def add_layer_events(op_s: list[float], events: np.ndarray) -> list[float]:
+    """A serving iteration's operation times (layers, then the LM head) with per-layer `events` added."""
+    if not np.any(events):
+        return op_s
+    return [*(np.asarray(op_s[:-1]) + events).tolist(), op_s[-1]]
+
+
 def head_times(shape: ModelShape, profile: HardwareProfile, batch: int = 1) -> OpTimes:
     flops, hbm_bytes = head_flops_bytes(shape, batch)
     return roofline(flops, hbm_bytes, profile, overheads_for(shape, profile).step_s)

@@ -26,7 +26,6 @@ Interface (both engines, the fast paths and serving use only this):
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -347,8 +346,7 @@ def build_workload(mechanism: Mechanism, sample_id: str, shape: costs.ModelShape
     if type(mechanism).layer_times is not Mechanism.layer_times:
         load = sequence_load(mechanism, shape, query_tokens, hbm, rec, bytes_h2d).scaled(batch)
         layer = mechanism.layer_times(ctx, load)
-        events = costs.event_times(shape, profile, moved_blocks, bytes_h2d, batch, recalled_blocks)
-        layer = dataclasses.replace(layer, total_s=layer.total_s + events, overhead_s=layer.overhead_s + events)
+        layer = costs.with_events(layer, shape, profile, moved_blocks, bytes_h2d, batch, recalled_blocks)
         head = costs.head_times(shape, profile, batch)
         work.compute_s = with_head(layer.total_s, float(head.total_s))
         work.compute_only_s = with_head(layer.compute_s, float(head.compute_s))

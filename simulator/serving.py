@@ -435,7 +435,7 @@ class ServingSim:
             op_s = self.mechanism_op_s(rows, offload_s, offload_bytes, following_s, following_bytes)
         if any(w.event_s is not None for w, _ in rows):  # each sequence's placement / recall bookkeeping
             events = np.sum([w.event_s[s] for w, s in rows if w.event_s is not None], axis=0)
-            op_s = [*(np.asarray(op_s[:-1]) + events).tolist(), op_s[-1]]
+            op_s = costs.add_layer_events(op_s, events)
         yield from self.schedule.run(
             op_s, recall_s, recall_bytes, offload_s, offload_bytes, batch, [r.rid for r in batch], following_s,
             following_bytes, n_layers=self.shape.n_layers)

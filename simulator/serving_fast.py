@@ -210,10 +210,7 @@ class FastServing:
               following_bytes=None) -> list[float]:
         """`_layer_op_s` plus every request's placement / recall bookkeeping on its layers (as ServingSim)."""
         op_s = self._layer_op_s(rows, offload_s, offload_bytes, following_s, following_bytes)
-        events = self.event_s[rows].sum(axis=0)
-        if not events.any():
-            return op_s
-        return [*(np.asarray(op_s[:-1]) + events).tolist(), op_s[-1]]
+        return costs.add_layer_events(op_s, self.event_s[rows].sum(axis=0))
 
     def _layer_op_s(self, rows: np.ndarray, offload_s=None, offload_bytes=None, following_s=None,
                     following_bytes=None) -> list[float]:

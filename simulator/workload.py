@@ -12,7 +12,6 @@ only differ in how they schedule, never in what things cost.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,8 +98,7 @@ def build_workload(
     (blocks the placement moved per layer-step; None: none known) adds the placement overhead where > 0."""
     n_steps, n_layers = query_tokens.shape
     layer = costs.layer_times(shape, profile, query_tokens, attended_tokens, batch)
-    events = costs.event_times(shape, profile, moved_blocks, bytes_h2d, batch, recalled_blocks)  # bookkeeping
-    layer = dataclasses.replace(layer, total_s=layer.total_s + events, overhead_s=layer.overhead_s + events)
+    layer = costs.with_events(layer, shape, profile, moved_blocks, bytes_h2d, batch, recalled_blocks)  # bookkeeping
     head = costs.head_times(shape, profile, batch)
 
     def with_head(per_layer: np.ndarray, head_value: float) -> np.ndarray:

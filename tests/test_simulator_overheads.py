@@ -116,6 +116,22 @@ def test_the_token_overhead_is_charged_per_token_of_kv_a_layer_step_reads_or_wri
         assert charged - bare == pytest.approx(token_s * batch * (attended + query), rel=1e-9)
 
 
+def hierarchy_on_calibrated(tmp_path, recall_k: int, seed: int, layer_overhead_s: dict[str, float],
+                            placement_layer_overhead_s: float | None = None):
+    """A synthetic qwen2-1.5b hierarchy run (50% HBM, 40 steps) and h100-pcie with and without per-decoder
+    calibration (`layer_overhead_s` per decoder; the placement overhead on the hierarchy's, when given)."""
+    run_dir = tmp_path / "h"
+    synth_run(run_dir, model="qwen2-1.5b", prompt_tokens=64, decode_steps=40, policy="hierarchy", hbm_budget=0.5,
+              recall_k=recall_k, samples=1, seed=seed)
+    base = load_profile("h100-pcie")
+    by_decoder = {name: {"step_overhead_s": base.overheads.step_overhead_s, "layer_overhead_s": value}
+                  for name, value in layer_overhead_s.items()}
+    if placement_layer_overhead_s is not None:
+        by_decoder["tiered/hierarchy"]["placement_layer_overhead_s"] = placement_layer_overhead_s
+    calibrated = dataclasses.replace(base, provenance={"kind": "measured", "overheads_by_decoder": by_decoder})
+    return run_dir, base, calibrated
+
+
 @pytest.mark.parametrize("engine", ["des", "fast"])
 def test_placement_and_recall_overheads_are_charged_where_the_trace_moved_and_recalled(tmp_path, engine):
     """A hierarchy trace on a profile whose calibration says: evict decoder X per layer, hierarchy X + R (its
@@ -126,16 +142,9 @@ def test_placement_and_recall_overheads_are_charged_where_the_trace_moved_and_re
 
     from traces import open_run
 
-    run_dir = tmp_path / "h"
-    synth_run(run_dir, model="qwen2-1.5b", prompt_tokens=64, decode_steps=40, policy="hierarchy", hbm_budget=0.5,
-              recall_k=2, samples=1, seed=0)
-    base = load_profile("h100-pcie")
     x, r, p = 2e-4, 3e-4, 5e-4
-    step_s = base.overheads.step_overhead_s
-    by_decoder = {"tiered/evict": {"step_overhead_s": step_s, "layer_overhead_s": x},
-                  "tiered/hierarchy": {"step_overhead_s": step_s, "layer_overhead_s": x + r,
-                                       "placement_layer_overhead_s": p}}
-    calibrated = dataclasses.replace(base, provenance={"kind": "measured", "overheads_by_decoder": by_decoder})
+    run_dir, base, calibrated = hierarchy_on_calibrated(tmp_path, recall_k=2, seed=0, layer_overhead_s={
+        "tiered/evict": x, "tiered/hierarchy": x + r}, placement_layer_overhead_s=p)
     plain = simulate_run(run_dir, base, SimOptions(engine=engine))
     charged = simulate_run(run_dir, calibrated, SimOptions(engine=engine))
     steps = open_run(run_dir).steps()
@@ -174,15 +183,9 @@ def test_a_recall_costs_its_fixed_part_plus_a_part_per_recalled_block(tmp_path):
     counted here from the trace's own recalled_block_ids."""
     from traces import open_run
 
-    run_dir = tmp_path / "h"
-    synth_run(run_dir, model="qwen2-1.5b", prompt_tokens=64, decode_steps=40, policy="hierarchy", hbm_budget=0.5,
-              recall_k=3, samples=1, seed=1)
-    base = load_profile("h100-pcie")
     x, r4, r1 = 2e-4, 5e-4, 2e-4
-    step_s = base.overheads.step_overhead_s
-    entry = lambda layer: {"step_overhead_s": step_s, "layer_overhead_s": layer}  # noqa: E731
-    by_decoder = {"tiered/evict": entry(x), "tiered/hierarchy": entry(x + r4), "tiered/hierarchy-k1": entry(x + r1)}
-    calibrated = dataclasses.replace(base, provenance={"kind": "measured", "overheads_by_decoder": by_decoder})
+    run_dir, base, calibrated = hierarchy_on_calibrated(tmp_path, recall_k=3, seed=1, layer_overhead_s={
+        "tiered/evict": x, "tiered/hierarchy": x + r4, "tiered/hierarchy-k1": x + r1})
     plain = simulate_run(run_dir, base)
     charged = simulate_run(run_dir, calibrated)
     steps = open_run(run_dir).steps()

@@ -53,16 +53,11 @@ def draw(out: Path, runs: Path) -> Path:
 def run(args: argparse.Namespace) -> int:
     if args.n_samples < 1 or args.batch_size < 1:
         raise UserError(f"--n-samples and --batch-size must be >= 1 (got {args.n_samples}, {args.batch_size})")
-    try:
-        index, count = (int(part) for part in args.shard.split("/"))
-    except ValueError:
-        raise UserError(f"--shard {args.shard!r}: use I/N, e.g. 0/2") from None
-    if not 0 <= index < count:
-        raise UserError(f"--shard {args.shard!r}: need 0 <= I < N")
+    from tracer.micro.table_long import parse_shard, run_table
+
+    shard = parse_shard(args.shard)
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.figure_only:
-        from tracer.micro.table_long import run_table
-
-        run_table(args.out, args.runs, args.n_samples, args.cells, shard=(index, count), batch_size=args.batch_size)
+        run_table(args.out, args.runs, args.n_samples, args.cells, shard=shard, batch_size=args.batch_size)
     print(f"wrote {draw(args.out, args.runs)}")
     return 0

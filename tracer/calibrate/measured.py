@@ -3,10 +3,9 @@
 - `load_for_crosscheck(spec, device, dtype, seed)`: `random:NAME` models are created directly on the compute
   device (meta device -> `to_empty` -> in-place init), so that `random:qwen2-7b` never builds 15 GB on the
   CPU first; anything else goes through `tracer.models.load_model`.
-- `StepTimer`: forward hooks on the model and on each decoder layer. On the CPU with one intra-op thread every
-  kernel runs on the calling thread, so its CPU time (`time.thread_time`) is the step's cost without the time
-  other processes on a shared box take (wall time is kept too: the trace's `measured_step_us`). On CUDA the
-  step time is the trace's own `measured_step_us` (wall, up to `torch.cuda.synchronize`).
+- `StepTimer`: forward hooks on the model: they count the forwards (one per trace step) and time the forward
+  alone (`forward_s`, by the thread's CPU time on a 1-thread CPU, and its wall time). The step's measured time
+  is the trace's own `measured_step_us` and layer timer, which calibration fits too.
 - `measured_run(loaded, config, clock)`: `tracer.run.run_trace` into a fresh directory with the timer
   attached -> the run directory and a per-step table (sample_id, step, measured_s and layers_s as the trace
   records them, the forward's wall_s and forward_s by the hooks).
@@ -21,8 +20,6 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-
-from tracer.models import decoder_layers
 
 CLOCKS = {"thread_cpu": time.thread_time, "wall": time.perf_counter}
 
@@ -60,42 +57,29 @@ def load_random_on_device(spec: str, device: torch.device, dtype: str | None, se
 
 @dataclass
 class StepTimer:
-    """Per-forward (= per decode step) and per-decoder-layer times from forward hooks, with `clock`."""
+    """Per-forward (= per decode step) times from forward hooks, with `clock` and wall time: they count the
+    forwards (one per trace step) and give the forward-only time; the step's measured time is the trace's."""
 
     clock_name: str = "thread_cpu"
     step_s: list[float] = field(default_factory=list)
-    layers_s: list[float] = field(default_factory=list)
     wall_s: list[float] = field(default_factory=list)  # the forward's wall time (others' turns included)
     _handles: list = field(default_factory=list)
     _step_start: float = 0.0
     _wall_start: float = 0.0
-    _layer_start: float = 0.0
-    _layers_sum: float = 0.0
 
     def attach(self, model: torch.nn.Module) -> StepTimer:
         clock = CLOCKS[self.clock_name]
 
         def step_begin(*_args, **_kwargs):
-            self._layers_sum = 0.0
             self._wall_start = time.perf_counter()
             self._step_start = clock()
 
         def step_end(*_args, **_kwargs):
             self.step_s.append(clock() - self._step_start)
             self.wall_s.append(time.perf_counter() - self._wall_start)
-            self.layers_s.append(self._layers_sum)
-
-        def layer_begin(*_args, **_kwargs):
-            self._layer_start = clock()
-
-        def layer_end(*_args, **_kwargs):
-            self._layers_sum += clock() - self._layer_start
 
         self._handles.append(model.register_forward_pre_hook(step_begin, with_kwargs=True))
         self._handles.append(model.register_forward_hook(step_end, with_kwargs=True))
-        for layer in decoder_layers(model):
-            self._handles.append(layer.register_forward_pre_hook(layer_begin, with_kwargs=True))
-            self._handles.append(layer.register_forward_hook(layer_end, with_kwargs=True))
         return self
 
     def detach(self) -> None:

@@ -79,12 +79,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _shard(text: str) -> tuple[int, int]:
-    index, _, count = text.partition("/")
-    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
-        from thoughtkv_base import UserError
+    from tracer.micro.table_long import parse_shard
 
-        raise UserError(f"--shard {text!r}: give I/N with 0 <= I < N, e.g. 0/2")
-    return int(index), int(count)
+    return parse_shard(text)
 
 
 if __name__ == "__main__":

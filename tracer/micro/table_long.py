@@ -13,7 +13,6 @@ whatever runs exist, each row with its n and its traffic (traces.stats.traffic_s
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,6 +80,16 @@ def cells(which: str) -> list[Cell]:
     if which == "key":
         return key
     return key + rule_cells() + [cell for budget in HBM_BUDGETS if budget != KEY_BUDGET for cell in column(budget)]
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """`--shard I/N` -> (I, N): every N-th cell from the I-th, for N processes side by side."""
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        from thoughtkv_base import UserError
+
+        raise UserError(f"--shard {text!r}: give I/N with 0 <= I < N, e.g. 0/2")
+    return int(index), int(count)
 
 
 def trace_config(cell: Cell, runs: Path, n_samples: int, model: str = str(MODEL_DIR),
@@ -212,15 +221,15 @@ def write_csv(path: Path, runs: Path) -> None:
     import csv
     import io
 
+    from traces.layout import write_atomic
+
     rows = result_rows(runs)
     buffer = io.StringIO()
     if rows:
         writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(buffer.getvalue())
-    os.replace(temporary, path)
+    write_atomic(path, lambda temp: temp.write_text(buffer.getvalue()))  # shards write side by side
 
 
 def write_markdown(path: Path, runs: Path) -> None:
@@ -255,7 +264,7 @@ def write_markdown(path: Path, runs: Path) -> None:
         f"Rows with n < {ISSUE_N} are short of the issue's n = {ISSUE_N} per cell: rerun the command with "
         f"`--n-samples {ISSUE_N}` to extend them (each run resumes after its committed problems).",
     ]
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # shards write side by side: replace atomically
-    temporary.write_text("\n".join(lines) + "\n")
-    os.replace(temporary, path)
+    from traces.layout import write_atomic
+
+    write_atomic(path, lambda temp: temp.write_text("\n".join(lines) + "\n"))  # shards write side by side
     write_csv(path.with_name(CSV_NAME), runs)
