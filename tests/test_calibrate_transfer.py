@@ -95,6 +95,7 @@ def test_pinned_store_behaves_like_the_tracer_store(device):
         ids = torch.randperm(100, generator=g)[: 3 + round_].sort().values  # grows past the initial capacity
         keys = torch.randn(len(ids), HEADS, BLOCK, DIM, generator=g).to(device)
         values = torch.randn(len(ids), HEADS, BLOCK, DIM, generator=g).to(device)
+        store.reserve(100)  # the ids' bound, as the cache names it
         assert store.put(ids, keys, values) == reference.put(ids, keys, values)
         wanted = ids[torch.randperm(len(ids), generator=g)[:2]]
         k, v, n = store.get(wanted)

@@ -235,7 +235,7 @@ def test_attend_hides_keys_per_kv_head_like_a_softmax_over_the_visible_ones():
     key, value = torch.randn(1, 2, 10, 8, generator=generator), torch.randn(1, 2, 10, 8, generator=generator)
     hidden = torch.zeros(2, 10, dtype=torch.bool)
     hidden[0, 6:8], hidden[1, 8:10] = True, True
-    output, mean, _ = attend(query, key, value, 0.5, 9, hidden)
+    output, mean, _ = attend(query, key, value, 0.5, torch.arange(10), 9, hidden)
     for head in range(4):
         kv = head // 2
         visible = ~hidden[kv]
@@ -266,7 +266,7 @@ def test_quest_per_head_with_one_kv_head_is_quest_and_each_head_attends_its_own_
         if layer.recalled_ids is not None:
             n = layer.recalled_ids.numel()
             assert min(2, layer.n_ddr_blocks) <= n <= min(4, layer.n_ddr_blocks)
-            staged = ~layer.hidden_keys[:, layer.n_hbm :]  # [Hkv, recalled slots]: what each head may read
+            staged = ~layer.hidden_keys[:, layer.n_pages * 4 :]  # [Hkv, recalled slots]: what each head may read
             assert staged.sum(1).tolist() == [min(2, layer.n_ddr_blocks) * 4] * 2
             nonlocal seen_union_above_k
             seen_union_above_k |= n > 2

@@ -89,14 +89,15 @@ def simulate_steps(run_dir: Path, profile, options):
 
 def offload_is_asynchronous(device_type: str) -> bool:
     """Whether the measured run's offload copies overlap later compute: only on CUDA, and only when the DDR
-    store the tracer builds copies on a side stream (it says so with `asynchronous_offload`)."""
+    store the tracer builds copies on a side stream (it says so with `asynchronous_offload`: its staged fallback
+    does; a scatter through the mapped pinned pool runs in order on the compute stream)."""
     if device_type != "cuda":
         return False  # the CPU path copies synchronously on the compute thread
     import torch
 
     from tracer.quant import make_block_store
 
-    store = make_block_store("same", 1, 1, 1, torch.float32, torch.device("cpu"))
+    store = make_block_store("same", 1, 1, 1, torch.float32, torch.device(device_type))
     return bool(getattr(store, "asynchronous_offload", False))
 
 

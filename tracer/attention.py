@@ -4,8 +4,8 @@ The model calls `cache.update(k, v)` and then its attention function, which rece
 `layer_idx`), the query and the K/V that `update` returned. `update` leaves its layer here as "pending"; this
 function takes it, asks it to recall DDR blocks for the *current* query (the recall rule therefore decides
 from this layer's query: prefetching a layer's blocks before its query exists is a prediction, not this
-rule), computes softmax attention over HBM + recalled entries (equal to sdpa: GQA, and the causal mask among
-the new tokens at prefill), hands the new queries' weights (mean and max over heads) back to the layer, which
+rule), computes softmax attention over the layer's HBM pages + recalled entries (equal to sdpa: GQA, and the causal
+mask among the new tokens at prefill; empty slots of the paged pool get weight 0), hands the new queries' weights (mean and max over heads) back to the layer, which
 then scores and places blocks (offload/evict/promote) after attention. Without a pending tiered layer (e.g.
 a plain DynamicCache) it is exactly sdpa.
 
@@ -29,12 +29,16 @@ def set_pending(layer) -> None:
 
 
 def attend(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, new_start: int,
-    hidden_keys: torch.Tensor | None = None,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, key_positions: torch.Tensor,
+    query_start: int, hidden_keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Softmax attention for batch 1 with GQA; the `lq` new tokens sit at key columns [new_start, new_start+lq).
-    `hidden_keys` ([Hkv, n_keys] bool, decode only): key columns a KV head's queries must not attend (the
-    per-head recall rule's blocks picked by other heads).
+    """Softmax attention for batch 1 with GQA over the slots of a paged cache layer.
+
+    `key_positions` [n_keys]: the logical position each key slot holds, -1 for an empty slot (a free page, an
+    unused staging slot); the `lq` queries sit at positions [query_start, query_start + lq), and each attends
+    the slots holding a position up to its own (causal, in any slot order). `hidden_keys` ([Hkv, n_keys] bool,
+    decode only): key columns a KV head's queries must not attend (the per-head recall rule's blocks picked by
+    other heads). Blocked slots get weight exactly 0.
 
     Returns the output [1, lq, Hq, d] and the weights [lq, n] reduced over query heads (mean, max), float32.
     """
@@ -43,12 +47,13 @@ def attend(
     group = n_heads // n_kv_heads  # query head h reads KV head h // group (HF's repeat_kv order)
     grouped_query = query.reshape(1, n_kv_heads, group * lq, head_dim)
     logits = torch.matmul(grouped_query, key.transpose(-1, -2)) * scaling
-    if lq > 1:
-        future = torch.ones(lq, lq, dtype=torch.bool, device=query.device).triu(1)
-        mask = torch.zeros(lq, n_keys, dtype=torch.bool, device=query.device)
-        mask[:, new_start : new_start + lq] = future
-        logits = logits.view(1, n_kv_heads, group, lq, n_keys).masked_fill(mask, float("-inf"))
-        logits = logits.view(1, n_kv_heads, group * lq, n_keys)
+    if lq == 1:
+        blocked = key_positions < 0  # every stored position precedes the one query
+    else:
+        query_positions = torch.arange(query_start, query_start + lq, device=query.device)
+        blocked = (key_positions[None, :] > query_positions[:, None]) | (key_positions < 0)[None, :]
+    logits = logits.view(1, n_kv_heads, group, lq, n_keys).masked_fill(blocked, float("-inf"))
+    logits = logits.view(1, n_kv_heads, group * lq, n_keys)
     if hidden_keys is not None:
         logits = logits.masked_fill(hidden_keys[None, :, None, :], float("-inf"))
     weights = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -74,7 +79,9 @@ def tiered_attention_forward(module, query, key, value, attention_mask, scaling=
     for index, layer in enumerate(layers):
         row_query = query[index : index + 1] if len(layers) > 1 else query
         row_key, row_value = layer.recall(row_query)
-        output, weights_mean, weights_max = attend(row_query, row_key, row_value, scaling, layer.new_start, layer.hidden_keys)
+        output, weights_mean, weights_max = attend(row_query, row_key, row_value, scaling,
+                                                   layer.slot_pos[: row_key.shape[2]], layer.query_start,
+                                                   layer.hidden_keys)
         layer.after_attention(weights_mean, weights_max)
         outputs.append(output)
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), None

@@ -11,18 +11,20 @@ in length) before the next batched decode step, so the batch stays full. Every s
 it would see alone (same tokens, positions, tiers, recall, stop); only the wall times are shared: a
 batched step's time is recorded for every sample in it.
 
-Host synchronisation (counted by `HostSyncCounter`, tests/test_host_syncs.py): the loop itself waits once per
-step, for the next tokens, fetched in the same copy as every layer's recorded rows. The tiered cache still
-waits inside a hierarchy/evict step: placement reads back what moved (one copy per placing layer) because its
-compacted HBM buffers are sliced by host-side lengths, and recall gathers DDR blocks by host-side ids.
+Host synchronisation (counted by `HostSyncCounter`, tests/test_host_syncs.py): one per step, for the next tokens,
+fetched in the same copy as every layer's recorded rows. The tiered cache adds none under the full, evict and
+default hierarchy policies (paged pools sized from host-known counts, placement and recall as device masks,
+DDR gathers by device-side ids); where a count is data-dependent it reads it back once per layer that places
+or recalls (tracer/cache.py).
 
-CUDA graphs: a decode step cannot be captured today. What stops it: (1) those in-step synchronisations (a
-capture forbids them); (2) shapes that change every step (the KV length grows, a row's attended entries
-change as blocks move, the batch shrinks at a stop); (3) Python control flow on device-derived values
-(placement only when over budget, the number of recalled blocks); (4) buffers reallocated when they fill.
-Capture would need fixed-size paged pools with per-row block tables and masks for unused slots, placement as
-device-side masks (fixed top-k, no counts read back), DDR gathers addressed on the device (pinned host memory
-mapped into the device address space), and the batch padded to a fixed size: issue 15's paged layout.
+CUDA graphs: a decode step is not captured. What still stops it: (1) shapes that change between steps: the
+pages attended grow with the pool, the staging pages in use with the recall count, the batch shrinks at a
+stop, and the rows of a batch attend one after another; (2) host-side control flow on host-known values
+(placement runs only when a target moved, recall only once DDR holds blocks), which a graph would have to
+replay as fixed-size masked work every step; (3) buffers reallocated when the pool grows; (4) the documented
+read-backs above. A capturable step would preallocate the pool for the run's longest sample, run placement
+and recall every step with masks for the unused slots, pad the batch to a fixed size, and capture one graph
+per pool size bucket (as vLLM captures per batch size).
 """
 
 from __future__ import annotations

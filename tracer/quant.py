@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from thoughtkv_base import UserError
+from tracer.transfer import mapped_view
 from traces.policy import DDR_DTYPES
 
 BITS = {"int8": 8, "int4": 4}
@@ -132,38 +132,49 @@ class QuantizedBlockStore:
                 tensor[:old] = self.host[name]
             key_min[:old], key_max[:old] = self.key_min, self.key_max
         self.host, self.key_min, self.key_max = grown, key_min, key_max
+        # Indexed by block ids on the device (tracer.transfer.mapped_view); None where CUDA refuses the mapping.
+        self.views = {name: mapped_view(tensor, self.device) for name, tensor in grown.items()}
         self.capacity_blocks = capacity
 
-    def put(self, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-            host_ids: np.ndarray | None = None) -> int:
-        """Quantize blocks [n, H, block, d] on the device and store them under `block_ids`; returns bytes D2H.
-        `host_ids` (numpy): the same ids already on the host, so none are read back."""
-        host_ids = block_ids.cpu().numpy() if host_ids is None else np.asarray(host_ids)
-        needed = int(host_ids.max()) + 1
-        host_ids = torch.from_numpy(host_ids)
-        if needed > self.capacity_blocks:
-            self._grow(needed)
-        device_ids = block_ids.to(self.device)
+    def reserve(self, n_blocks: int) -> None:
+        """Room for block ids below `n_blocks` (a bound the cache knows on the host)."""
+        if n_blocks > self.capacity_blocks:
+            self._grow(n_blocks)
+
+    def _scatter(self, name: str, ids: torch.Tensor, tensor: torch.Tensor) -> None:
+        view = self.views[name]
+        if view is not None:
+            view.index_copy_(0, ids, tensor)
+        else:  # no mapping: the ids and codes come to the host (one synchronisation)
+            self.host[name][ids.cpu()] = tensor.cpu()
+
+    def _gather(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        view = self.views[name]
+        if view is not None:
+            return view.index_select(0, ids)
+        return self.host[name][ids.cpu()].to(self.device, non_blocking=self.pin)
+
+    def put(self, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Quantize blocks [n, H, block, d] on the device and store them under `block_ids` (on the device,
+        below the `reserve`d bound); returns bytes D2H."""
+        ids = block_ids.to(self.device)
         moved = 0
         for prefix, x in (("k", keys), ("v", values)):
             tiles = quantize(x, self.bits)
             x_hat = dequantize(tiles, self.bits, self.dtype)
             self._errors.append(relative_errors(x, x_hat).flatten())
             if prefix == "k":
-                self.key_min[device_ids], self.key_max[device_ids] = x_hat.amin(dim=2), x_hat.amax(dim=2)
+                self.key_min[ids], self.key_max[ids] = x_hat.amin(dim=2), x_hat.amax(dim=2)
             for part, tensor in zip(("codes", "scale", "zero"), tiles.tensors(), strict=True):
-                host_tensor = tensor.cpu()  # blocking: the host buffer is read right below
-                self.host[f"{prefix}_{part}"][host_ids] = host_tensor
-                moved += host_tensor.numel() * host_tensor.element_size()
+                self._scatter(f"{prefix}_{part}", ids, tensor)
+                moved += tensor.numel() * tensor.element_size()
         return moved
 
     def get(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Copy blocks' codes and grids to the device and dequantize: (keys, values, bytes copied H2D)."""
-        host_ids = block_ids.cpu()
         out, moved = [], 0
         for prefix in "kv":
-            parts = [self.host[f"{prefix}_{part}"][host_ids].to(self.device, non_blocking=self.pin) for part in ("codes", "scale", "zero")]
-            tiles = QuantizedTiles(*parts)
+            tiles = QuantizedTiles(*[self._gather(f"{prefix}_{part}", block_ids) for part in ("codes", "scale", "zero")])
             moved += tiles.nbytes()
             out.append(dequantize(tiles, self.bits, self.dtype))
         return out[0], out[1], moved
@@ -173,16 +184,22 @@ class QuantizedBlockStore:
         n_heads, block_size, _ = self.shape
         return 2 * (n_heads * block_size * self.code_dim + 2 * n_heads * 4)
 
-    def pop_quant_error(self) -> dict[str, float | None]:
-        """Max and RMS relative error over the blocks stored since the last call (None when none were)."""
+    def pop_quant_error_tensors(self) -> torch.Tensor | None:
+        """[max, RMS] relative error (a device tensor) over the blocks stored since the last call; None when
+        none were. The cache records it without reading it (tracer.cache.DeferredCopies)."""
         errors, self._errors = self._errors, []
         if not errors:
-            return {"quant_max_rel_err": None, "quant_rms_rel_err": None}
+            return None
         flat = torch.cat(errors)
-        return {
-            "quant_max_rel_err": float(flat.abs().max()),
-            "quant_rms_rel_err": float(flat.square().mean().sqrt()),
-        }
+        return torch.stack([flat.abs().max(), flat.square().mean().sqrt()])
+
+    def pop_quant_error(self) -> dict[str, float | None]:
+        """Max and RMS relative error over the blocks stored since the last call (None when none were)."""
+        errors = self.pop_quant_error_tensors()
+        if errors is None:
+            return {"quant_max_rel_err": None, "quant_rms_rel_err": None}
+        high, rms = errors.tolist()
+        return {"quant_max_rel_err": high, "quant_rms_rel_err": rms}
 
 
 def make_block_store(ddr_dtype: str, n_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device):

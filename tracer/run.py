@@ -141,8 +141,8 @@ def protected_excess_note(spec, lengths) -> dict | None:
     return worst
 
 
-# The tiered layer's HBM buffers double when they fill (tracer/cache.py `_ensure_capacity`), so a sample can
-# hold up to twice the entries it needs; the DDR pool doubles likewise (tracer/transfer.py `HostPool`).
+# The tiered layer's page pool grows by an eighth when it fills (tracer/cache.py `_resize_pool`) and the DDR
+# pool doubles (tracer/transfer.py `HostPool`), so a sample holds at most twice the entries it needs.
 GROWTH_SLACK = 2
 
 

@@ -15,8 +15,10 @@ never overwrites a staging buffer that a kernel still reads, nor reads blocks no
 buffer is reused only after its previous copy's event completed. The recall thus behaves as "recall, then
 compute" (the simulator's `overlap=none`); offloads overlap with later compute (`async_offload`).
 
-`PinnedBlockStore` puts both behind the DDR-tier interface (put / get / key_min /
-key_max / block_bytes / keys / values), so that the tiered cache can use it unchanged.
+`PinnedBlockStore` is the DDR-tier interface the cache calls (reserve / put / get / key_min / key_max / block_bytes /
+keys / values). It addresses its pool through `mapped_view` by block ids that stay on the device, so no step
+waits for the host; the staged copies above are its fallback where CUDA refuses the mapping, and the
+calibration's copy benchmarks.
 
 The CPU path runs the same code with plain host tensors and no streams: copies are synchronous, and each
 direction is one copy (the gather into staging is the recall; the offload writes straight into its slots).
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 
@@ -223,16 +224,45 @@ def shared_copier(device: torch.device, block_shape: tuple[int, ...], dtype: tor
     return _COPIERS[key]
 
 
+def mapped_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """`host` as a tensor the compute device's kernels index directly: the tensor itself on a CPU; on CUDA a
+    view of its pinned pages in the device's address space (unified virtual addressing: a page-locked
+    allocation is mapped, and its host pointer is valid on the device), so a gather or scatter by block ids that
+    live on the device reads or writes host memory over the link without the host ever seeing the ids: no
+    synchronisation (the way vLLM's `get_cuda_view_from_cpu_tensor` addresses its CPU KV pool). None when the
+    memory is not pinned or the mapping is refused (the caller then reads the ids back).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host
+    if not host.is_pinned():
+        return None
+
+    class _Mapped:  # the CUDA array interface over the pinned bytes (bf16 has no typestr, so as bytes)
+        __cuda_array_interface__ = {"shape": (host.numel() * host.element_size(),), "typestr": "|u1",
+                                    "data": (host.data_ptr(), False), "version": 3, "strides": None}
+
+    try:
+        view = torch.as_tensor(_Mapped(), device=device).view(host.dtype).view(host.shape)
+        if not torch.equal(view.reshape(-1)[:1].cpu(), host.reshape(-1)[:1]):  # once, at allocation
+            return None
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    view._thoughtkv_host = host  # the view does not own the pages: keep them alive with it
+    return view
+
+
 class PinnedBlockStore:
     """The DDR tier of one layer with real data movement; the DDR-tier interface the cache calls.
 
     Blocks live in a preallocated (pinned on CUDA) `HostPool`, slot = logical block id, K and V side by side.
-    `put` offloads through the shared `StagingCopier` (one D2H copy per call, asynchronous on CUDA), `get`
-    recalls (one gather + one H2D copy per call; the compute stream waits on its event). Per-block key bounds
-    (elementwise min/max over the block's tokens, Quest-style) stay on the compute device, as the cache expects.
+    Block ids stay on the compute device: `put` scatters the blocks into their slots and `get` gathers them
+    through `mapped_view` (on a CPU the host tensor itself; on CUDA the mapped pinned pages, a kernel that reads
+    or writes host memory over the link), so neither reads an id back and a decode step never waits for the
+    host. Where CUDA refuses the mapping, both fall back to the staged copies of `StagingCopier`, which read the
+    ids back (one host synchronisation per call). Per-block key bounds (elementwise min/max over the block's
+    tokens, Quest-style) stay on the compute device, as the cache expects.
     """
-
-    asynchronous_offload = True  # on CUDA the D2H copy overlaps later compute (the simulator's async_offload)
 
     def __init__(self, n_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  copier: StagingCopier | None = None):
@@ -242,16 +272,27 @@ class PinnedBlockStore:
         block_shape = (2, *self.shape)
         self.copier = copier or shared_copier(self.device, block_shape, dtype)
         self.pool = HostPool(64, block_shape, dtype, pin=self.pin)
+        self.view = mapped_view(self.pool.storage, self.device)
         bounds = (64, n_kv_heads, head_dim)
         self.key_min = torch.empty(bounds, dtype=dtype, device=self.device)
         self.key_max = torch.empty(bounds, dtype=dtype, device=self.device)
 
     @property
+    def asynchronous_offload(self) -> bool:
+        """Whether an offload's copy overlaps later compute: only the staged fallback's (a side stream); a
+        scatter through the mapped view runs on the compute stream, in order."""
+        return self.pin and self.view is None
+
+    @property
     def capacity_blocks(self) -> int:
         return self.pool.capacity
 
-    def _ensure(self, n_blocks: int) -> None:
-        self.pool.ensure_capacity(n_blocks)
+    def reserve(self, n_blocks: int) -> None:
+        """Room for block ids below `n_blocks` (the cache knows the bound on the host, so no id is read back)."""
+        if n_blocks > self.pool.capacity:
+            self.copier.drain()
+            self.pool.ensure_capacity(n_blocks)
+            self.view = mapped_view(self.pool.storage, self.device)
         if n_blocks > self.key_min.shape[0]:
             old = self.key_min.shape[0]
             for name in ("key_min", "key_max"):
@@ -259,21 +300,24 @@ class PinnedBlockStore:
                 grown[:old] = getattr(self, name)
                 setattr(self, name, grown)
 
-    def put(self, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-            host_ids: np.ndarray | None = None) -> int:
-        """Store blocks [n, H, block, d] (on the compute device) under `block_ids`; returns bytes copied D2H.
-        `host_ids` (numpy): the same ids already on the host (the tiered cache has them), so none are read back."""
-        host_ids = block_ids.cpu().numpy() if host_ids is None else np.asarray(host_ids)
-        self._ensure(int(host_ids.max()) + 1)
-        host_ids = torch.from_numpy(host_ids)
+    def put(self, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Store blocks [n, H, block, d] (on the compute device) under `block_ids` (on the compute device, below
+        the `reserve`d bound); returns bytes copied D2H."""
         ids = block_ids.to(self.device)
         self.key_min[ids] = keys.amin(dim=2)
         self.key_max[ids] = keys.amax(dim=2)
-        return self.copier.offload(self.pool, host_ids, keys, values)
+        if self.view is not None:
+            self.view.index_copy_(0, ids, torch.stack([keys, values], dim=1))
+            return 2 * keys.numel() * keys.element_size()
+        return self.copier.offload(self.pool, block_ids.cpu(), keys, values)
 
     def get(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Copy blocks to the compute device: ([n, H, block, d] keys, values, bytes copied H2D). The tensors are
-        views of the staging buffer, valid until the next recall (the cache copies them at once)."""
+        """Copy blocks to the compute device: ([n, H, block, d] keys, values, bytes copied H2D). The staged
+        fallback returns views of its staging buffer, valid until the next recall (the cache copies them)."""
+        if self.view is not None:
+            self.copier.drain()
+            blocks = self.view.index_select(0, block_ids)
+            return blocks[:, 0], blocks[:, 1], blocks.numel() * blocks.element_size()
         blocks, n_bytes = self.copier.recall(self.pool, block_ids.cpu())
         return blocks[:, 0], blocks[:, 1], n_bytes
 

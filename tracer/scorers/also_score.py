@@ -33,7 +33,10 @@ class AlsoScore(Scorer):
     def score(self, obs: Observation, previous: torch.Tensor) -> torch.Tensor:
         for name, scorer in self.extras.items():
             layers = self.tables.setdefault(name, {})
-            layers[obs.layer_idx] = scorer.score(obs, layers.get(obs.layer_idx, torch.zeros(0, device=previous.device)))
+            table = scorer.score(obs, layers.get(obs.layer_idx, torch.zeros(0, device=previous.device)))
+            if obs.valid is not None and table.shape[0] >= obs.logical_len:
+                table[obs.logical_len - 1] = 0.0  # a paged cache's scratch position (Observation.valid)
+            layers[obs.layer_idx] = table
         return self.primary.score(obs, previous) if self.primary is not None else previous
 
     def after_step(self, model, cache, token_ids: list[int], step: int) -> None:

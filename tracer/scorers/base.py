@@ -26,12 +26,16 @@ class Observation:
 
     layer_idx: int
     step: int  # 0 = prefill
-    logical_len: int  # KV entries that exist logically, incl. the new ones
+    logical_len: int  # KV entries that exist logically, incl. the new ones (+1 scratch position, see `valid`)
     positions: torch.Tensor  # [n] long: logical position of each attended entry (HBM then recalled)
     weights_mean: torch.Tensor  # [q, n] float32: softmax of each new query, mean over query heads
     weights_max: torch.Tensor  # [q, n] float32: same, max over query heads
     keys: torch.Tensor  # [n_kv_heads, n, head_dim]: the attended keys (post-RoPE)
     values: torch.Tensor | None = None  # [n_kv_heads, n, head_dim]: the attended values (vatp)
+    # [n] bool: slots that hold an entry. A paged cache attends whole pages: an empty slot has weight 0 and its
+    # position is the scratch position `logical_len - 1` (one past the last token; the cache resets its score),
+    # so scores written there are harmless; a scorer that pools over the attended entries must skip them.
+    valid: torch.Tensor | None = None
 
 
 def _grown(previous: torch.Tensor, length: int) -> torch.Tensor:

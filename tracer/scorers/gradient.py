@@ -23,11 +23,11 @@ from tracer.scorers.base import BadScorerOption, Observation, Scorer, _grown
 
 def cached_entries(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(keys [1, H, n, d], values, logical positions [n]) stored in a cache layer (tiered or DynamicLayer)."""
+    resident = getattr(layer, "resident_entries", None)
+    if resident is not None:  # a tiered layer's pages: only the slots that hold an entry
+        return resident()
     keys, values = layer.keys, layer.values
-    positions = getattr(layer, "slot_pos", None)
-    if positions is None:
-        positions = torch.arange(keys.shape[-2], device=keys.device)
-    return keys, values, positions[: keys.shape[-2]]
+    return keys, values, torch.arange(keys.shape[-2], device=keys.device)
 
 
 def gradient_importance(
