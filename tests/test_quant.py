@@ -75,21 +75,22 @@ def test_store_bytes_equal_the_stored_tensors(ddr_dtype, bits):
     keys = _random_blocks("outliers", 5).to(torch.bfloat16)
     values = _random_blocks("normal", 6).to(torch.bfloat16)
     ids = torch.tensor([3, 0, 7, 1, 2])
-    d2h = store.put(ids, keys, values)
-    stored = sum(t[ids].numel() * t.element_size() for t in store.host.values())
+    row = torch.zeros_like(ids)  # the store holds every row of a batch; these blocks are row 0's
+    d2h = store.put(row, ids, keys, values)
+    stored = sum(t[0, ids].numel() * t.element_size() for t in store.host.values())
     assert d2h == stored == len(ids) * store.block_bytes()
     # bf16 K+V of a block, and what the codes cost: half (int8) or a quarter (int4), plus 2 float32 per tile.
     plain_block_bytes = 2 * n_heads * block_size * head_dim * 2
     assert store.block_bytes() == plain_block_bytes // (16 // bits) + 2 * 2 * n_heads * 4
     back_ids = torch.tensor([7, 3])
-    got_keys, got_values, h2d = store.get(back_ids)
+    got_keys, got_values, h2d = store.get(torch.zeros_like(back_ids), back_ids)
     assert h2d == len(back_ids) * store.block_bytes()
     for got, original in ((got_keys, keys[[2, 0]]), (got_values, values[[2, 0]])):
         assert got.dtype == torch.bfloat16
         rel = relative_errors(original.float(), got.float()).abs().max()
         assert rel <= 1 / (2**bits - 1) + 2**-7  # the grid's bound plus bf16 rounding of the result
     # The key bounds recall reads are those of the keys it will bring back.
-    assert torch.equal(store.key_min[7], got_keys[0].amin(dim=1)) and torch.equal(store.key_max[3], got_keys[1].amax(dim=1))
+    assert torch.equal(store.key_min[0, 7], got_keys[0].amin(dim=1)) and torch.equal(store.key_max[0, 3], got_keys[1].amax(dim=1))
     errors = store.pop_quant_error()  # what recall returns (bf16), so bf16 rounding counts too
     assert 0 < errors["quant_rms_rel_err"] <= errors["quant_max_rel_err"] <= 1 / (2**bits - 1) + 2**-8
     assert store.pop_quant_error() == {"quant_max_rel_err": None, "quant_rms_rel_err": None}
@@ -98,10 +99,11 @@ def test_store_bytes_equal_the_stored_tensors(ddr_dtype, bits):
 def test_store_grows_and_keeps_what_it_held():
     store = QuantizedBlockStore(2, 16, 32, torch.float32, torch.device("cpu"), "int8")
     first = _random_blocks("normal", 7)
-    store.put(torch.arange(5), first, first)
-    store.reserve(201)  # past the initial capacity of 64: the caller names the bound (no id is read back)
-    store.put(torch.tensor([200]), first[:1], first[:1])
-    keys, _, _ = store.get(torch.arange(5))
+    store.put(torch.zeros(5, dtype=torch.long), torch.arange(5), first, first)
+    store.reserve(3, 201)  # past the initial capacity (1 row, 64 blocks): the caller names the bounds
+    store.put(torch.tensor([2]), torch.tensor([200]), first[:1], first[:1])
+    keys, _, _ = store.get(torch.zeros(5, dtype=torch.long), torch.arange(5))
+    assert torch.equal(store.get(torch.tensor([2]), torch.tensor([200]))[0], keys[:1])
     assert relative_errors(first, keys).abs().max() <= 1 / 255 + 1e-6
 
 

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from _helpers import (
@@ -225,7 +226,13 @@ def test_truncated_part_is_retraced_on_resume_and_validate_prints_the_command(tm
     assert sorted(run.sample_ids()) == sorted(f"chains/test/{i}" for i in range(3))
     redone = run.steps(victim)  # greedy decoding is deterministic: the same rows, timings aside
     columns = [c for c in reference.columns if not c.endswith("_us")]
-    assert redone[columns].equals(reference[columns])
+    # The attention masses are float sums whose rounding depends on how many (empty, weight-0) slots the
+    # paged pool had when the sample ran, which the samples before it decide: equal to float32 rounding.
+    masses = [c for c in columns if c.startswith("mass_")]
+    exact = [c for c in columns if c not in masses]
+    assert redone[exact].equals(reference[exact])
+    assert np.allclose(redone[masses].to_numpy(float), reference[masses].to_numpy(float), rtol=0, atol=1e-6,
+                       equal_nan=True)  # mass_evicted: NaN where nothing was evicted
 
 
 def test_resume_says_how_many_are_done(tmp_path, capsys):

@@ -124,20 +124,24 @@ def test_gradient_scorer_accumulates_every_interval_steps():
 
 
 def test_vatp_is_attention_times_value_l1_norm():
-    """One observation, by hand: the scorer adds sum_q a_q,i * mean_h ||v_i^h||_1 at the attended positions."""
+    """Observations of two rows at once, by hand: the scorer adds sum_q a_q,i * mean_h ||v_i^h||_1 at each
+    row's attended positions, each row on its own."""
     from tracer.scorers import Observation
 
-    weights = torch.softmax(torch.randn(3, 5, generator=torch.Generator().manual_seed(3)), dim=-1)
-    values = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(4))
-    positions = torch.tensor([0, 1, 2, 4, 6])
-    obs = Observation(0, 1, 7, positions, weights, weights, torch.randn(2, 5, 4), values=values)
-    previous = torch.tensor([1.0, 0, 0, 0, 0, 0])
+    generator = torch.Generator().manual_seed(3)
+    weights = torch.softmax(torch.randn(2, 3, 5, generator=generator), dim=-1)  # [rows, queries, slots]
+    values = torch.randn(2, 2, 5, 4, generator=generator)  # [rows, KV heads, slots, d]
+    positions = torch.tensor([[0, 1, 2, 4, 6], [5, 3, 1, 0, 2]])
+    obs = Observation(0, 1, 7, positions, weights, weights, torch.randn(2, 2, 5, 4), values=values)
+    previous = torch.tensor([[1.0, 0, 0, 0, 0, 0], [0, 0, 2.0, 0, 0, 0]])
     got = VATPScorer().score(obs, previous)
-    expected = torch.zeros(7)
-    expected[0] = 1.0
-    for column, position in enumerate(positions.tolist()):
-        expected[position] += weights[:, column].sum() * (values[0, column].abs().sum() + values[1, column].abs().sum()) / 2
-    assert torch.allclose(got, expected)
+    for row in range(2):
+        expected = torch.zeros(7)
+        expected[: previous.shape[1]] = previous[row]
+        for column, position in enumerate(positions[row].tolist()):
+            norm = (values[row, 0, column].abs().sum() + values[row, 1, column].abs().sum()) / 2
+            expected[position] += weights[row, :, column].sum() * norm
+        assert torch.allclose(got[row], expected)
 
 
 def test_registry_options_and_also_score_parsing():

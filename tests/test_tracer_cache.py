@@ -235,7 +235,8 @@ def test_attend_hides_keys_per_kv_head_like_a_softmax_over_the_visible_ones():
     key, value = torch.randn(1, 2, 10, 8, generator=generator), torch.randn(1, 2, 10, 8, generator=generator)
     hidden = torch.zeros(2, 10, dtype=torch.bool)
     hidden[0, 6:8], hidden[1, 8:10] = True, True
-    output, mean, _ = attend(query, key, value, 0.5, torch.arange(10), 9, hidden)
+    output, mean, _ = attend(query, key, value, 0.5, torch.arange(10)[None], 9, hidden[None])
+    mean = mean[0]
     for head in range(4):
         kv = head // 2
         visible = ~hidden[kv]
@@ -258,22 +259,24 @@ def test_quest_per_head_with_one_kv_head_is_quest_and_each_head_attends_its_own_
     recorder = Recorder()
     cache = TieredCache(2, settings(hierarchy(0.3), recall_k=2, recall_rule="quest-per-head"), recorder)
     seen_union_above_k = False
-    original = cache.layers[0].recall
+    layer = cache.layers[0]
 
-    def checked_recall(query):
-        keys, values = original(query)
-        layer = cache.layers[0]
+    def check_recall() -> None:  # after each step: what layer 0 recalled and which staged slots each head read
+        nonlocal seen_union_above_k
         if layer.recalled_ids is not None:
             n = layer.recalled_ids.numel()
             assert min(2, layer.n_ddr_blocks) <= n <= min(4, layer.n_ddr_blocks)
-            staged = ~layer.hidden_keys[:, layer.n_pages * 4 :]  # [Hkv, recalled slots]: what each head may read
+            staged = ~layer.hidden_keys  # [Hkv, recalled slots]: what each head may read
             assert staged.sum(1).tolist() == [min(2, layer.n_ddr_blocks) * 4] * 2
-            nonlocal seen_union_above_k
             seen_union_above_k |= n > 2
-        return keys, values
 
-    cache.layers[0].recall = checked_recall
-    decode(model, cache, tokens, recorder=recorder)
+    ids, position = prompt_ids(), torch.arange(PROMPT_LEN)[None]
+    with torch.no_grad():
+        for step in range(STEPS):
+            model(input_ids=ids, position_ids=position, cache=cache, use_cache=True)
+            check_recall()
+            recorder.end_step(0.0)
+            ids, position = torch.tensor([[tokens[step]]]), torch.tensor([[PROMPT_LEN + step]])
     assert seen_union_above_k  # the heads disagreed at least once: the union really moved more blocks
     rows = recorder.columns
     assert sum(rows["bytes_h2d"]) == sum(len(ids) for ids in rows["recalled_block_ids"]) * 2 * 2 * 4 * 16 * 4
@@ -288,3 +291,43 @@ def test_protected_excess_is_reported_at_the_worst_length():
     assert note["logical_len"] == 100 and note["effective_hbm_fraction"] == pytest.approx(0.52)
     assert "0.3" in note["warning"] and "52" in note["warning"]
     assert protected_excess_note(spec, [1000]) is None
+
+
+# -- the paged layout ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", [hierarchy(0.3), {"policy": "evict", "hbm_budget": 0.3}, FULL])
+def test_pages_hold_exactly_the_resident_blocks_and_are_reused(policy):
+    """After every step: each HBM block sits in one page whose slots hold its positions and the K/V the full
+    cache computed there (layer 0 depends only on token and position); DDR/evicted blocks hold no page; free
+    pages hold nothing. The pool stays at the budget's size (pages are reused), not the logical length's."""
+    model = tiny_model("llama")
+    reference_cache = DynamicCache(config=model.config)
+    _, tokens = decode(model, reference_cache, steps=STEPS)
+    model.set_attn_implementation("thoughtkv")
+    cache = TieredCache(2, settings(policy, recall_k=2))
+    layer = cache.layers[0]
+    block_size, most_pages, most_hbm_blocks = 4, 0, 0
+    ids, position = prompt_ids(), torch.arange(PROMPT_LEN)[None]
+    with torch.no_grad():
+        for step in range(STEPS):
+            model(input_ids=ids, position_ids=position, cache=cache, use_cache=True)
+            ids, position = torch.tensor([[tokens[step]]]), torch.tensor([[PROMPT_LEN + step]])
+            blocks = -(-layer.logical_len // block_size)
+            tier, block_page = layer.block_tier[:blocks], layer.block_page[:blocks]
+            resident = (tier == 0).nonzero().squeeze(1)
+            assert resident.numel() == layer.hbm_blocks and (block_page[tier != 0] == -1).all()
+            pages = block_page[resident]
+            assert pages.unique().numel() == pages.numel() and (layer.page_block[pages] == resident).all()
+            slots = (pages[:, None] * block_size + torch.arange(block_size)).reshape(-1)
+            expected = (resident[:, None] * block_size + torch.arange(block_size)).reshape(-1)
+            expected = torch.where(expected < layer.logical_len, expected, -1)  # the partial block's empty tail
+            assert torch.equal(layer.slot_pos[slots], expected)
+            assert int((layer.slot_pos[: layer.n_pages * block_size] >= 0).sum()) == layer.n_hbm
+            stored = expected >= 0
+            torch.testing.assert_close(layer.keys_buf[0, :, slots[stored]],
+                                       reference_cache.layers[0].keys[0, :, expected[stored]], rtol=0, atol=1e-6)
+            most_pages, most_hbm_blocks = max(most_pages, layer.n_pages), max(most_hbm_blocks, layer.hbm_blocks)
+    assert most_pages <= most_hbm_blocks + max(2, most_hbm_blocks // 8)  # the growth slack, nothing more
+    if policy != FULL:
+        assert layer.hbm_blocks < blocks - 4 and most_pages < blocks  # moved blocks' pages were reused

@@ -32,59 +32,51 @@ def attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, key_positions: torch.Tensor,
     query_start: int, hidden_keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Softmax attention for batch 1 with GQA over the slots of a paged cache layer.
+    """Softmax attention with GQA over the slots of a paged cache layer, for a batch of rows.
 
-    `key_positions` [n_keys]: the logical position each key slot holds, -1 for an empty slot (a free page, an
-    unused staging slot); the `lq` queries sit at positions [query_start, query_start + lq), and each attends
-    the slots holding a position up to its own (causal, in any slot order). `hidden_keys` ([Hkv, n_keys] bool,
-    decode only): key columns a KV head's queries must not attend (the per-head recall rule's blocks picked by
-    other heads). Blocked slots get weight exactly 0.
+    `query` [rows, Hq, lq, d], `key`/`value` [rows, Hkv, n_keys, d]. `key_positions` [rows, n_keys]: the
+    logical position each key slot holds, -1 for an empty slot (a free page, an unused staging slot); the `lq`
+    queries sit at positions [query_start, query_start + lq) (lq > 1: one row, a prefill), and each attends
+    the slots holding a position up to its own (causal, in any slot order). `hidden_keys` ([rows, Hkv, n_keys]
+    bool, decode only): key columns a KV head's queries must not attend (the per-head recall rule's blocks
+    picked by other heads). Blocked slots get weight exactly 0.
 
-    Returns the output [1, lq, Hq, d] and the weights [lq, n] reduced over query heads (mean, max), float32.
+    Returns the output [rows, lq, Hq, d] and the weights [rows, lq, n_keys] reduced over query heads (mean,
+    max), float32.
     """
-    _, n_heads, lq, head_dim = query.shape
+    rows, n_heads, lq, head_dim = query.shape
     n_kv_heads, n_keys = key.shape[1], key.shape[2]
     group = n_heads // n_kv_heads  # query head h reads KV head h // group (HF's repeat_kv order)
-    grouped_query = query.reshape(1, n_kv_heads, group * lq, head_dim)
+    grouped_query = query.reshape(rows, n_kv_heads, group * lq, head_dim)
     logits = torch.matmul(grouped_query, key.transpose(-1, -2)) * scaling
     if lq == 1:
-        blocked = key_positions < 0  # every stored position precedes the one query
+        blocked = (key_positions < 0)[:, None, None, None, :]  # every stored position precedes the one query
     else:
         query_positions = torch.arange(query_start, query_start + lq, device=query.device)
-        blocked = (key_positions[None, :] > query_positions[:, None]) | (key_positions < 0)[None, :]
-    logits = logits.view(1, n_kv_heads, group, lq, n_keys).masked_fill(blocked, float("-inf"))
-    logits = logits.view(1, n_kv_heads, group * lq, n_keys)
+        blocked = (key_positions[:, None, :] > query_positions[:, None]) | (key_positions < 0)[:, None, :]
+        blocked = blocked[:, None, None]  # [rows, 1, 1, lq, n_keys]
+    logits = logits.view(rows, n_kv_heads, group, lq, n_keys).masked_fill(blocked, float("-inf"))
     if hidden_keys is not None:
-        logits = logits.masked_fill(hidden_keys[None, :, None, :], float("-inf"))
-    weights = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        logits = logits.masked_fill(hidden_keys[:, :, None, None, :], float("-inf"))
+    weights = torch.softmax(logits.view(rows, n_kv_heads, group * lq, n_keys), dim=-1, dtype=torch.float32)
     output = torch.matmul(weights.to(value.dtype), value)
-    output = output.view(1, n_heads, lq, head_dim).transpose(1, 2)
-    per_head = weights.view(n_heads, lq, n_keys)
-    return output, per_head.mean(0), per_head.amax(0)
+    output = output.view(rows, n_heads, lq, head_dim).transpose(1, 2)
+    per_head = weights.view(rows, n_heads, lq, n_keys)
+    return output, per_head.mean(1), per_head.amax(1)
 
 
 def tiered_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     pending, _pending[0] = _pending[0], None
-    layers = pending if isinstance(pending, list) else [pending]
-    if pending is None or layers[0].layer_idx != module.layer_idx:
+    if pending is None or pending[0].layer_idx != module.layer_idx:
         output, _ = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
         return output, None
+    layer, rows = pending
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    outputs = []
-    # A batched forward (TieredCache rows): each row attends its own tiers; rows differ in length, so they
-    # run one after another on the same kernels (the batched work of the step is the model's dense layers).
-    for index, layer in enumerate(layers):
-        row_query = query[index : index + 1] if len(layers) > 1 else query
-        row_key, row_value = layer.recall(row_query)
-        output, weights_mean, weights_max = attend(row_query, row_key, row_value, scaling,
-                                                   layer.slot_pos[: row_key.shape[2]], layer.query_start,
-                                                   layer.hidden_keys)
-        layer.after_attention(weights_mean, weights_max)
-        outputs.append(output)
-    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), None
+    # Every row's recall, attention over its own pages, scoring and placement, as one set of kernels.
+    return layer.attend(rows, query, scaling), None
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, tiered_attention_forward)

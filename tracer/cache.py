@@ -50,6 +50,7 @@ eviction target moves) or a recalled block may be promoted; otherwise the last p
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -58,7 +59,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from thoughtkv_base import UserError
-from tracer.attention import set_pending
+from tracer.attention import attend, set_pending
 from tracer.quant import make_block_store
 from tracer.recorder import Deferred
 from tracer.scorers import Observation, Scorer
@@ -95,139 +96,658 @@ def counts_are_exact(spec: PolicySpec) -> bool:
     return spec.evict_ratio == 0 and not spec.promote
 
 
-class TieredLayer(DynamicLayer):
-    def __init__(self, layer_idx: int, settings: TierSettings, recorder=None):
-        super().__init__()
-        self.layer_idx, self.settings, self.recorder = layer_idx, settings, recorder
-        self.spec = settings.spec
-        self.block_size = settings.spec.block_size
-        self.exact_counts = counts_are_exact(self.spec)
-        self.logical_len = 0
-        self.query_start = 0  # the first new position of this step
-        # Host-side counts, exact (see the module doc): blocks in DDR, evicted, and opened (HBM = the rest).
-        self.n_ddr_blocks = self.n_evicted_blocks = 0
-        self.n_recalled = 0  # staging slots filled this step
-        self.n_pages = self.n_staging_pages = 0
-        self.placed_key: tuple | None = None  # the targets the last placement met
-        # Chunked prefill (tracer.decode): every chunk but the last only appends and scores; placement and the
-        # step's record wait for the last chunk, so the prompt is placed (and recorded as one prefill step of
-        # all its tokens) exactly as one unchunked prefill would be.
-        self.defer_placement = False
-        self.deferred_query_tokens = 0
-        self.recalled_ids = self.hidden_keys = None
-        self.copies = DeferredCopies()  # a TieredCache shares one among all its layers and rows
-        self.step = 0
+@dataclass
+class RowState:
+    """One row's (sequence's) host-side state in a `PagedLayer`: everything the host decides from."""
 
-    # -- storage -----------------------------------------------------------------------------------------
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, n_kv_heads, _, head_dim = key_states.shape
-        if batch != 1:
-            raise UnsupportedBatch(f"the tiered cache supports batch size 1 only (got {batch}); decode one sample at a time")
-        self.device, self.dtype = key_states.device, key_states.dtype
-        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
-        self.keys_buf = torch.zeros((1, n_kv_heads, self.block_size, head_dim), dtype=self.dtype, device=self.device)
-        self.values_buf = torch.zeros_like(self.keys_buf)
-        self.slot_pos = torch.full((self.block_size,), -1, dtype=torch.long, device=self.device)
-        self.page_block = torch.full((1,), -1, dtype=torch.long, device=self.device)
-        self.block_page = torch.full((0,), -1, dtype=torch.long, device=self.device)
-        self.block_tier = torch.zeros(0, dtype=torch.int8, device=self.device)
-        self.token_scores = torch.zeros(0, dtype=torch.float32, device=self.device)
-        self.importance = torch.zeros(0, dtype=torch.float32, device=self.device)
-        self.importance_max = torch.zeros(0, dtype=torch.float32, device=self.device)
-        self.offsets = torch.arange(self.block_size, device=self.device)
-        self.ddr = make_block_store(self.spec.ddr_dtype, n_kv_heads, self.block_size, head_dim, self.dtype, self.device)
-        self.token_bytes = 2 * n_kv_heads * head_dim * self.keys_buf.element_size()  # K+V of one token
-        self.is_initialized = True
+    settings: TierSettings
+    recorder: object = None
+    logical_len: int = 0
+    query_start: int = 0  # the first new position of this step
+    n_ddr_blocks: int = 0  # exact (see the module doc)
+    n_evicted_blocks: int = 0
+    recalled_blocks: int = 0  # DDR blocks in this row's staging pages this step
+    placed_key: tuple | None = None  # the targets the last placement met
+    step: int = 0
+    defer_placement: bool = False
+    deferred_query_tokens: int = 0
+    recalled_ids: torch.Tensor | None = None  # this step's recalled block ids (sorted; device)
+    head_picks: torch.Tensor | None = None  # quest-per-head: [recalled, Hkv] bool
+    bytes_h2d: int = 0
 
     @property
-    def n_hbm(self) -> int:
-        """Tokens stored in HBM pages (every position is in exactly one tier)."""
-        return self.logical_len - (self.n_ddr_blocks + self.n_evicted_blocks) * self.block_size
+    def spec(self) -> PolicySpec:
+        return self.settings.spec
 
-    @property
+    def blocks(self) -> int:
+        return n_blocks(self.spec, self.logical_len)
+
     def hbm_blocks(self) -> int:
-        return n_blocks(self.spec, self.logical_len) - self.n_ddr_blocks - self.n_evicted_blocks
+        return self.blocks() - self.n_ddr_blocks - self.n_evicted_blocks
 
-    @property
-    def scratch_page(self) -> int:
-        return self.n_pages + self.n_staging_pages
 
-    @property
-    def ddr_ids(self) -> torch.Tensor:
-        """Sorted ids of the blocks whose home is DDR (reads the device: for tests and tools, not the step)."""
-        blocks = n_blocks(self.spec, self.logical_len)
-        return (self.block_tier[:blocks] == TIER_DDR).nonzero().squeeze(1)
+class PagedLayer:
+    """One decoder layer's tiered KV for every row of a batch: `[rows, ...]` tensors, so that one set of
+    kernels appends, recalls, attends, scores and places for the whole batch (a batch of one row is the same
+    code). Rows differ in length: each row's pages, staging and scores sit in its own slice of the shared
+    tensors, padded to the longest row (the empty slots are masked), and the host keeps each row's counts.
 
-    def _resize_pool(self, pages: int, staging_pages: int) -> None:
-        """At least `pages` main pages and `staging_pages` staging pages; what the pages hold is kept (the
+    Layout per row: `n_pages` main pages, then `n_staging_pages`, then one scratch page, each `block_size`
+    slots: `keys`/`values` `[rows, Hkv, slots, d]`, `slot_pos` `[rows, slots]` (-1: empty), `page_block`
+    `[rows, pages]` (-1: free), `block_page` / `block_tier` `[rows, blocks]`, `token_scores` `[rows, positions]`.
+    """
+
+    def __init__(self, layer_idx: int, copies: DeferredCopies):
+        self.layer_idx, self.copies = layer_idx, copies
+        self.rows: list[RowState | None] = []
+        self.initialized = False
+        self.n_pages = self.n_staging_pages = self.block_capacity = 0
+
+    # -- rows and storage ----------------------------------------------------------------------------------
+    def reset_row(self, row: int, settings: TierSettings, recorder=None) -> None:
+        while len(self.rows) <= row:
+            self.rows.append(None)
+        others = [r.spec for i, r in enumerate(self.rows) if r is not None and i != row]
+        if others and any(_shared_part(spec) != _shared_part(settings.spec) for spec in others):
+            raise UnsupportedBatch("the rows of a batch share one placement policy (only the scorer state is per "
+                                   "sample); decode runs with different policies separately")
+        self.rows[row] = RowState(settings, recorder)
+        self.spec = settings.spec
+        if self.initialized:
+            self._grow_rows(len(self.rows))
+            self._clear_row(row)
+
+    def _init_storage(self, key_states: torch.Tensor) -> None:
+        _, self.n_kv_heads, _, self.head_dim = key_states.shape
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.block_size = self.spec.block_size
+        self.offsets = torch.arange(self.block_size, device=self.device)
+        self.n_rows = 0
+        self.keys = torch.zeros((0, self.n_kv_heads, self.block_size, self.head_dim), dtype=self.dtype, device=self.device)
+        self.values = torch.zeros_like(self.keys)
+        self.slot_pos = torch.full((0, self.block_size), -1, dtype=torch.long, device=self.device)
+        self.page_block = torch.full((0, 1), -1, dtype=torch.long, device=self.device)
+        self.block_page = torch.full((0, 0), -1, dtype=torch.long, device=self.device)
+        self.block_tier = torch.zeros((0, 0), dtype=torch.int8, device=self.device)
+        self.token_scores = torch.zeros((0, 0), dtype=torch.float32, device=self.device)
+        self.importance = torch.zeros((0, 0), dtype=torch.float32, device=self.device)
+        self.importance_max = torch.zeros((0, 0), dtype=torch.float32, device=self.device)
+        self.ddr = make_block_store(self.spec.ddr_dtype, self.n_kv_heads, self.block_size, self.head_dim, self.dtype,
+                                    self.device)
+        self.token_bytes = 2 * self.n_kv_heads * self.head_dim * self.keys.element_size()  # K+V of one token
+        self.initialized = True
+        self._grow_rows(len(self.rows))
+
+    def _grow_rows(self, n_rows: int) -> None:
+        """Room for `n_rows` rows (doubling: a batch admits its rows one by one)."""
+        if n_rows <= self.n_rows:
+            return
+        n_rows = max(n_rows, 2 * self.n_rows)
+        extra = n_rows - self.n_rows
+
+        def grown(tensor: torch.Tensor, fill) -> torch.Tensor:
+            more = torch.full((extra, *tensor.shape[1:]), fill, dtype=tensor.dtype, device=self.device)
+            return torch.cat([tensor, more])
+
+        self.keys, self.values = grown(self.keys, 0), grown(self.values, 0)
+        self.slot_pos, self.page_block, self.block_page = grown(self.slot_pos, -1), grown(self.page_block, -1), \
+            grown(self.block_page, -1)
+        self.block_tier = grown(self.block_tier, TIER_HBM)
+        self.token_scores, self.importance, self.importance_max = (grown(t, 0) for t in (
+            self.token_scores, self.importance, self.importance_max))
+        self.n_rows = n_rows
+        self.ddr.reserve(n_rows, max(1, self.block_capacity))
+
+    def _clear_row(self, row: int) -> None:
+        """A refilled row starts empty (its previous sample's pages, tiers and scores are gone)."""
+        self.slot_pos[row], self.page_block[row], self.block_page[row] = -1, -1, -1
+        self.block_tier[row] = TIER_HBM
+        self.token_scores[row], self.importance[row], self.importance_max[row] = 0, 0, 0
+
+    def _resize_pages(self, pages: int, staging_pages: int) -> None:
+        """At least `pages` main and `staging_pages` staging pages per row; what the pages hold is kept (the
         staging pages too: a placement may promote from them after a resize)."""
         if pages <= self.n_pages and staging_pages <= self.n_staging_pages:
             return
         # An eighth of slack amortises the growth; attention reads every page, so a doubling would cost more.
         pages = pages + max(2, pages // 8) if pages > self.n_pages else self.n_pages
         staging_pages = max(staging_pages, self.n_staging_pages)
-        bs, old_main, old_staging = self.block_size, self.n_pages * self.block_size, self.n_staging_pages * self.block_size
+        bs = self.block_size
+        old_main, old_staging = self.n_pages * bs, self.n_staging_pages * bs
         total = (pages + staging_pages + 1) * bs
         moved = [(slice(0, old_main), slice(0, old_main)),
                  (slice(old_main, old_main + old_staging), slice(pages * bs, pages * bs + old_staging))]
-        for name in ("keys_buf", "values_buf"):
-            old, grown = getattr(self, name), torch.zeros((1, self.n_kv_heads, total, self.head_dim), dtype=self.dtype,
-                                                         device=self.device)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = torch.zeros((self.n_rows, self.n_kv_heads, total, self.head_dim), dtype=self.dtype, device=self.device)
             for source, target in moved:
-                grown[:, :, target] = old[:, :, source]
-            setattr(self, name, grown)
-        slot_pos = torch.full((total,), -1, dtype=torch.long, device=self.device)
+                new[:, :, target] = old[:, :, source]
+            setattr(self, name, new)
+        slot_pos = torch.full((self.n_rows, total), -1, dtype=torch.long, device=self.device)
         for source, target in moved:
-            slot_pos[target] = self.slot_pos[source]
-        page_block = torch.full((pages + staging_pages + 1,), -1, dtype=torch.long, device=self.device)
-        page_block[: self.n_pages] = self.page_block[: self.n_pages]
+            slot_pos[:, target] = self.slot_pos[:, source]
+        page_block = torch.full((self.n_rows, pages + staging_pages + 1), -1, dtype=torch.long, device=self.device)
+        page_block[:, : self.n_pages] = self.page_block[:, : self.n_pages]
         self.slot_pos, self.page_block = slot_pos, page_block
         self.n_pages, self.n_staging_pages = pages, staging_pages
-        self.keys, self.values = self.keys_buf[:, :, : pages * bs], self.values_buf[:, :, : pages * bs]
 
     def _ensure_blocks(self, positions: int) -> None:
         blocks = math.ceil((positions + 1) / self.block_size)  # + the scratch position scorers may write
-        if blocks > self.block_tier.shape[0]:
-            capacity = max(blocks, 2 * self.block_tier.shape[0], 64)
-            tier = torch.full((capacity,), TIER_HBM, dtype=torch.int8, device=self.device)
-            tier[: self.block_tier.shape[0]] = self.block_tier
-            self.block_tier = tier
-            page = torch.full((capacity,), -1, dtype=torch.long, device=self.device)
-            page[: self.block_page.shape[0]] = self.block_page
-            self.block_page = page
-            for name in ("importance", "importance_max"):
-                grown = torch.zeros(capacity * self.block_size, dtype=torch.float32, device=self.device)
-                old = getattr(self, name)
-                grown[: old.shape[0]] = old
-                setattr(self, name, grown)
+        if blocks <= self.block_capacity:
+            return
+        capacity = max(blocks, 2 * self.block_capacity, 64)
+        extra = capacity - self.block_capacity
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if key_states.shape[0] != 1:
-            raise UnsupportedBatch("the tiered cache supports batch size 1 only; decode one sample at a time")
-        n_new, bs, start = key_states.shape[-2], self.block_size, self.logical_len
-        end = start + n_new
-        opened_from, opened_to = n_blocks(self.spec, start), n_blocks(self.spec, end)
-        self._ensure_blocks(end)
-        self._resize_pool(self.hbm_blocks + opened_to - opened_from, self.n_staging_pages)
-        if opened_to > opened_from:  # new blocks take free pages (there are enough: pages >= HBM blocks)
-            pages = _first_true(self.page_block[: self.n_pages] < 0, opened_to - opened_from)
-            self.page_block[pages] = torch.arange(opened_from, opened_to, device=self.device)
-            self.block_page[opened_from:opened_to] = pages
-        positions = torch.arange(start, end, device=self.device)
-        slots = self.block_page[positions // bs] * bs + positions % bs
-        self.keys_buf[0].index_copy_(1, slots, key_states[0])
-        self.values_buf[0].index_copy_(1, slots, value_states[0])
-        self.slot_pos.index_copy_(0, slots, positions)
-        self.query_start, self.logical_len, self.n_recalled = start, end, 0
-        hbm_end = self.n_pages * bs
-        self.keys, self.values = self.keys_buf[:, :, :hbm_end], self.values_buf[:, :, :hbm_end]
-        set_pending(self)
-        return self.keys, self.values
+        def widened(tensor: torch.Tensor, columns: int, fill) -> torch.Tensor:
+            more = torch.full((self.n_rows, columns), fill, dtype=tensor.dtype, device=self.device)
+            return torch.cat([tensor, more], dim=1)
+
+        self.block_tier = widened(self.block_tier, extra, TIER_HBM)
+        self.block_page = widened(self.block_page, extra, -1)
+        for name in ("token_scores", "importance", "importance_max"):
+            setattr(self, name, widened(getattr(self, name), extra * self.block_size, 0))
+        self.block_capacity = capacity
+        self.ddr.reserve(self.n_rows, capacity)
+
+    @property
+    def scratch_page(self) -> int:
+        return self.n_pages + self.n_staging_pages
+
+    def _pages(self, name: str) -> torch.Tensor:
+        """`keys`/`values` as [rows, Hkv, pages, block, d], `slot_pos` as [rows, pages, block] (views): a page
+        is then one index, so moving a block indexes it once rather than once per slot."""
+        tensor, bs = getattr(self, name), self.block_size
+        if name == "slot_pos":
+            return tensor.view(tensor.shape[0], -1, bs)
+        return tensor.view(tensor.shape[0], tensor.shape[1], -1, bs, tensor.shape[3])
+
+    def _page_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        """Slots of pages [...] -> [..., block_size] flattened on the last axis."""
+        return (pages[..., None] * self.block_size + self.offsets).flatten(-2)
+
+    # -- append (update) -----------------------------------------------------------------------------------
+    def update(self, rows: list[int], key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if not self.initialized:
+            self._init_storage(key_states)
+        n_new, bs = key_states.shape[-2], self.block_size
+        if n_new > 1 and len(rows) > 1:
+            raise UnsupportedBatch("a multi-token forward (prefill) runs one row at a time")
+        states = [self.rows[r] for r in rows]
+        self._ensure_blocks(max(s.logical_len for s in states) + n_new)
+        opened = [n_blocks(s.spec, s.logical_len + n_new) - s.blocks() for s in states]
+        self._resize_pages(max(s.hbm_blocks() + o for s, o in zip(states, opened, strict=True)), self.n_staging_pages)
+        rows_t = torch.tensor(rows, device=self.device)
+        if n_new == 1:
+            opening = [i for i, o in enumerate(opened) if o]
+            if opening:  # new blocks take each row's first free page (there is one: pages >= HBM blocks)
+                open_rows = rows_t[opening] if len(opening) < len(rows) else rows_t
+                free_page = (self.page_block[open_rows, : self.n_pages] < 0).to(torch.int8).argmax(1)
+                new_blocks = torch.tensor([states[i].blocks() for i in opening], device=self.device)
+                self.page_block[open_rows, free_page] = new_blocks
+                self.block_page[open_rows, new_blocks] = free_page
+            positions = torch.tensor([s.logical_len for s in states], device=self.device)
+            slots = self.block_page[rows_t, positions // bs] * bs + positions % bs
+            self.keys[rows_t, :, slots] = key_states[:, :, 0]
+            self.values[rows_t, :, slots] = value_states[:, :, 0]
+            self.slot_pos[rows_t, slots] = positions
+        else:
+            row, state = rows[0], states[0]
+            first, end = state.blocks(), state.blocks() + opened[0]
+            if opened[0]:
+                pages = _first_true(self.page_block[row, : self.n_pages] < 0, opened[0])
+                self.page_block[row, pages] = torch.arange(first, end, device=self.device)
+                self.block_page[row, first:end] = pages
+            positions = torch.arange(state.logical_len, state.logical_len + n_new, device=self.device)
+            slots = self.block_page[row, positions // bs] * bs + positions % bs
+            self.keys[row].index_copy_(1, slots, key_states[0])
+            self.values[row].index_copy_(1, slots, value_states[0])
+            self.slot_pos[row].index_copy_(0, slots, positions)
+        for state in states:
+            state.query_start, state.logical_len = state.logical_len, state.logical_len + n_new
+            state.recalled_blocks, state.recalled_ids, state.head_picks, state.bytes_h2d = 0, None, None, 0
+
+    # -- recall, attention, scoring, placement (the attention function calls this) -------------------------
+    def attend(self, rows: list[int], query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Recall for the rows' current queries, attend their pages + recalled blocks, then score, record and
+        place. Returns the attention output [rows, lq, Hq, d]."""
+        states = [self.rows[r] for r in rows]
+        rows_t = torch.tensor(rows, device=self.device)
+        hidden = self._recall(rows, states, rows_t, query) if query.shape[-2] == 1 else None
+        n_keys = (self.n_pages + max(s.recalled_blocks for s in states)) * self.block_size
+        selected = self._select(rows)  # consecutive rows (a full batch, one row) are a view, not a gather
+        keys, values = self.keys[selected][:, :, :n_keys], self.values[selected][:, :, :n_keys]
+        slot_pos = self.slot_pos[selected][:, :n_keys]
+        output, weights_mean, weights_max = attend(query, keys, values, scaling, slot_pos, states[0].query_start,
+                                                   None if hidden is None else hidden[:, :, :n_keys])
+        self._after_attention(rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos)
+        return output
+
+    def _select(self, rows: list[int]) -> slice | torch.Tensor:
+        """Index of `rows` into the shared tensors: a slice when they are consecutive, else a tensor."""
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            return slice(rows[0], rows[0] + len(rows))
+        return torch.tensor(rows, device=self.device)
+
+    def _recall(self, rows, states, rows_t, query) -> torch.Tensor | None:
+        """Copy each recalling row's DDR blocks for its query into its staging pages (one gather for all rows);
+        returns the per-head rule's hidden-key mask [rows, Hkv, slots] (None for quest)."""
+        spec, bs = self.spec, self.block_size
+        wanted = [min(recall_blocks(s.spec, s.logical_len), s.n_ddr_blocks) for s in states]
+        batch_index = [i for i, k in enumerate(wanted) if k > 0]
+        if not batch_index:
+            return None
+        rec_rows = rows_t[batch_index] if len(batch_index) < len(rows) else rows_t
+        n_blocks_max = max(states[i].blocks() for i in batch_index)
+        in_ddr = self.block_tier[rec_rows, :n_blocks_max] == TIER_DDR
+        group = query.shape[1] // self.n_kv_heads
+        q = query[batch_index, :, 0, :].reshape(len(batch_index), 1, self.n_kv_heads, group, self.head_dim)
+        key_min = self.ddr.key_min[rec_rows, :n_blocks_max].unsqueeze(3)  # [m, blocks, Hkv, 1, d]
+        key_max = self.ddr.key_max[rec_rows, :n_blocks_max].unsqueeze(3)
+        bounds = torch.maximum(q * key_min, q * key_max).sum(-1)  # [m, blocks, Hkv, group]: Quest's logit bound
+        k_max = max(wanted[i] for i in batch_index)
+        ranks = torch.arange(k_max, device=self.device)
+        counts_t = torch.tensor([wanted[i] for i in batch_index], device=self.device)
+        head_picks = None
+        if spec.recall_rule == "quest":
+            best = bounds.flatten(2).amax(2).masked_fill(~in_ddr, float("-inf"))
+            top = best.topk(k_max, dim=1).indices  # by bound, highest first: a row's first `wanted` are its picks
+            ids = torch.where(ranks < counts_t[:, None], top, n_blocks_max).sort(dim=1).values
+            per_row = [wanted[i] for i in batch_index]
+        else:  # quest-per-head: each KV head its own top blocks; the union is copied
+            per_head = bounds.amax(3).masked_fill(~in_ddr[:, :, None], float("-inf"))  # [m, blocks, Hkv]
+            top = per_head.topk(k_max, dim=1).indices  # [m, k_max, Hkv]
+            picks = torch.zeros_like(per_head, dtype=torch.bool)
+            picks.scatter_(1, top, (ranks < counts_t[:, None])[:, :, None].expand_as(top))
+            picks &= in_ddr[:, :, None]
+            union = picks.any(2)
+            per_row = union.sum(1).tolist()  # the union's size is data-dependent: one read-back per layer
+            ids = torch.argsort((~union).to(torch.int8), dim=1, stable=True)[:, : max(per_row)]
+            head_picks = picks.gather(1, ids[:, :, None].expand(-1, -1, self.n_kv_heads))
+        # The valid picks of every row, flattened: their count per row is known here, so the selection is built
+        # on the host and nothing is read back.
+        width = ids.shape[1]
+        select, within = _flat_selection(per_row, width)
+        select, staging = torch.from_numpy(select).to(self.device), torch.from_numpy(within).to(self.device)
+        flat_rows = rec_rows.repeat_interleave(width)[select]
+        flat_ids = ids.reshape(-1)[select]
+        keys, values, n_bytes = self.ddr.get(flat_rows, flat_ids)
+        self._resize_pages(self.n_pages, max(per_row))
+        staging = staging + self.n_pages  # a row's j-th recalled block goes to its j-th staging page
+        n_flat = flat_ids.shape[0]
+        self._pages("keys")[flat_rows, :, staging] = keys  # whole pages: one index per block, not per slot
+        self._pages("values")[flat_rows, :, staging] = values
+        self._pages("slot_pos")[flat_rows, staging] = flat_ids[:, None] * bs + self.offsets
+        block_bytes = n_bytes // max(1, n_flat)
+        start = 0
+        for position, (i, n) in enumerate(zip(batch_index, per_row, strict=True)):
+            state = states[i]
+            state.recalled_blocks, state.bytes_h2d = n, n * block_bytes
+            state.recalled_ids = flat_ids[start : start + n]
+            if head_picks is not None:
+                state.head_picks = head_picks[position, :n]
+            start += n
+        if head_picks is None:
+            return None
+        hidden = torch.zeros(len(rows), self.n_kv_heads, self.keys.shape[2], dtype=torch.bool, device=self.device)
+        flat_picks = head_picks.reshape(-1, self.n_kv_heads)[select]  # [n_flat, Hkv]
+        batch_of = torch.tensor(batch_index, device=self.device).repeat_interleave(width)[select]
+        hidden.view(len(rows), self.n_kv_heads, -1, bs)[batch_of, :, staging] = ~flat_picks[:, :, None]
+        return hidden
+
+    def _after_attention(self, rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos):
+        n_attended = slot_pos.shape[1]
+        lengths = torch.tensor([s.logical_len for s in states], device=self.device)
+        # Empty slots (weight 0) point at each row's scratch position, one past its last token.
+        positions = torch.where(slot_pos >= 0, slot_pos, lengths[:, None])
+        self._score(rows, states, positions, weights_mean, weights_max, keys, values, slot_pos >= 0)
+        placing = [i for i, s in enumerate(states) if not s.defer_placement]
+        for state in states:
+            if state.defer_placement:  # a prefill chunk before the last: scored, not placed nor recorded
+                state.deferred_query_tokens += weights_mean.shape[1]
+        if not placing:
+            return
+        decoding = [i for i in placing if weights_mean.shape[1] == 1 and self._step(states[i]) > 0
+                    and states[i].settings.track_importance]
+        if decoding:
+            index = torch.tensor(decoding, device=self.device)
+            target_rows = rows_t[index].repeat_interleave(n_attended)
+            at = positions[index].reshape(-1)
+            self.importance.index_put_((target_rows, at), weights_mean[index, -1].reshape(-1), accumulate=True)
+            self.importance_max.index_put_((target_rows, at), weights_max[index, -1].reshape(-1), accumulate=True)
+        recording = [i for i in placing if states[i].recorder is not None]
+        occupancy = self._occupancy(states, recording, weights_mean[:, -1], positions) if recording else {}
+        moves = self._place(rows, states, placing)
+        hbm_end = self.n_pages * self.block_size
+        if any(s.recalled_blocks for s in states):  # the staging pages are refilled at the next recall
+            self.slot_pos[self._select(rows), hbm_end:] = -1
+        errors = self._quant_errors(rows, moves)
+        for i in placing:
+            state = states[i]
+            if state.recorder is not None:
+                promoted, offloaded, evicted, bytes_d2h = moves.get(rows[i], ([], [], [], 0))
+                ids = [] if state.recalled_ids is None else self.copies.add(state.recalled_ids, _as_ids)
+                state.recorder.add_layer_row(
+                    layer=self.layer_idx, query_tokens=weights_mean.shape[1] + state.deferred_query_tokens,
+                    logical_len=state.logical_len, recalled_block_ids=ids, promoted_block_ids=promoted,
+                    offloaded_block_ids=offloaded, evicted_block_ids=evicted, bytes_h2d=state.bytes_h2d,
+                    bytes_d2h=bytes_d2h, **occupancy[i], **errors.get(rows[i], {}),
+                )
+            state.deferred_query_tokens = 0
+            state.step = self._step(state) + 1
+
+    @staticmethod
+    def _step(state: RowState) -> int:
+        return state.recorder.step if state.recorder is not None else state.step
+
+    def _score(self, rows, states, positions, weights_mean, weights_max, keys, values, valid):
+        scorers = [s.settings.scorer for s in states]
+        active = [i for i, s in enumerate(states) if scorers[i] is not None and (
+            s.spec.policy != "full" or getattr(scorers[i], "score_under_full", False))]
+        if not active:
+            return
+        width = self.token_scores.shape[1]
+        # Rows whose scorers keep no per-sample state and have the same settings share one call; the others
+        # (oracle, gradient, AlsoScore) are scored one row at a time, with the same code.
+        first = scorers[active[0]]
+        shared = first.batchable and all(type(scorers[i]) is type(first) and repr(scorers[i]) == repr(first)
+                                         for i in active)
+        groups = [active] if shared else [[i] for i in active]
+        for group in groups:
+            index = None if len(group) == len(rows) else torch.tensor(group, device=self.device)
+
+            def pick(tensor, index=index):
+                return tensor if index is None else tensor[index]
+
+            observation = Observation(
+                self.layer_idx, self._step(states[group[0]]), width, pick(positions), pick(weights_mean),
+                pick(weights_max), pick(keys), values=pick(values), valid=pick(valid),
+            )
+            group_rows = [rows[i] for i in group]
+            selected = self._select(group_rows)
+            previous = self.token_scores[selected]  # a view for consecutive rows: in-place scorers write through
+            scores = scorers[group[0]].score(observation, previous)
+            if scores is not previous or not isinstance(selected, slice):
+                self.token_scores[selected] = scores[:, :width]
+            scratch = torch.tensor([states[i].logical_len for i in group], device=self.device)
+            self.token_scores[torch.tensor(group_rows, device=self.device), scratch] = 0.0  # the scratch positions
+
+    def _occupancy(self, states, recording: list[int], last_weights: torch.Tensor, positions: torch.Tensor) -> dict:
+        """Per recording row: tier sizes and attention masses at attention time (after recall, before
+        placement). The block masses of every row reach the host in the step's one copy (`DeferredCopies`).
+        Empty slots carry weight 0, so where their scratch position lands adds nothing."""
+        bs, hbm_end = self.block_size, self.n_pages * self.block_size
+        n_blocks_max = max(states[i].blocks() for i in recording) + 1
+        block_mass = torch.zeros(last_weights.shape[0], n_blocks_max + 1, dtype=torch.float32, device=self.device)
+        block_mass[:, :n_blocks_max].scatter_add_(1, (positions // bs).clamp_max(n_blocks_max - 1), last_weights)
+        block_mass[:, n_blocks_max] = last_weights[:, hbm_end:].sum(1)  # recalled: the DDR mass
+        host = self.copies.add(block_mass, lambda a: a.astype(np.float32).reshape(last_weights.shape[0], -1))
+        out = {}
+        for i in recording:
+            state = states[i]
+            blocks, n_hbm = state.blocks(), state.logical_len - (state.n_ddr_blocks + state.n_evicted_blocks) * bs
+            recalled_tokens = state.recalled_blocks * bs
+            mass_ddr = host.then(lambda a, i=i: float(a[i, -1]))
+            mass_hbm = host.then(lambda a, i=i: float(a[i, :-1].sum()) - float(a[i, -1]))  # HBM + recalled is 1
+            out[i] = dict(
+                hbm_tokens=n_hbm, ddr_tokens=state.n_ddr_blocks * bs, evicted_tokens=state.n_evicted_blocks * bs,
+                recalled_tokens=recalled_tokens, hbm_blocks=state.hbm_blocks(), ddr_blocks=state.n_ddr_blocks,
+                evicted_blocks=state.n_evicted_blocks, hbm_kv_bytes=(n_hbm + recalled_tokens) * self.token_bytes,
+                ddr_kv_bytes=state.n_ddr_blocks * self.ddr.block_bytes(), mass_hbm=mass_hbm, mass_ddr=mass_ddr,
+                block_mass=host.then(lambda a, i=i, blocks=blocks: a[i, :blocks]),
+            )
+        return out
+
+    def _place(self, rows: list[int], states: list[RowState], placing: list[int]) -> dict:
+        """Apply each row's targets (rows whose targets moved, or that may promote); returns per row id
+        (promoted, offloaded, evicted) block ids (`Deferred` lists fetched at step end) and bytes copied D2H."""
+        spec, bs = self.spec, self.block_size
+        plans = []  # (batch index, sink blocks, movable end, room, victims)
+        for i in placing:
+            state = states[i]
+            key = _targets(spec, state.logical_len)
+            if key is None:
+                continue
+            sink_blocks, movable_end, room, evict_target = key
+            if key == state.placed_key and not (state.recalled_blocks and spec.promote):
+                continue  # the targets have not moved since the last placement met them
+            state.placed_key = key
+            n_movable = movable_end - sink_blocks
+            victims = min(max(0, evict_target - state.n_evicted_blocks), n_movable - state.n_evicted_blocks)
+            plans.append((i, sink_blocks, movable_end, n_movable if room is None else min(room, n_movable), victims))
+        if not plans:
+            return {}
+        m, end = len(plans), max(p[2] for p in plans)
+        place_rows = torch.tensor([rows[p[0]] for p in plans], device=self.device)
+        column = torch.arange(end, device=self.device)
+        sink_t = torch.tensor([p[1] for p in plans], device=self.device)[:, None]
+        end_t = torch.tensor([p[2] for p in plans], device=self.device)[:, None]
+        room_t = torch.tensor([p[3] for p in plans], device=self.device)[:, None]
+        in_range = (column >= sink_t) & (column < end_t)  # [m, blocks]: each row's movable blocks
+        block_scores = self.token_scores[place_rows, : end * bs].view(m, end, bs).sum(2)
+        tier = self.block_tier[place_rows, :end]
+        was_hbm = (tier == TIER_HBM) & in_range
+        evict_now = torch.zeros_like(was_hbm)
+        if any(p[4] for p in plans):  # the lowest-scored alive blocks, as many as each row's target asks
+            victims_t = torch.tensor([p[4] for p in plans], device=self.device)[:, None]
+            alive = (tier != TIER_EVICTED) & in_range
+            evict_now = (_ranks(block_scores.masked_fill(~alive, float("inf")), descending=False) < victims_t) & alive
+            tier = torch.where(evict_now, TIER_EVICTED, tier)
+        candidates = (tier == TIER_HBM) & in_range
+        if spec.promote:
+            recalled = torch.zeros_like(candidates)
+            for index, plan in enumerate(plans):
+                ids = states[plan[0]].recalled_ids
+                if ids is not None:
+                    recalled[index, ids] = True
+            candidates |= recalled & (tier == TIER_DDR)
+        # The top `room` candidates by score (all of them when there are fewer), ranked on the device.
+        keep = (_ranks(block_scores.masked_fill(~candidates, float("-inf")), descending=True) < room_t) & candidates
+        demoted = candidates & ~keep & was_hbm
+        promoted = keep & (tier == TIER_DDR)
+        tier = torch.where(promoted, TIER_HBM, tier)
+        tier = torch.where(demoted, TIER_DDR if spec.uses_ddr else TIER_EVICTED, tier).to(torch.int8)
+        if not spec.uses_ddr:
+            evict_now |= demoted
+        offloaded = demoted if spec.uses_ddr else torch.zeros_like(demoted)
+        evicted_from_hbm, evicted_from_ddr = evict_now & was_hbm, evict_now & ~was_hbm
+
+        if counts_are_exact(spec):  # no victims, no promotion: min(room, candidates) stay, the rest leave
+            counts = []
+            for i, sink_blocks, movable_end, room, _ in plans:
+                state = states[i]
+                hbm_movable = movable_end - sink_blocks - state.n_ddr_blocks - state.n_evicted_blocks
+                leaving = hbm_movable - min(room, hbm_movable)
+                counts.append((leaving, 0, 0, 0) if spec.uses_ddr else (0, 0, leaving, 0))
+        else:  # data-dependent counts: one read-back for this layer's placement, all rows together
+            counts = torch.stack([offloaded.sum(1), promoted.sum(1), evicted_from_hbm.sum(1),
+                                  evicted_from_ddr.sum(1)], dim=1).tolist()
+        bytes_d2h = self._offload(place_rows, offloaded, [c[0] for c in counts])
+        self._free_pages(place_rows, was_hbm & (tier != TIER_HBM), end)
+        if any(c[1] for c in counts):
+            for index, (plan, c) in enumerate(zip(plans, counts, strict=True)):
+                if c[1]:  # promotion can grow HBM (when it was under its room): pages for it first
+                    state = states[plan[0]]
+                    self._resize_pages(state.hbm_blocks() - c[0] - c[2] + c[1], self.n_staging_pages)
+                    self._promote(rows[plan[0]], state, promoted[index], c[1])
+        self.block_tier[place_rows, :end] = tier
+        # What happened to each movable block, recorded through the step's one deferred copy.
+        moves = (offloaded.to(torch.int8) + 2 * promoted.to(torch.int8) + 3 * evicted_from_hbm.to(torch.int8)
+                 + 4 * evicted_from_ddr.to(torch.int8))
+        host = self.copies.add(moves, lambda a: a.astype(np.int8).reshape(m, -1))
+        out = {}
+        for index, ((i, *_), (n_off, n_promoted, n_ev_hbm, n_ev_ddr)) in enumerate(zip(plans, counts, strict=True)):
+            state = states[i]
+            state.n_ddr_blocks += n_off - n_promoted - n_ev_ddr
+            state.n_evicted_blocks += n_ev_hbm + n_ev_ddr
+            out[rows[i]] = (host.then(lambda a, k=index: _as_ids(np.flatnonzero(a[k] == 2))),
+                            host.then(lambda a, k=index: _as_ids(np.flatnonzero(a[k] == 1))),
+                            host.then(lambda a, k=index: _as_ids(np.flatnonzero(a[k] >= 3))),
+                            bytes_d2h[index])
+        return out
+
+    def _offload(self, place_rows: torch.Tensor, offloaded: torch.Tensor, counts: list[int]) -> list[int]:
+        """Copy each row's offloaded blocks (mask [m, blocks], `counts` per row) from their pages to DDR in one
+        scatter; returns the bytes per row."""
+        total = sum(counts)
+        if not total:
+            return [0] * len(counts)
+        width = max(counts)
+        order = torch.argsort((~offloaded).to(torch.int8), dim=1, stable=True)[:, :width]  # ascending ids first
+        select = torch.from_numpy(_flat_selection(counts, width)[0]).to(self.device)
+        flat_rows = place_rows.repeat_interleave(width)[select]
+        block_ids = order.reshape(-1)[select]
+        pages = self.block_page[flat_rows, block_ids]
+        keys = self._pages("keys")[flat_rows, :, pages]  # [n, Hkv, bs, d]: each block's page, positions in order
+        values = self._pages("values")[flat_rows, :, pages]
+        n_bytes = self.ddr.put(flat_rows, block_ids, keys, values)
+        return [n * (n_bytes // total) for n in counts]
+
+    def _free_pages(self, place_rows: torch.Tensor, left: torch.Tensor, end: int) -> None:
+        """Free the pages of the blocks that left HBM (mask [m, blocks]); the others write to the scratch page,
+        so no count reaches the host."""
+        pages = self.block_page[place_rows, :end]
+        freed = torch.where(left, pages, self.scratch_page)
+        rows = place_rows[:, None]
+        self.page_block[rows, freed] = -1
+        self._pages("slot_pos")[rows, freed] = -1
+        self.block_page[place_rows, :end] = torch.where(left, -1, pages)
+
+    def _promote(self, row: int, state: RowState, promoted: torch.Tensor, n: int) -> None:
+        """Move `n` promoted blocks of `row` from its staging pages into free main pages."""
+        block_ids = _first_true(promoted, n)
+        source = self._page_slots(self.n_pages + torch.searchsorted(state.recalled_ids, block_ids))
+        pages = _first_true(self.page_block[row, : self.n_pages] < 0, n)
+        target = self._page_slots(pages)
+        for buffer in (self.keys, self.values):
+            buffer[row].index_copy_(1, target, buffer[row].index_select(1, source))
+        self.slot_pos[row].index_copy_(0, target, self.slot_pos[row].index_select(0, source))
+        self.page_block[row, pages] = block_ids
+        self.block_page[row, block_ids] = pages
+
+    def _quant_errors(self, rows: list[int], moves: dict) -> dict:
+        """The quantized tier's error over each row's blocks offloaded this step (deferred), keyed by row id."""
+        pop = getattr(self.ddr, "pop_block_errors", None)
+        errors = None if pop is None else pop()
+        if errors is None:
+            return {}
+        host = self.copies.add(errors, lambda a: a.astype(np.float64).reshape(-1, 2))
+        out, start = {}, 0
+        block_bytes = self.ddr.block_bytes()
+        for row in rows:  # _offload stored the rows' blocks in this order
+            if row not in moves or not moves[row][3]:
+                continue
+            n = moves[row][3] // block_bytes
+            part = host.then(lambda a, s=start, n=n: a[s : s + n])
+            out[row] = {"quant_max_rel_err": part.then(lambda a: float(a[:, 0].max())),
+                        "quant_rms_rel_err": part.then(lambda a: float(np.sqrt(a[:, 1].mean())))}
+            start += n
+        return out
+
+    # -- one row's view ----------------------------------------------------------------------------------
+    def final_tiers(self, row: int) -> torch.Tensor:
+        state = self.rows[row]
+        return self.block_tier[row, : state.blocks()].repeat_interleave(self.block_size)[: state.logical_len]
+
+
+def _shared_part(spec: PolicySpec) -> PolicySpec:
+    """What the rows of one batch must share: the policy spec (the scorer's state is per sample)."""
+    return spec
+
+
+@functools.lru_cache(maxsize=65536)
+def _targets(spec: PolicySpec, length: int) -> tuple[int, int, int | None, int] | None:
+    """(sink blocks, movable end, room, eviction target) at this length, or None when nothing can move: the
+    policy contract's targets (traces/policy.py), which depend on the length alone (cached: every row and
+    layer asks at every step)."""
+    evict_target = evict_target_blocks(spec, length)
+    if hbm_target_tokens(spec, length) is None and evict_target == 0:
+        return None
+    sink_blocks, movable_end = movable_range(spec, length)
+    if movable_end <= sink_blocks:
+        return None
+    return sink_blocks, movable_end, room_blocks(spec, length), evict_target
+
+
+def _flat_selection(counts: list[int], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """For rows of `width` entries of which the first `counts[i]` are wanted: their flat indices, and each
+    one's index within its row (built on the host from host-known counts: nothing is read back)."""
+    within = np.arange(width)
+    wanted = within[None, :] < np.asarray(counts)[:, None]
+    flat = (np.arange(len(counts))[:, None] * width + within)[wanted]
+    return flat, np.broadcast_to(within, wanted.shape)[wanted]
+
+
+def _ranks(values: torch.Tensor, descending: bool) -> torch.Tensor:
+    """Each entry's rank within its row [m, n] (0 = first), ties by position: a per-row top-k whose k differs
+    by row is `rank < k`."""
+    order = torch.argsort(values, dim=1, descending=descending, stable=True)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(1, order, torch.arange(values.shape[1], device=values.device).expand_as(order))
+    return ranks
+
+
+class TieredLayer(DynamicLayer):
+    """One row of one `PagedLayer`, shaped like a batch-1 cache layer: what HF, the tokens table, the
+    gradient scorer and tests read for one sequence (`TieredCache.layers` at batch 1 are row 0's)."""
+
+    def __init__(self, paged: PagedLayer, row: int):
+        super().__init__()
+        self.paged, self.row = paged, row
+        self.layer_idx = paged.layer_idx
+        self.is_initialized = True
+
+    @property
+    def state(self) -> RowState:
+        return self.paged.rows[self.row]
+
+    def __getattr__(self, name):  # the row's host state (logical_len, n_ddr_blocks, step, defer_placement, ...)
+        if name in ("paged", "row", "state") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.paged.rows[self.row], name)
+
+    def __setattr__(self, name, value):
+        if name in ("defer_placement",):
+            setattr(self.paged.rows[self.row], name, value)
+        else:
+            super().__setattr__(name, value)
+
+    @property
+    def n_hbm(self) -> int:
+        state = self.state
+        return state.logical_len - (state.n_ddr_blocks + state.n_evicted_blocks) * self.paged.block_size
+
+    @property
+    def hbm_blocks(self) -> int:
+        return self.state.hbm_blocks()
+
+    @property
+    def n_pages(self) -> int:
+        return self.paged.n_pages
+
+    keys_buf = property(lambda self: self.paged.keys[self.row : self.row + 1])
+    values_buf = property(lambda self: self.paged.values[self.row : self.row + 1])
+    slot_pos = property(lambda self: self.paged.slot_pos[self.row])
+    page_block = property(lambda self: self.paged.page_block[self.row])
+    block_page = property(lambda self: self.paged.block_page[self.row])
+    block_tier = property(lambda self: self.paged.block_tier[self.row])
+    token_scores = property(lambda self: self.paged.token_scores[self.row])
+    importance = property(lambda self: self.paged.importance[self.row])
+    importance_max = property(lambda self: self.paged.importance_max[self.row])
+    ddr = property(lambda self: RowStore(self.paged.ddr, self.row))
+
+    @property
+    def ddr_ids(self) -> torch.Tensor:
+        """Sorted ids of the blocks whose home is DDR (reads the device: for tests and tools, not the step)."""
+        return (self.block_tier[: self.state.blocks()] == TIER_DDR).nonzero().squeeze(1)
+
+    @property
+    def hidden_keys(self) -> torch.Tensor | None:
+        """The per-head rule's mask for this step's staged slots [Hkv, recalled slots] (True: not attended)."""
+        picks = self.state.head_picks
+        return None if picks is None else ~picks.t().repeat_interleave(self.paged.block_size, dim=1)
 
     def get_seq_length(self) -> int:
-        return self.n_hbm if self.is_initialized else 0
+        return self.n_hbm if self.paged.initialized else 0
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -238,271 +758,38 @@ class TieredLayer(DynamicLayer):
     def resident_entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(keys [1, H, n, d], values, positions [n]) of the HBM-resident entries (reads the device: for the
         gradient scorer's backward pass, not the step)."""
-        hbm_end = self.n_pages * self.block_size
-        stored = self.slot_pos[:hbm_end] >= 0
+        hbm_end = self.paged.n_pages * self.paged.block_size
+        slot_pos = self.slot_pos[:hbm_end]
+        stored = slot_pos >= 0
         return self.keys_buf[:, :, :hbm_end][:, :, stored], self.values_buf[:, :, :hbm_end][:, :, stored], \
-            self.slot_pos[:hbm_end][stored]
+            slot_pos[stored]
 
-    # -- recall (before attention) ---------------------------------------------------------------------------
-    def recall(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy this step's DDR blocks for this query into staging pages; return the K/V slots to attend."""
-        self.recalled_ids = None
-        self.hidden_keys = None  # quest-per-head: [Hkv, n_keys] True where a head must not attend
-        self.bytes_h2d = 0
-        bs, hbm_end = self.block_size, self.n_pages * self.block_size
-        k = recall_blocks(self.spec, self.logical_len)
-        if k > 0 and self.n_ddr_blocks > 0 and query.shape[-2] == 1:
-            ddr_ids, head_picks = self._choose_recall(query, k)
-            n_blocks_recalled = ddr_ids.shape[0]  # host-known: min(k, DDR blocks), or the per-head union
-            self._resize_pool(self.n_pages, n_blocks_recalled)
-            keys, values, self.bytes_h2d = self.ddr.get(ddr_ids)
-            n = n_blocks_recalled * bs
-            start, end = hbm_end, hbm_end + n
-            self.keys_buf[0, :, start:end] = keys.transpose(0, 1).reshape(self.n_kv_heads, n, self.head_dim)
-            self.values_buf[0, :, start:end] = values.transpose(0, 1).reshape(self.n_kv_heads, n, self.head_dim)
-            self.slot_pos[start:end] = (ddr_ids[:, None] * bs + self.offsets).reshape(-1)
-            self.recalled_ids, self.n_recalled = ddr_ids, n
-            if head_picks is not None:
-                hidden = torch.zeros(self.n_kv_heads, end, dtype=torch.bool, device=self.device)
-                hidden[:, start:end] = ~head_picks.t().repeat_interleave(bs, dim=1)
-                self.hidden_keys = hidden
-        end = hbm_end + self.n_recalled
-        return self.keys_buf[:, :, :end], self.values_buf[:, :, :end]
-
-    def _choose_recall(self, query: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(sorted block ids to copy, per-head picks [n, Hkv] bool or None when every head attends them all).
-        Every block is ranked with the non-DDR ones masked out, so no DDR id list is needed on the host."""
-        blocks = n_blocks(self.spec, self.logical_len)
-        self.ddr.reserve(blocks)
-        in_ddr = self.block_tier[:blocks] == TIER_DDR
-        bounds = self._logit_upper_bounds(query, blocks)  # [blocks, Hkv, group]
-        n_ddr = self.n_ddr_blocks
-        if self.spec.recall_rule == "quest":
-            if n_ddr <= k:
-                return _first_true(in_ddr, n_ddr), None
-            best = bounds.flatten(1).amax(1).masked_fill(~in_ddr, float("-inf"))
-            return best.topk(k).indices.sort().values, None
-        per_head = bounds.amax(2).masked_fill(~in_ddr[:, None], float("-inf"))  # [blocks, Hkv]
-        picks = in_ddr[:, None].expand_as(per_head).clone()
-        if n_ddr > k:
-            picks.zero_()
-            picks.scatter_(0, per_head.topk(k, dim=0).indices, True)
-        union = picks.any(1)
-        # The union's size is data-dependent: the per-head rule reads it back (one sync per recalling layer).
-        ids = _first_true(union, int(union.sum()))
-        return ids, picks[ids]
-
-    def _logit_upper_bounds(self, query: torch.Tensor, blocks: int) -> torch.Tensor:
-        """Quest bound of every block's logit per (KV head, query head of its group): [blocks, Hkv, group]."""
-        group = query.shape[1] // self.n_kv_heads
-        q = query[0, :, 0, :].reshape(1, self.n_kv_heads, group, self.head_dim)
-        key_min = self.ddr.key_min[:blocks].unsqueeze(2)  # [blocks, Hkv, 1, d]
-        key_max = self.ddr.key_max[:blocks].unsqueeze(2)
-        return torch.maximum(q * key_min, q * key_max).sum(-1)
-
-    # -- after attention: score, record, place ---------------------------------------------------------------
-    def after_attention(self, weights_mean: torch.Tensor, weights_max: torch.Tensor) -> None:
-        n_attended = weights_mean.shape[-1]
-        length = self.logical_len
-        slot_pos = self.slot_pos[:n_attended]
-        # Empty slots (weight 0) point at a scratch position one past the last token, reset after scoring.
-        positions = torch.where(slot_pos >= 0, slot_pos, length)
-        settings = self.settings
-        step = self.recorder.step if self.recorder is not None else self.step
-        # AlsoScore (tracer/scorers/) scores under the full policy too, for its recorded extras.
-        if settings.scorer is not None and (
-            self.spec.policy != "full" or getattr(settings.scorer, "score_under_full", False)
-        ):
-            observation = Observation(
-                self.layer_idx, step, length + 1, positions, weights_mean, weights_max,
-                self.keys_buf[0, :, :n_attended], values=self.values_buf[0, :, :n_attended], valid=slot_pos >= 0,
-            )
-            self.token_scores = settings.scorer.score(observation, self.token_scores)
-            if self.token_scores.shape[0] > length:
-                self.token_scores[length] = 0.0  # the scratch position
-        if self.defer_placement:  # a prefill chunk before the last: scored, not placed nor recorded
-            self.deferred_query_tokens += weights_mean.shape[0]
-            return
-        is_decode = weights_mean.shape[0] == 1 and step > 0
-        if settings.track_importance and is_decode:
-            self.importance.index_add_(0, positions, weights_mean[-1])
-            self.importance_max.index_add_(0, positions, weights_max[-1])
-        if self.recorder is not None:
-            before = self._occupancy(weights_mean[-1], positions)
-        moves = self._place()
-        if self.n_recalled:  # the staging pages are refilled at the next recall
-            hbm_end = self.n_pages * self.block_size
-            self.slot_pos[hbm_end : hbm_end + self.n_recalled] = -1
-        if self.recorder is not None:
-            recalled = [] if self.recalled_ids is None else self.copies.add(self.recalled_ids, _as_ids)
-            promoted, offloaded, evicted, bytes_d2h = moves
-            self.recorder.add_layer_row(
-                layer=self.layer_idx, query_tokens=weights_mean.shape[0] + self.deferred_query_tokens,
-                logical_len=self.logical_len,
-                recalled_block_ids=recalled,
-                promoted_block_ids=promoted, offloaded_block_ids=offloaded, evicted_block_ids=evicted,
-                bytes_h2d=self.bytes_h2d, bytes_d2h=bytes_d2h, **before, **self._quant_error(),
-            )
-        self.deferred_query_tokens = 0
-        self.step = step + 1
-
-    def _quant_error(self) -> dict:
-        pop = getattr(self.ddr, "pop_quant_error_tensors", None)
-        errors = None if pop is None else pop()
-        if errors is None:
-            return {}
-        host = self.copies.add(errors, lambda a: a.astype(np.float64))
-        return {"quant_max_rel_err": host.then(lambda a: float(a[0])),
-                "quant_rms_rel_err": host.then(lambda a: float(a[1]))}
-
-    def _occupancy(self, last_weights: torch.Tensor, positions: torch.Tensor) -> dict:
-        """Tier sizes and attention masses at attention time (after recall, before placement)."""
-        blocks = n_blocks(self.spec, self.logical_len)
-        # Block masses, then (if any recall) the DDR mass; they reach the host with the step's other recorded
-        # device values in one copy at step end (`DeferredCopies`), not one copy per layer. Empty slots carry
-        # weight 0, so where their scratch position lands adds nothing.
-        block_mass = torch.zeros(blocks + 1, dtype=torch.float32, device=self.device)
-        block_mass.index_add_(0, positions // self.block_size, last_weights)
-        if self.n_recalled:
-            hbm_end = self.n_pages * self.block_size
-            block_mass[blocks] = last_weights[hbm_end:].sum()
-        else:
-            block_mass[blocks] = 0.0
-        host = self.copies.add(block_mass, lambda a: a.astype(np.float32))
-        mass_ddr = host.then(lambda a: float(a[blocks]))
-        mass_hbm = host.then(lambda a: float(a[:blocks].sum()) - float(a[blocks]))  # HBM + recalled mass is 1
-        ddr_tokens = self.n_ddr_blocks * self.block_size
-        return dict(
-            hbm_tokens=self.n_hbm, ddr_tokens=ddr_tokens,
-            evicted_tokens=self.n_evicted_blocks * self.block_size, recalled_tokens=self.n_recalled,
-            hbm_blocks=self.hbm_blocks, ddr_blocks=self.n_ddr_blocks, evicted_blocks=self.n_evicted_blocks,
-            hbm_kv_bytes=(self.n_hbm + self.n_recalled) * self.token_bytes,
-            ddr_kv_bytes=self.n_ddr_blocks * self.ddr.block_bytes(),
-            mass_hbm=mass_hbm, mass_ddr=mass_ddr, block_mass=host.then(lambda a: a[:blocks]),
-        )
-
-    def _place(self) -> tuple:
-        """Apply the policy's targets; returns (promoted, offloaded, evicted) block ids (lists, or `Deferred`
-        lists fetched at step end) and bytes copied D2H."""
-        spec, length, bs = self.spec, self.logical_len, self.block_size
-        nothing = ([], [], [], 0)
-        evict_target = evict_target_blocks(spec, length)
-        if hbm_target_tokens(spec, length) is None and evict_target == 0:
-            return nothing
-        sink_blocks, movable_end = movable_range(spec, length)
-        if movable_end <= sink_blocks:
-            return nothing
-        room = room_blocks(spec, length)
-        has_recalled = self.n_recalled > 0 and spec.promote
-        key = (sink_blocks, movable_end, room, evict_target)
-        if key == self.placed_key and not has_recalled:
-            return nothing  # the targets have not moved since the last placement met them
-        self.placed_key = key
-
-        n_movable = movable_end - sink_blocks
-        need_evict = max(0, evict_target - self.n_evicted_blocks)
-        block_scores = self.token_scores[: movable_end * bs].view(-1, bs).sum(1)[sink_blocks:]
-        tier = self.block_tier[sink_blocks:movable_end].clone()
-        was_hbm = tier == TIER_HBM
-        recalled = torch.zeros_like(was_hbm)
-        if self.recalled_ids is not None:
-            recalled[self.recalled_ids - sink_blocks] = True
-        evict_now = torch.zeros_like(was_hbm)
-        # Every evicted block lies in the movable range (it was movable when evicted, and the range only
-        # grows), so the alive count is known here without reading the device.
-        n_victims = min(need_evict, n_movable - self.n_evicted_blocks)
-        if n_victims > 0:
-            alive = tier != TIER_EVICTED
-            victims = block_scores.masked_fill(~alive, float("inf")).topk(n_victims, largest=False).indices
-            evict_now[victims] = True
-            tier[victims] = TIER_EVICTED
-        candidates = tier == TIER_HBM
-        if spec.promote:
-            candidates |= recalled & (tier == TIER_DDR)
-        if room is not None and room < n_movable:
-            # The top `room` candidates; when there are fewer, all of them (the rest of the top-k is masked out):
-            # the same blocks as "top-room if candidates > room else all", with no count read back.
-            keep = torch.zeros_like(candidates)
-            keep[block_scores.masked_fill(~candidates, float("-inf")).topk(room).indices] = True
-            keep &= candidates
-        else:
-            keep = candidates.clone()
-        demoted = candidates & ~keep & was_hbm
-        promoted = keep & (tier == TIER_DDR)
-        # torch.where, not mask assignment: `t[mask] = x` sizes its index on the host (a device read).
-        tier = torch.where(promoted, TIER_HBM, tier)
-        tier = torch.where(demoted, TIER_DDR if spec.uses_ddr else TIER_EVICTED, tier).to(torch.int8)
-        if not spec.uses_ddr:
-            evict_now |= demoted
-        offloaded = demoted if spec.uses_ddr else torch.zeros_like(demoted)
-        evicted_from_hbm, evicted_from_ddr = evict_now & was_hbm, evict_now & ~was_hbm
-
-        if self.exact_counts:  # no victims, no promotion: min(room, candidates) stay, the rest leave
-            hbm_movable = n_movable - self.n_ddr_blocks - self.n_evicted_blocks
-            kept = hbm_movable if room is None or room >= n_movable else min(room, hbm_movable)
-            n_off, n_promoted, n_ev_hbm, n_ev_ddr = (hbm_movable - kept, 0, 0, 0) if spec.uses_ddr else \
-                (0, 0, hbm_movable - kept, 0)
-        else:  # data-dependent counts: one read-back for this layer's placement
-            counts = torch.stack([offloaded.sum(), promoted.sum(), evicted_from_hbm.sum(), evicted_from_ddr.sum()])
-            n_off, n_promoted, n_ev_hbm, n_ev_ddr = counts.tolist()
-
-        bytes_d2h = self._offload(offloaded, sink_blocks, n_off, movable_end) if n_off else 0
-        self._free_pages(was_hbm & (tier != TIER_HBM), sink_blocks, movable_end)
-        if n_promoted:  # promotion can grow HBM (when it was under its room): pages for what stays first
-            self._resize_pool(self.hbm_blocks - n_off - n_ev_hbm + n_promoted, self.n_staging_pages)
-            self._promote(promoted, sink_blocks, n_promoted)
-        self.block_tier[sink_blocks:movable_end] = tier
-        self.n_ddr_blocks += n_off - n_promoted - n_ev_ddr
-        self.n_evicted_blocks += n_ev_hbm + n_ev_ddr
-
-        # What happened to each movable block, recorded through the step's one deferred copy.
-        moves = (offloaded.to(torch.int8) + 2 * promoted.to(torch.int8) + 3 * evicted_from_hbm.to(torch.int8)
-                 + 4 * evicted_from_ddr.to(torch.int8))
-        host = self.copies.add(moves, lambda a: a.astype(np.int8))
-        return (host.then(lambda a: _as_ids(np.flatnonzero(a == 2) + sink_blocks)),
-                host.then(lambda a: _as_ids(np.flatnonzero(a == 1) + sink_blocks)),
-                host.then(lambda a: _as_ids(np.flatnonzero(a >= 3) + sink_blocks)), bytes_d2h)
-
-    def _page_slots(self, pages: torch.Tensor) -> torch.Tensor:
-        return (pages[:, None] * self.block_size + self.offsets).reshape(-1)
-
-    def _offload(self, offloaded: torch.Tensor, first: int, n: int, movable_end: int) -> int:
-        """Copy the `n` offloaded blocks (mask over the movable range from block `first`) from their pages to DDR."""
-        block_ids = _first_true(offloaded, n) + first  # ascending
-        slots = self._page_slots(self.block_page[block_ids])  # block by block, positions in order
-        shape = (self.n_kv_heads, n, self.block_size, self.head_dim)
-        keys = self.keys_buf[0].index_select(1, slots).view(shape).transpose(0, 1)
-        values = self.values_buf[0].index_select(1, slots).view(shape).transpose(0, 1)
-        self.ddr.reserve(movable_end)
-        return self.ddr.put(block_ids, keys.contiguous(), values.contiguous())
-
-    def _free_pages(self, left: torch.Tensor, first: int, end: int) -> None:
-        """Free the pages of the blocks that left HBM (mask over blocks [first, end)); the others write to the
-        scratch page, so the count never reaches the host."""
-        pages = self.block_page[first:end]
-        freed = torch.where(left, pages, self.scratch_page)
-        self.page_block.index_fill_(0, freed, -1)
-        self.slot_pos.index_fill_(0, self._page_slots(freed), -1)
-        self.block_page[first:end] = torch.where(left, -1, pages)
-
-    def _promote(self, promoted: torch.Tensor, first: int, n: int) -> None:
-        """Move `n` promoted blocks from their staging pages into free main pages."""
-        block_ids = _first_true(promoted, n) + first
-        staging_index = torch.searchsorted(self.recalled_ids, block_ids)
-        source = self._page_slots(self.n_pages + staging_index)
-        pages = _first_true(self.page_block[: self.n_pages] < 0, n)
-        target = self._page_slots(pages)
-        for buffer in (self.keys_buf, self.values_buf):
-            buffer[0].index_copy_(1, target, buffer[0].index_select(1, source))
-        self.slot_pos.index_copy_(0, target, self.slot_pos.index_select(0, source))
-        self.page_block[pages] = block_ids
-        self.block_page[block_ids] = pages
-
-    # -- end of sample -------------------------------------------------------------------------------------
     def final_tiers(self) -> torch.Tensor:
         """TIER_* code of every logical position."""
-        blocks = n_blocks(self.spec, self.logical_len)
-        return self.block_tier[:blocks].repeat_interleave(self.block_size)[: self.logical_len]
+        return self.paged.final_tiers(self.row)
+
+
+@dataclass
+class RowStore:
+    """One row of a layer's DDR store, for reading what it holds (tests, tools)."""
+
+    store: object
+    row: int
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.store.keys[self.row]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.store.values[self.row]
+
+    @property
+    def host(self) -> dict[str, torch.Tensor]:
+        return {name: tensor[self.row] for name, tensor in self.store.host.items()}
+
+    def block_bytes(self) -> int:
+        return self.store.block_bytes()
 
 
 def _first_true(mask: torch.Tensor, n: int) -> torch.Tensor:
@@ -553,38 +840,37 @@ class _CopyBatch:
 
 
 class TieredCache(Cache):
-    """A transformers Cache of `TieredLayer`s, one set per batch *row*; works with a manual loop, with
-    `model.generate(cache=...)` (batch 1: row 0) and with the batched decode loop (tracer/decode.py).
+    """A transformers Cache of `PagedLayer`s (one per decoder layer, holding every row); works with a manual
+    loop, with `model.generate(cache=...)` (batch 1: row 0) and with the batched decode loop (tracer/decode.py).
 
     Batching: row r holds one sequence (its own `TierSettings`, scorer state and recorder: each sample is
     placed exactly as it would be alone). `set_active(rows)` says which rows the next forward's batch entries
-    are (entry i -> row rows[i]); the model's dense work (projections, MLP) runs batched, and each row's
-    attention, recall and placement run on that row's layers, so a sample's logits do not depend on its
+    are (entry i -> row rows[i]); every row's append, recall, attention, scoring and placement run as one set
+    of batched kernels per layer, each row on its own slice, so a sample's logits do not depend on its
     neighbours. A freed row is reused for the next sample with `reset_row` (continuous refill). HF sees row 0's
-    layers as `self.layers` (its length and mask queries; the tiered attention needs no HF mask).
+    views as `self.layers` (its length and mask queries; the tiered attention needs no HF mask).
     """
 
     def __init__(self, n_layers: int, settings: TierSettings, recorder=None):
-        super().__init__(layers=[TieredLayer(i, settings, recorder) for i in range(n_layers)])
-        self.settings, self.n_layers = settings, n_layers
         self.copies = DeferredCopies()
-        for layer in self.layers:
-            layer.copies = self.copies
+        self.paged = [PagedLayer(i, self.copies) for i in range(n_layers)]
+        for layer in self.paged:
+            layer.reset_row(0, settings, recorder)
+        super().__init__(layers=[TieredLayer(layer, 0) for layer in self.paged])
+        self.settings, self.n_layers = settings, n_layers
         self.rows: list[list[TieredLayer]] = [self.layers]
         self.row_settings: list[TierSettings] = [settings]
         self.active: list[int] = [0]
 
     def reset_row(self, row: int, settings: TierSettings, recorder=None) -> None:
-        """Fresh, empty layers for `row` (a new sample), growing the row list when needed."""
-        layers = [TieredLayer(i, settings, recorder) for i in range(self.n_layers)]
-        for layer in layers:
-            layer.copies = self.copies
+        """A fresh, empty `row` (a new sample), growing the rows when needed."""
+        for layer in self.paged:
+            layer.reset_row(row, settings, recorder)
         while len(self.rows) <= row:
-            self.rows.append([])
+            self.rows.append([TieredLayer(layer, len(self.rows)) for layer in self.paged])
             self.row_settings.append(settings)
-        self.rows[row], self.row_settings[row] = layers, settings
+        self.row_settings[row] = settings
         if row == 0:
-            self.layers = layers
             self.settings = settings
 
     def set_active(self, rows: list[int]) -> None:
@@ -594,17 +880,14 @@ class TieredCache(Cache):
         return TieredRow(self.rows[row], self.row_settings[row])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if key_states.shape[0] == 1 and len(self.active) == 1:
-            return self.rows[self.active[0]][layer_idx].update(key_states, value_states)
         if key_states.shape[0] != len(self.active):
             raise UnsupportedBatch(
                 f"a batch of {key_states.shape[0]} for {len(self.active)} active rows: the tiered cache decodes batch "
                 "size 1 unless TieredCache.set_active(rows) names a row per batch entry (tracer.decode.decode_batch)"
             )
-        layers = [self.rows[row][layer_idx] for row in self.active]
-        for index, layer in enumerate(layers):
-            layer.update(key_states[index : index + 1], value_states[index : index + 1])
-        set_pending(layers)  # the attention function runs each row's recall/attend/placement in turn
+        layer = self.paged[layer_idx]
+        layer.update(self.active, key_states, value_states)
+        set_pending((layer, self.active))  # the attention function recalls, attends and places for these rows
         return key_states, value_states
 
     @property

@@ -90,7 +90,8 @@ def relative_errors(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor:
 
 
 class QuantizedBlockStore:
-    """DDR tier of one layer storing whole blocks quantized to int8 or int4 codes (host, pinned on CUDA)."""
+    """DDR tier of one layer for every row of a batch, storing whole blocks quantized to int8 or int4 codes
+    (host, pinned on CUDA), addressed like `tracer.transfer.PinnedBlockStore` by (row, block id) on the device."""
 
     def __init__(
         self, n_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device,
@@ -105,76 +106,80 @@ class QuantizedBlockStore:
         self.code_dim = head_dim if self.bits == 8 else head_dim // 2
         self.dtype, self.device = dtype, device
         self.pin = device.type == "cuda"
-        self.capacity_blocks = 0
+        self.rows = self.capacity_blocks = 0
         self.host: dict[str, torch.Tensor] = {}  # k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
+        self.views: dict[str, torch.Tensor | None] = {}
         self.key_min = self.key_max = torch.empty(0)
-        self._errors: list[torch.Tensor] = []  # relative errors of blocks stored since pop_quant_error()
-        self._grow(64)
+        self._errors: list[torch.Tensor] = []  # per stored block: [max |rel err|, mean rel err^2] since the last pop
+        self.reserve(1, 64)
 
-    def _host_shapes(self, n_blocks: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def _host_shapes(self, n_rows: int, n_blocks: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         n_heads, block_size, _ = self.shape
-        tile = ((n_blocks, n_heads, 1, 1), torch.float32)
-        codes = ((n_blocks, n_heads, block_size, self.code_dim), torch.uint8)
+        tile = ((n_rows, n_blocks, n_heads, 1, 1), torch.float32)
+        codes = ((n_rows, n_blocks, n_heads, block_size, self.code_dim), torch.uint8)
         return {f"{t}_{part}": spec for t in "kv" for part, spec in (("codes", codes), ("scale", tile), ("zero", tile))}
 
-    def _grow(self, n_blocks: int) -> None:
-        capacity = max(n_blocks, 2 * self.capacity_blocks)
-        old = self.capacity_blocks
+    def reserve(self, n_rows: int, n_blocks: int) -> None:
+        """Room for rows below `n_rows` and block ids below `n_blocks` (bounds the cache knows on the host)."""
+        if n_rows <= self.rows and n_blocks <= self.capacity_blocks:
+            return
+        rows = max(n_rows, 2 * self.rows) if n_rows > self.rows else self.rows  # doubling, as blocks
+        blocks = max(n_blocks, 2 * self.capacity_blocks) if n_blocks > self.capacity_blocks else self.capacity_blocks
         grown = {
             name: torch.empty(shape, dtype=dtype, pin_memory=self.pin)
-            for name, (shape, dtype) in self._host_shapes(capacity).items()
+            for name, (shape, dtype) in self._host_shapes(rows, blocks).items()
         }
-        bounds_shape = (capacity, self.shape[0], self.shape[2])
+        bounds_shape = (rows, blocks, self.shape[0], self.shape[2])
         key_min = torch.empty(bounds_shape, dtype=self.dtype, device=self.device)
         key_max = torch.empty(bounds_shape, dtype=self.dtype, device=self.device)
-        if old:
+        old_rows, old_blocks = self.rows, self.capacity_blocks
+        if old_rows and old_blocks:
+            if self.pin:  # scatters through mapped views are kernels: let them land before the host copies
+                torch.cuda.current_stream(self.device).synchronize()
             for name, tensor in grown.items():
-                tensor[:old] = self.host[name]
-            key_min[:old], key_max[:old] = self.key_min, self.key_max
+                tensor[:old_rows, :old_blocks] = self.host[name]
+            key_min[:old_rows, :old_blocks], key_max[:old_rows, :old_blocks] = self.key_min, self.key_max
         self.host, self.key_min, self.key_max = grown, key_min, key_max
-        # Indexed by block ids on the device (tracer.transfer.mapped_view); None where CUDA refuses the mapping.
+        # Indexed by (row, block id) on the device (tracer.transfer.mapped_view); None where CUDA refuses it.
         self.views = {name: mapped_view(tensor, self.device) for name, tensor in grown.items()}
-        self.capacity_blocks = capacity
+        self.rows, self.capacity_blocks = rows, blocks
 
-    def reserve(self, n_blocks: int) -> None:
-        """Room for block ids below `n_blocks` (a bound the cache knows on the host)."""
-        if n_blocks > self.capacity_blocks:
-            self._grow(n_blocks)
-
-    def _scatter(self, name: str, ids: torch.Tensor, tensor: torch.Tensor) -> None:
+    def _scatter(self, name: str, rows: torch.Tensor, ids: torch.Tensor, tensor: torch.Tensor) -> None:
         view = self.views[name]
         if view is not None:
-            view.index_copy_(0, ids, tensor)
+            view[rows, ids] = tensor
         else:  # no mapping: the ids and codes come to the host (one synchronisation)
-            self.host[name][ids.cpu()] = tensor.cpu()
+            self.host[name][rows.cpu(), ids.cpu()] = tensor.cpu()
 
-    def _gather(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+    def _gather(self, name: str, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         view = self.views[name]
         if view is not None:
-            return view.index_select(0, ids)
-        return self.host[name][ids.cpu()].to(self.device, non_blocking=self.pin)
+            return view[rows, ids]
+        return self.host[name][rows.cpu(), ids.cpu()].to(self.device, non_blocking=self.pin)
 
-    def put(self, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Quantize blocks [n, H, block, d] on the device and store them under `block_ids` (on the device,
-        below the `reserve`d bound); returns bytes D2H."""
-        ids = block_ids.to(self.device)
-        moved = 0
+    def put(self, rows: torch.Tensor, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Quantize blocks [n, H, block, d] on the device and store them at (`rows`, `block_ids`) (device tensors,
+        below the `reserve`d bounds); returns bytes D2H."""
+        moved, errors = 0, []
         for prefix, x in (("k", keys), ("v", values)):
             tiles = quantize(x, self.bits)
             x_hat = dequantize(tiles, self.bits, self.dtype)
-            self._errors.append(relative_errors(x, x_hat).flatten())
+            errors.append(relative_errors(x, x_hat).flatten(1))
             if prefix == "k":
-                self.key_min[ids], self.key_max[ids] = x_hat.amin(dim=2), x_hat.amax(dim=2)
+                self.key_min[rows, block_ids], self.key_max[rows, block_ids] = x_hat.amin(dim=2), x_hat.amax(dim=2)
             for part, tensor in zip(("codes", "scale", "zero"), tiles.tensors(), strict=True):
-                self._scatter(f"{prefix}_{part}", ids, tensor)
+                self._scatter(f"{prefix}_{part}", rows, block_ids, tensor)
                 moved += tensor.numel() * tensor.element_size()
+        both = torch.cat(errors, dim=1)  # [n, elements of K and V]
+        self._errors.append(torch.stack([both.abs().amax(1), both.square().mean(1)], dim=1))
         return moved
 
-    def get(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def get(self, rows: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Copy blocks' codes and grids to the device and dequantize: (keys, values, bytes copied H2D)."""
         out, moved = [], 0
         for prefix in "kv":
-            tiles = QuantizedTiles(*[self._gather(f"{prefix}_{part}", block_ids) for part in ("codes", "scale", "zero")])
+            parts = [self._gather(f"{prefix}_{part}", rows, block_ids) for part in ("codes", "scale", "zero")]
+            tiles = QuantizedTiles(*parts)
             moved += tiles.nbytes()
             out.append(dequantize(tiles, self.bits, self.dtype))
         return out[0], out[1], moved
@@ -184,22 +189,19 @@ class QuantizedBlockStore:
         n_heads, block_size, _ = self.shape
         return 2 * (n_heads * block_size * self.code_dim + 2 * n_heads * 4)
 
-    def pop_quant_error_tensors(self) -> torch.Tensor | None:
-        """[max, RMS] relative error (a device tensor) over the blocks stored since the last call; None when
-        none were. The cache records it without reading it (tracer.cache.DeferredCopies)."""
+    def pop_block_errors(self) -> torch.Tensor | None:
+        """Per block stored since the last call, in order: [max |relative error|, mean squared relative error]
+        ([n, 2] on the device; every block has the same number of elements, so a run of blocks' RMS is the root
+        of their mean). None when none were stored. The cache records it without reading it."""
         errors, self._errors = self._errors, []
-        if not errors:
-            return None
-        flat = torch.cat(errors)
-        return torch.stack([flat.abs().max(), flat.square().mean().sqrt()])
+        return torch.cat(errors) if errors else None
 
     def pop_quant_error(self) -> dict[str, float | None]:
         """Max and RMS relative error over the blocks stored since the last call (None when none were)."""
-        errors = self.pop_quant_error_tensors()
+        errors = self.pop_block_errors()
         if errors is None:
             return {"quant_max_rel_err": None, "quant_rms_rel_err": None}
-        high, rms = errors.tolist()
-        return {"quant_max_rel_err": high, "quant_rms_rel_err": rms}
+        return {"quant_max_rel_err": float(errors[:, 0].max()), "quant_rms_rel_err": float(errors[:, 1].mean().sqrt())}
 
 
 def make_block_store(ddr_dtype: str, n_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device):

@@ -253,84 +253,83 @@ def mapped_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None
 
 
 class PinnedBlockStore:
-    """The DDR tier of one layer with real data movement; the DDR-tier interface the cache calls.
+    """The DDR tier of one layer, for every row (sequence) of a batch, with real data movement.
 
-    Blocks live in a preallocated (pinned on CUDA) `HostPool`, slot = logical block id, K and V side by side.
-    Block ids stay on the compute device: `put` scatters the blocks into their slots and `get` gathers them
-    through `mapped_view` (on a CPU the host tensor itself; on CUDA the mapped pinned pages, a kernel that reads
-    or writes host memory over the link), so neither reads an id back and a decode step never waits for the
-    host. Where CUDA refuses the mapping, both fall back to the staged copies of `StagingCopier`, which read the
-    ids back (one host synchronisation per call). Per-block key bounds (elementwise min/max over the block's
-    tokens, Quest-style) stay on the compute device, as the cache expects.
+    Blocks live in one preallocated host tensor `[rows, blocks, 2, n_kv_heads, block_size, head_dim]` (pinned
+    on CUDA): slot = (row, logical block id), K and V side by side, so a block is contiguous. Rows and block ids
+    stay on the compute device: `put` scatters the blocks into their slots and `get` gathers them through
+    `mapped_view` (on a CPU the host tensor itself; on CUDA the mapped pinned pages, a kernel that reads or
+    writes host memory over the link), so neither reads an id back and a decode step never waits for the host;
+    one call moves every row's blocks of the layer. Where CUDA refuses the mapping, both read the ids back and
+    copy through the host (one synchronisation per call). Per-block key bounds (elementwise min/max over the
+    block's tokens, Quest-style) stay on the compute device, as the cache expects.
     """
 
-    def __init__(self, n_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 copier: StagingCopier | None = None):
+    def __init__(self, n_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         self.shape = (n_kv_heads, block_size, head_dim)
         self.dtype, self.device = dtype, torch.device(device)
         self.pin = self.device.type == "cuda"
-        block_shape = (2, *self.shape)
-        self.copier = copier or shared_copier(self.device, block_shape, dtype)
-        self.pool = HostPool(64, block_shape, dtype, pin=self.pin)
-        self.view = mapped_view(self.pool.storage, self.device)
-        bounds = (64, n_kv_heads, head_dim)
-        self.key_min = torch.empty(bounds, dtype=dtype, device=self.device)
-        self.key_max = torch.empty(bounds, dtype=dtype, device=self.device)
+        self.storage = torch.empty((0, 0, 2, *self.shape), dtype=dtype)
+        self.view: torch.Tensor | None = self.storage
+        self.key_min = self.key_max = torch.empty((0, 0, n_kv_heads, head_dim), dtype=dtype, device=self.device)
+        self.reserve(1, 64)
 
-    @property
-    def asynchronous_offload(self) -> bool:
-        """Whether an offload's copy overlaps later compute: only the staged fallback's (a side stream); a
-        scatter through the mapped view runs on the compute stream, in order."""
-        return self.pin and self.view is None
+    asynchronous_offload = False  # scatters run in order on the compute stream
 
-    @property
-    def capacity_blocks(self) -> int:
-        return self.pool.capacity
+    def _settle(self) -> None:
+        """Wait for every write into the pool: before the host reads or copies it (growth, `keys`)."""
+        if self.pin:  # scatters through the view are kernels on the compute stream
+            torch.cuda.current_stream(self.device).synchronize()
 
-    def reserve(self, n_blocks: int) -> None:
-        """Room for block ids below `n_blocks` (the cache knows the bound on the host, so no id is read back)."""
-        if n_blocks > self.pool.capacity:
-            self.copier.drain()
-            self.pool.ensure_capacity(n_blocks)
-            self.view = mapped_view(self.pool.storage, self.device)
-        if n_blocks > self.key_min.shape[0]:
-            old = self.key_min.shape[0]
-            for name in ("key_min", "key_max"):
-                grown = torch.empty((self.pool.capacity, *self.key_min.shape[1:]), dtype=self.dtype, device=self.device)
-                grown[:old] = getattr(self, name)
-                setattr(self, name, grown)
+    def reserve(self, n_rows: int, n_blocks: int) -> None:
+        """Room for rows below `n_rows` and block ids below `n_blocks` (bounds the cache knows on the host, so
+        no id is read back). Growing (the block capacity doubles: rare) copies the pool on the host."""
+        rows, blocks = self.storage.shape[:2]
+        if n_rows <= rows and n_blocks <= blocks:
+            return
+        self._settle()
+        rows = max(n_rows, 2 * rows) if n_rows > rows else rows  # doubling: rows and blocks come one by one
+        blocks = max(n_blocks, 2 * blocks) if n_blocks > blocks else blocks
+        storage = torch.empty((rows, blocks, 2, *self.shape), dtype=self.dtype, pin_memory=self.pin)
+        old_rows, old_blocks = self.storage.shape[:2]
+        storage[:old_rows, :old_blocks].copy_(self.storage)
+        self.storage, self.view = storage, mapped_view(storage, self.device)
+        for name in ("key_min", "key_max"):
+            old = getattr(self, name)
+            grown = torch.empty((rows, blocks, *old.shape[2:]), dtype=self.dtype, device=self.device)
+            grown[:old_rows, :old_blocks] = old
+            setattr(self, name, grown)
 
-    def put(self, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Store blocks [n, H, block, d] (on the compute device) under `block_ids` (on the compute device, below
-        the `reserve`d bound); returns bytes copied D2H."""
-        ids = block_ids.to(self.device)
-        self.key_min[ids] = keys.amin(dim=2)
-        self.key_max[ids] = keys.amax(dim=2)
+    def put(self, rows: torch.Tensor, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Store blocks [n, H, block, d] (on the compute device) at (`rows`, `block_ids`) (device tensors of n,
+        below the `reserve`d bounds); returns bytes copied D2H."""
+        self.key_min[rows, block_ids] = keys.amin(dim=2)
+        self.key_max[rows, block_ids] = keys.amax(dim=2)
+        blocks = torch.stack([keys, values], dim=1)
         if self.view is not None:
-            self.view.index_copy_(0, ids, torch.stack([keys, values], dim=1))
-            return 2 * keys.numel() * keys.element_size()
-        return self.copier.offload(self.pool, block_ids.cpu(), keys, values)
+            self.view[rows, block_ids] = blocks
+        else:  # no mapping: the ids and blocks come to the host (one synchronisation)
+            self.storage[rows.cpu(), block_ids.cpu()] = blocks.cpu()
+        return blocks.numel() * blocks.element_size()
 
-    def get(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Copy blocks to the compute device: ([n, H, block, d] keys, values, bytes copied H2D). The staged
-        fallback returns views of its staging buffer, valid until the next recall (the cache copies them)."""
+    def get(self, rows: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Copy blocks (`rows`, `block_ids`) to the compute device: ([n, H, block, d] keys, values, bytes H2D)."""
         if self.view is not None:
-            self.copier.drain()
-            blocks = self.view.index_select(0, block_ids)
-            return blocks[:, 0], blocks[:, 1], blocks.numel() * blocks.element_size()
-        blocks, n_bytes = self.copier.recall(self.pool, block_ids.cpu())
-        return blocks[:, 0], blocks[:, 1], n_bytes
+            blocks = self.view[rows, block_ids]
+        else:
+            blocks = self.storage[rows.cpu(), block_ids.cpu()].to(self.device, non_blocking=self.pin)
+        return blocks[:, 0], blocks[:, 1], blocks.numel() * blocks.element_size()
 
     @property
     def keys(self) -> torch.Tensor:
-        """Host keys indexed by block id (finishes any pending offload first)."""
-        self.copier.drain()
-        return self.pool.storage[:, 0]
+        """Host keys [rows, blocks, H, block, d] (after every pending write)."""
+        self._settle()
+        return self.storage[:, :, 0]
 
     @property
     def values(self) -> torch.Tensor:
-        self.copier.drain()
-        return self.pool.storage[:, 1]
+        self._settle()
+        return self.storage[:, :, 1]
 
     def block_bytes(self) -> int:
-        return self.pool.block_bytes
+        return self.storage[0, 0].numel() * self.storage.element_size()

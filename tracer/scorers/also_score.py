@@ -25,6 +25,7 @@ class AlsoScore(Scorer):
     extras: dict[str, Scorer] = field(default_factory=dict)
     tables: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict, repr=False)
     score_under_full: bool = True  # the cache scores even under the full policy (for the extras)
+    batchable = False  # tables per sample
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -33,9 +34,10 @@ class AlsoScore(Scorer):
     def score(self, obs: Observation, previous: torch.Tensor) -> torch.Tensor:
         for name, scorer in self.extras.items():
             layers = self.tables.setdefault(name, {})
-            table = scorer.score(obs, layers.get(obs.layer_idx, torch.zeros(0, device=previous.device)))
-            if obs.valid is not None and table.shape[0] >= obs.logical_len:
-                table[obs.logical_len - 1] = 0.0  # a paged cache's scratch position (Observation.valid)
+            table = scorer.score(obs, layers.get(obs.layer_idx, torch.zeros(1, 0, device=previous.device)))
+            if obs.valid is not None:  # a paged cache's scratch positions (Observation)
+                scratch = torch.where(obs.valid, obs.positions, -1).amax(1) + 1  # one past the row's last entry
+                table.scatter_(1, scratch[:, None], 0.0)
             layers[obs.layer_idx] = table
         return self.primary.score(obs, previous) if self.primary is not None else previous
 
@@ -52,6 +54,7 @@ class AlsoScore(Scorer):
             layers = scorer.tables if isinstance(scorer, GradientScorer) else self.tables.get(name, {})
             matrix = np.zeros((n_layers, n_positions), dtype=np.float32)
             for layer_idx, scores in layers.items():
+                scores = scores.reshape(-1)  # one row: this sample's
                 n = min(n_positions, scores.shape[0])
                 matrix[layer_idx, :n] = scores[:n].float().cpu().numpy()
             columns[name] = matrix.mean(0)

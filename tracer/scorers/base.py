@@ -22,41 +22,47 @@ class BadScorerOption(UserError):
 
 @dataclass
 class Observation:
-    """What one layer saw in one attention call (batch 1)."""
+    """What one layer saw in one attention call, for a batch of rows (sequences; a prefill is one row).
+
+    A paged cache attends whole pages: a slot that holds no entry (`valid` False) has weight exactly 0 and its
+    position is the row's scratch position (one past its last token; the cache resets that score after the
+    call), so a score written there is harmless; a scorer that pools over the attended entries skips them.
+    """
 
     layer_idx: int
-    step: int  # 0 = prefill
-    logical_len: int  # KV entries that exist logically, incl. the new ones (+1 scratch position, see `valid`)
-    positions: torch.Tensor  # [n] long: logical position of each attended entry (HBM then recalled)
-    weights_mean: torch.Tensor  # [q, n] float32: softmax of each new query, mean over query heads
-    weights_max: torch.Tensor  # [q, n] float32: same, max over query heads
-    keys: torch.Tensor  # [n_kv_heads, n, head_dim]: the attended keys (post-RoPE)
-    values: torch.Tensor | None = None  # [n_kv_heads, n, head_dim]: the attended values (vatp)
-    # [n] bool: slots that hold an entry. A paged cache attends whole pages: an empty slot has weight 0 and its
-    # position is the scratch position `logical_len - 1` (one past the last token; the cache resets its score),
-    # so scores written there are harmless; a scorer that pools over the attended entries must skip them.
-    valid: torch.Tensor | None = None
+    step: int  # 0 = prefill (of the first row; rows of a decode batch are all past it)
+    logical_len: int  # width of the score table: at least every row's logical length + 1 (the scratch position)
+    positions: torch.Tensor  # [rows, n] long: logical position of each attended slot (HBM pages, then recalled)
+    weights_mean: torch.Tensor  # [rows, q, n] float32: softmax of each new query, mean over query heads
+    weights_max: torch.Tensor  # [rows, q, n] float32: same, max over query heads
+    keys: torch.Tensor  # [rows, n_kv_heads, n, head_dim]: the attended keys (post-RoPE)
+    values: torch.Tensor | None = None  # [rows, n_kv_heads, n, head_dim]: the attended values (vatp)
+    valid: torch.Tensor | None = None  # [rows, n] bool: slots that hold an entry (None: all of them)
 
 
 def _grown(previous: torch.Tensor, length: int) -> torch.Tensor:
-    """Previous scores extended with zeros to the current logical length (a copy: callers write into it)."""
-    out = torch.zeros(length, dtype=torch.float32, device=previous.device)
-    n = min(length, previous.shape[0])
-    out[:n] = previous[:n]
+    """Previous scores [rows, m] extended with zeros to `length` columns (a copy: callers write into it)."""
+    out = torch.zeros(previous.shape[0], length, dtype=torch.float32, device=previous.device)
+    n = min(length, previous.shape[-1])
+    out[:, :n] = previous[:, :n]
     return out
 
 
 def _extended(previous: torch.Tensor, length: int) -> torch.Tensor:
     """`previous` itself when it already covers `length` positions (scores are updated in place on the hot
     path), else a copy grown with zeros to twice that (amortised). Entries past the logical length stay 0."""
-    if previous.shape[0] >= length:
+    if previous.shape[-1] >= length:
         return previous
-    return _grown(previous, max(length, 2 * previous.shape[0]))
+    return _grown(previous, max(length, 2 * previous.shape[-1]))
 
 
 class Scorer:
     name: str = ""
+    # Whether one call may score many rows (sequences) at once: the scorer keeps no per-sequence state, so
+    # rows whose scorers have the same settings share one call. Per-sample state (oracle, gradient, AlsoScore)
+    # is scored one row at a time.
+    batchable: bool = True
 
     def score(self, obs: Observation, previous: torch.Tensor) -> torch.Tensor:
-        """Return the scores of (at least) all `obs.logical_len` positions (float32); entries beyond are 0."""
+        """Return the scores [rows, >= obs.logical_len] of every position (float32); entries beyond are 0."""
         raise NotImplementedError

@@ -70,6 +70,7 @@ class GradientScorer(Scorer):
     next-token losses; `score()` hands the layer its accumulated table."""
 
     name: str = "gradient"
+    batchable = False  # tables per sample
     window: int = 1
     interval: int = 1
     tables: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
@@ -80,7 +81,7 @@ class GradientScorer(Scorer):
 
     def score(self, obs: Observation, previous: torch.Tensor) -> torch.Tensor:
         table = self.tables.get(obs.layer_idx, torch.zeros(0, device=previous.device))
-        return _grown(table, obs.logical_len)
+        return _grown(table[None], obs.logical_len)
 
     def after_step(self, model, cache, token_ids: list[int], step: int) -> None:
         """Called by the decode loop after step `step` produced `token_ids[-1]` (0 = prefill)."""
@@ -104,5 +105,5 @@ class GradientScorer(Scorer):
         )
         for layer_idx, ((_, _, positions), keep, norms) in enumerate(zip(entries, older, importance, strict=True)):
             previous = self.tables.get(layer_idx, torch.zeros(0, device=norms.device))
-            table = _grown(previous, current + 1)
+            table = _grown(previous[None], current + 1)[0]
             self.tables[layer_idx] = table.index_add_(0, positions[keep], norms)

@@ -15,4 +15,4 @@ class H2OScorer(Scorer):
 
     def score(self, obs, previous):
         scores = _extended(previous, obs.logical_len)
-        return scores.index_add_(0, obs.positions, obs.weights_mean.sum(0))
+        return scores.scatter_add_(1, obs.positions, obs.weights_mean.sum(1))

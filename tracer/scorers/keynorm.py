@@ -16,5 +16,5 @@ class KeyNormScorer(Scorer):
 
     def score(self, obs, previous):
         scores = _extended(previous, obs.logical_len)
-        scores[obs.positions] = -obs.keys.float().norm(dim=-1).mean(0)
+        scores.scatter_(1, obs.positions, -obs.keys.float().norm(dim=-1).mean(1))
         return scores

@@ -20,13 +20,14 @@ class OracleScorer(Scorer):
     """
 
     name: str = "oracle"
+    batchable = False  # each sample has its own full pass
     future_importance: list[torch.Tensor] | None = None  # per layer, [positions]
 
     def score(self, obs, previous):
         if self.future_importance is None:
             raise UserError("the oracle scorer needs a full-cache pass first; use tracer.run (it runs one)")
         table = self.future_importance[obs.layer_idx].to(previous.device, torch.float32)
-        scores = torch.zeros(obs.logical_len, dtype=torch.float32, device=previous.device)
+        scores = torch.zeros(previous.shape[0], obs.logical_len, dtype=torch.float32, device=previous.device)
         n = min(obs.logical_len, table.shape[0])
-        scores[:n] = table[:n]
+        scores[:, :n] = table[:n]
         return scores

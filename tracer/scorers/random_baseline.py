@@ -28,4 +28,4 @@ class RandomScorer(Scorer):
 
     def score(self, obs, previous):
         table = self._chunked_table(obs.logical_len).to(previous.device)
-        return table[: obs.logical_len].clone()
+        return table[: obs.logical_len].expand(previous.shape[0], -1).clone()

@@ -17,5 +17,5 @@ class RecencyScorer(Scorer):
 
     def score(self, obs, previous):
         scores = _extended(previous, obs.logical_len)
-        scores[obs.positions] = obs.positions.to(torch.float32)
+        scores.scatter_(1, obs.positions, obs.positions.to(torch.float32))
         return scores

@@ -24,14 +24,14 @@ class RKVScorer(Scorer):
 
     def score(self, obs, previous):
         scores = _extended(previous, obs.logical_len)
-        attention = obs.weights_mean[-self.window :].mean(0)
-        attention = attention / attention.max().clamp_min(1e-12)
-        unit_keys = torch.nn.functional.normalize(obs.keys.float(), dim=-1)  # [h, n, d]
+        attention = obs.weights_mean[:, -self.window :].mean(1)  # [rows, n]
+        attention = attention / attention.amax(1, keepdim=True).clamp_min(1e-12)
+        unit_keys = torch.nn.functional.normalize(obs.keys.float(), dim=-1)  # [rows, h, n, d]
         if obs.valid is None:
-            mean_key = unit_keys.mean(1, keepdim=True)
+            mean_key = unit_keys.mean(2, keepdim=True)
         else:  # over the entries only (a paged cache's empty slots are not keys)
-            valid = obs.valid.to(unit_keys.dtype)[None, :, None]
-            mean_key = (unit_keys * valid).sum(1, keepdim=True) / valid.sum().clamp_min(1)
-        redundancy = (unit_keys * mean_key).sum(-1).mean(0)  # [n]
-        scores[obs.positions] = self.lam * attention - (1.0 - self.lam) * redundancy
+            valid = obs.valid.to(unit_keys.dtype)[:, None, :, None]
+            mean_key = (unit_keys * valid).sum(2, keepdim=True) / valid.sum(2, keepdim=True).clamp_min(1)
+        redundancy = (unit_keys * mean_key).sum(-1).mean(1)  # [rows, n]
+        scores.scatter_(1, obs.positions, self.lam * attention - (1.0 - self.lam) * redundancy)
         return scores

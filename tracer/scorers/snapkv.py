@@ -23,11 +23,9 @@ class SnapKVScorer(Scorer):
 
     def score(self, obs, previous):
         scores = _extended(previous, obs.logical_len)
-        observed = obs.weights_mean[-self.window :].mean(0)
-        dense = torch.zeros(obs.logical_len, dtype=torch.float32, device=observed.device)
-        dense[obs.positions] = observed
-        pooled = torch.nn.functional.max_pool1d(
-            dense.view(1, 1, -1), self.kernel, stride=1, padding=self.kernel // 2
-        ).view(-1)
-        scores[obs.positions] = pooled[obs.positions]
+        observed = obs.weights_mean[:, -self.window :].mean(1)  # [rows, n]
+        dense = torch.zeros(observed.shape[0], obs.logical_len, dtype=torch.float32, device=observed.device)
+        dense.scatter_(1, obs.positions, observed)
+        pooled = torch.nn.functional.max_pool1d(dense[:, None], self.kernel, stride=1, padding=self.kernel // 2)[:, 0]
+        scores.scatter_(1, obs.positions, pooled.gather(1, obs.positions))
         return scores

@@ -15,5 +15,5 @@ class TOVAScorer(Scorer):
 
     def score(self, obs, previous):
         scores = _extended(previous, obs.logical_len)
-        scores[obs.positions] = obs.weights_mean[-1]
+        scores.scatter_(1, obs.positions, obs.weights_mean[:, -1])
         return scores

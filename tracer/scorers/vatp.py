@@ -20,5 +20,5 @@ class VATPScorer(Scorer):
         if values is None:
             raise BadScorerOption("the vatp scorer needs the attended values in the observation (tracer.cache passes them)")
         scores = _grown(previous, obs.logical_len)
-        value_norms = values.float().abs().sum(-1).mean(0)  # [n]: ||v||_1 per entry, mean over KV heads
-        return scores.index_add_(0, obs.positions, obs.weights_mean.sum(0) * value_norms)
+        value_norms = values.float().abs().sum(-1).mean(1)  # [rows, n]: ||v||_1 per entry, mean over KV heads
+        return scores.scatter_add_(1, obs.positions, obs.weights_mean.sum(1) * value_norms)
