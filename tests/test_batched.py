@@ -174,3 +174,30 @@ def test_a_killed_batched_run_resumes_with_nothing_lost_or_doubled(tmp_path):
     assert got_steps[columns[:-1]].equals(want_steps[columns[:-1]])
     # Masses are floats of a batched GEMM (another summation order than batch 1's): equal to rounding.
     assert (got_steps.mass_ddr - want_steps.mass_ddr).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("policy", [dict(policy="full"), dict(policy="evict", hbm_budget=0.3),
+                                    dict(policy="hierarchy", hbm_budget=0.3)], ids=["full", "evict", "hierarchy"])
+def test_micro_chains_at_batch_eight_are_token_identical_to_batch_one(tmp_path, policy):
+    """The bundled micro model through `run_trace` (the 200-sample, B = 16 version is
+    tests/bench/batched_micro.py): the same texts, the same accuracy, the same recorded traffic."""
+    from tracer.run import TraceConfig, run_trace
+    from traces import open_run
+
+    def trace(batch_size: int):
+        config = TraceConfig(model="micro", task="chains", out=str(tmp_path / f"b{batch_size}"), n_samples=12,
+                             batch_size=batch_size, max_new_tokens=48, block_size=4, window_tokens=8, device="cpu",
+                             access=False, **policy)
+        return open_run(run_trace(config, progress=False))
+
+    one, eight = trace(1), trace(8)
+    a, b = one.samples().set_index("sample_id"), eight.samples().set_index("sample_id")
+    assert a.index.equals(b.index) and (a["generated_text"] == b.loc[a.index, "generated_text"]).all()
+    assert a["correct"].sum() == b["correct"].sum()
+    columns = ["sample_id", "step", "layer", "hbm_tokens", "recalled_block_ids", "offloaded_block_ids", "bytes_h2d"]
+    key = ["sample_id", "step", "layer"]
+    first = one.steps(columns=columns).sort_values(key).reset_index(drop=True)
+    second = eight.steps(columns=columns).sort_values(key).reset_index(drop=True)
+    assert first.equals(second)
+    if policy["policy"] == "hierarchy":
+        assert first["bytes_h2d"].sum() > 0  # it recalled: the traffic compared is not all zero

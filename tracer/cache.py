@@ -9,6 +9,15 @@ a free page; a block that leaves HBM frees its page, which the next new block re
 block copy; nothing is compacted. Attention runs over the pages with the empty slots masked out (weight 0), so
 the slots' order does not matter (softmax over a set).
 
+Batched: one `PagedLayer` per decoder layer holds every row (sequence) of a batch in `[rows, ...]` tensors, and a
+step appends, recalls (one gather for all rows), attends, scores and places all its rows with one set of
+kernels, each row on its own slice, with its counts on the host: the kernels a step issues do not grow with
+the batch. The rows share one page count (the fullest row's), so a shorter row attends empty, masked pages
+(compute, never another row's entries). `TieredLayer` is one row's view, what HF, the tokens table and the
+gradient scorer read for one sequence. Memory per layer: rows x (pages + staging pages + 1) x block_size x the
+K+V bytes of a token on the device (`tracer.run.kv_buffer_bytes` sizes it before a run), and rows x blocks
+ever offloaded x block bytes of host memory for the DDR tier.
+
 Sync-free steps: every decision inside a decode step is a device tensor (which blocks move, which DDR blocks a
 query recalls, the new token's slot), and the host sizes every buffer and every move from counts it knows
 without reading the device: the policy's targets depend only on the logical length, and under the default
@@ -112,6 +121,7 @@ class RowState:
     defer_placement: bool = False
     deferred_query_tokens: int = 0
     recalled_ids: torch.Tensor | None = None  # this step's recalled block ids (sorted; device)
+    recalled_record: object = None  # the same ids as the trace records them (`Deferred`, fetched at step end)
     head_picks: torch.Tensor | None = None  # quest-per-head: [recalled, Hkv] bool
     bytes_h2d: int = 0
 
@@ -140,6 +150,7 @@ class PagedLayer:
     def __init__(self, layer_idx: int, copies: DeferredCopies):
         self.layer_idx, self.copies = layer_idx, copies
         self.rows: list[RowState | None] = []
+        self._rows_cache: tuple = ((), None)
         self.initialized = False
         self.n_pages = self.n_staging_pages = self.block_capacity = 0
 
@@ -276,7 +287,7 @@ class PagedLayer:
         self._ensure_blocks(max(s.logical_len for s in states) + n_new)
         opened = [n_blocks(s.spec, s.logical_len + n_new) - s.blocks() for s in states]
         self._resize_pages(max(s.hbm_blocks() + o for s, o in zip(states, opened, strict=True)), self.n_staging_pages)
-        rows_t = torch.tensor(rows, device=self.device)
+        rows_t = self._rows_tensor(rows)
         if n_new == 1:
             opening = [i for i, o in enumerate(opened) if o]
             if opening:  # new blocks take each row's first free page (there is one: pages >= HBM blocks)
@@ -305,13 +316,14 @@ class PagedLayer:
         for state in states:
             state.query_start, state.logical_len = state.logical_len, state.logical_len + n_new
             state.recalled_blocks, state.recalled_ids, state.head_picks, state.bytes_h2d = 0, None, None, 0
+            state.recalled_record = None
 
     # -- recall, attention, scoring, placement (the attention function calls this) -------------------------
     def attend(self, rows: list[int], query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Recall for the rows' current queries, attend their pages + recalled blocks, then score, record and
         place. Returns the attention output [rows, lq, Hq, d]."""
         states = [self.rows[r] for r in rows]
-        rows_t = torch.tensor(rows, device=self.device)
+        rows_t = self._rows_tensor(rows)
         hidden = self._recall(rows, states, rows_t, query) if query.shape[-2] == 1 else None
         n_keys = (self.n_pages + max(s.recalled_blocks for s in states)) * self.block_size
         selected = self._select(rows)  # consecutive rows (a full batch, one row) are a view, not a gather
@@ -321,6 +333,13 @@ class PagedLayer:
                                                    None if hidden is None else hidden[:, :, :n_keys])
         self._after_attention(rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos)
         return output
+
+    def _rows_tensor(self, rows: list[int]) -> torch.Tensor:
+        """`rows` as a device tensor, made once per set of rows (a step's rows are every layer's)."""
+        key = tuple(rows)
+        if self._rows_cache[0] != key:
+            self._rows_cache = (key, torch.tensor(rows, device=self.device))
+        return self._rows_cache[1]
 
     def _select(self, rows: list[int]) -> slice | torch.Tensor:
         """Index of `rows` into the shared tensors: a slice when they are consecutive, else a tensor."""
@@ -336,29 +355,36 @@ class PagedLayer:
         batch_index = [i for i, k in enumerate(wanted) if k > 0]
         if not batch_index:
             return None
-        rec_rows = rows_t[batch_index] if len(batch_index) < len(rows) else rows_t
+        every_row = len(batch_index) == len(rows)
+        rec_rows = rows_t if every_row else rows_t[batch_index]
+        rec_query = query if every_row else query[batch_index]
+        selected = self._select(rows) if every_row else rec_rows  # a view when the rows are consecutive
         n_blocks_max = max(states[i].blocks() for i in batch_index)
-        in_ddr = self.block_tier[rec_rows, :n_blocks_max] == TIER_DDR
+        not_ddr = self.block_tier[selected, :n_blocks_max] != TIER_DDR
         group = query.shape[1] // self.n_kv_heads
-        q = query[batch_index, :, 0, :].reshape(len(batch_index), 1, self.n_kv_heads, group, self.head_dim)
-        key_min = self.ddr.key_min[rec_rows, :n_blocks_max].unsqueeze(3)  # [m, blocks, Hkv, 1, d]
-        key_max = self.ddr.key_max[rec_rows, :n_blocks_max].unsqueeze(3)
+        q = rec_query[:, :, 0, :].reshape(len(batch_index), 1, self.n_kv_heads, group, self.head_dim)
+        key_min = self.ddr.key_min[selected, :n_blocks_max].unsqueeze(3)  # [m, blocks, Hkv, 1, d]
+        key_max = self.ddr.key_max[selected, :n_blocks_max].unsqueeze(3)
         bounds = torch.maximum(q * key_min, q * key_max).sum(-1)  # [m, blocks, Hkv, group]: Quest's logit bound
         k_max = max(wanted[i] for i in batch_index)
-        ranks = torch.arange(k_max, device=self.device)
-        counts_t = torch.tensor([wanted[i] for i in batch_index], device=self.device)
+        uneven = any(wanted[i] < k_max for i in batch_index)  # rows that hold fewer DDR blocks than the widest
+        if uneven or spec.recall_rule != "quest":
+            ranks = torch.arange(k_max, device=self.device)
+            counts_t = torch.tensor([wanted[i] for i in batch_index], device=self.device)
         head_picks = None
         if spec.recall_rule == "quest":
-            best = bounds.flatten(2).amax(2).masked_fill(~in_ddr, float("-inf"))
+            best = bounds.flatten(2).amax(2).masked_fill(not_ddr, float("-inf"))
             top = best.topk(k_max, dim=1).indices  # by bound, highest first: a row's first `wanted` are its picks
-            ids = torch.where(ranks < counts_t[:, None], top, n_blocks_max).sort(dim=1).values
             per_row = [wanted[i] for i in batch_index]
+            if uneven:  # their extra picks sort last
+                top = torch.where(ranks < counts_t[:, None], top, n_blocks_max)
+            ids = top.sort(dim=1).values
         else:  # quest-per-head: each KV head its own top blocks; the union is copied
-            per_head = bounds.amax(3).masked_fill(~in_ddr[:, :, None], float("-inf"))  # [m, blocks, Hkv]
+            per_head = bounds.amax(3).masked_fill(not_ddr[:, :, None], float("-inf"))  # [m, blocks, Hkv]
             top = per_head.topk(k_max, dim=1).indices  # [m, k_max, Hkv]
             picks = torch.zeros_like(per_head, dtype=torch.bool)
             picks.scatter_(1, top, (ranks < counts_t[:, None])[:, :, None].expand_as(top))
-            picks &= in_ddr[:, :, None]
+            picks &= ~not_ddr[:, :, None]
             union = picks.any(2)
             per_row = union.sum(1).tolist()  # the union's size is data-dependent: one read-back per layer
             ids = torch.argsort((~union).to(torch.int8), dim=1, stable=True)[:, : max(per_row)]
@@ -367,9 +393,11 @@ class PagedLayer:
         # on the host and nothing is read back.
         width = ids.shape[1]
         select, within = _flat_selection(per_row, width)
-        select, staging = torch.from_numpy(select).to(self.device), torch.from_numpy(within).to(self.device)
-        flat_rows = rec_rows.repeat_interleave(width)[select]
-        flat_ids = ids.reshape(-1)[select]
+        staging = torch.from_numpy(within).to(self.device)
+        flat_rows, flat_ids = rec_rows.repeat_interleave(width), ids.reshape(-1)
+        if len(select) < flat_ids.shape[0]:  # some rows recall fewer blocks than the widest
+            select = torch.from_numpy(select).to(self.device)
+            flat_rows, flat_ids = flat_rows[select], flat_ids[select]
         keys, values, n_bytes = self.ddr.get(flat_rows, flat_ids)
         self._resize_pages(self.n_pages, max(per_row))
         staging = staging + self.n_pages  # a row's j-th recalled block goes to its j-th staging page
@@ -378,19 +406,23 @@ class PagedLayer:
         self._pages("values")[flat_rows, :, staging] = values
         self._pages("slot_pos")[flat_rows, staging] = flat_ids[:, None] * bs + self.offsets
         block_bytes = n_bytes // max(1, n_flat)
+        recorded = self.copies.add(flat_ids, lambda a: a.astype(np.int64))  # every row's ids in one copy
         start = 0
         for position, (i, n) in enumerate(zip(batch_index, per_row, strict=True)):
             state = states[i]
             state.recalled_blocks, state.bytes_h2d = n, n * block_bytes
             state.recalled_ids = flat_ids[start : start + n]
+            state.recalled_record = recorded.then(lambda a, start=start, n=n: a[start : start + n].tolist())
             if head_picks is not None:
                 state.head_picks = head_picks[position, :n]
             start += n
         if head_picks is None:
             return None
         hidden = torch.zeros(len(rows), self.n_kv_heads, self.keys.shape[2], dtype=torch.bool, device=self.device)
-        flat_picks = head_picks.reshape(-1, self.n_kv_heads)[select]  # [n_flat, Hkv]
-        batch_of = torch.tensor(batch_index, device=self.device).repeat_interleave(width)[select]
+        flat_picks = head_picks.reshape(-1, self.n_kv_heads)  # [n_flat, Hkv]
+        batch_of = torch.tensor(batch_index, device=self.device).repeat_interleave(width)
+        if isinstance(select, torch.Tensor):
+            flat_picks, batch_of = flat_picks[select], batch_of[select]
         hidden.view(len(rows), self.n_kv_heads, -1, bs)[batch_of, :, staging] = ~flat_picks[:, :, None]
         return hidden
 
@@ -398,8 +430,9 @@ class PagedLayer:
         n_attended = slot_pos.shape[1]
         lengths = torch.tensor([s.logical_len for s in states], device=self.device)
         # Empty slots (weight 0) point at each row's scratch position, one past its last token.
-        positions = torch.where(slot_pos >= 0, slot_pos, lengths[:, None])
-        self._score(rows, states, positions, weights_mean, weights_max, keys, values, slot_pos >= 0)
+        valid = slot_pos >= 0
+        positions = torch.where(valid, slot_pos, lengths[:, None])
+        self._score(rows, states, rows_t, lengths, positions, weights_mean, weights_max, keys, values, valid)
         placing = [i for i, s in enumerate(states) if not s.defer_placement]
         for state in states:
             if state.defer_placement:  # a prefill chunk before the last: scored, not placed nor recorded
@@ -421,16 +454,20 @@ class PagedLayer:
         if any(s.recalled_blocks for s in states):  # the staging pages are refilled at the next recall
             self.slot_pos[self._select(rows), hbm_end:] = -1
         errors = self._quant_errors(rows, moves)
+        masses = occupancy.pop("masses", None)
         for i in placing:
             state = states[i]
             if state.recorder is not None:
-                promoted, offloaded, evicted, bytes_d2h = moves.get(rows[i], ([], [], [], 0))
-                ids = [] if state.recalled_ids is None else self.copies.add(state.recalled_ids, _as_ids)
+                moved = moves.get(rows[i])
+                # The row's device values (masses, moved and recalled ids, quantization error) in one `Deferred`,
+                # resolved from the step's one copy.
+                device_values = Deferred(functools.partial(
+                    _row_device_values, masses, i, state.blocks(), state.recalled_record, moved,
+                    errors.get(rows[i])))
                 state.recorder.add_layer_row(
                     layer=self.layer_idx, query_tokens=weights_mean.shape[1] + state.deferred_query_tokens,
-                    logical_len=state.logical_len, recalled_block_ids=ids, promoted_block_ids=promoted,
-                    offloaded_block_ids=offloaded, evicted_block_ids=evicted, bytes_h2d=state.bytes_h2d,
-                    bytes_d2h=bytes_d2h, **occupancy[i], **errors.get(rows[i], {}),
+                    logical_len=state.logical_len, bytes_h2d=state.bytes_h2d, bytes_d2h=0 if moved is None else
+                    moved[2], deferred=device_values, **occupancy[i],
                 )
             state.deferred_query_tokens = 0
             state.step = self._step(state) + 1
@@ -439,7 +476,7 @@ class PagedLayer:
     def _step(state: RowState) -> int:
         return state.recorder.step if state.recorder is not None else state.step
 
-    def _score(self, rows, states, positions, weights_mean, weights_max, keys, values, valid):
+    def _score(self, rows, states, rows_t, lengths, positions, weights_mean, weights_max, keys, values, valid):
         scorers = [s.settings.scorer for s in states]
         active = [i for i, s in enumerate(states) if scorers[i] is not None and (
             s.spec.policy != "full" or getattr(scorers[i], "score_under_full", False))]
@@ -468,8 +505,7 @@ class PagedLayer:
             scores = scorers[group[0]].score(observation, previous)
             if scores is not previous or not isinstance(selected, slice):
                 self.token_scores[selected] = scores[:, :width]
-            scratch = torch.tensor([states[i].logical_len for i in group], device=self.device)
-            self.token_scores[torch.tensor(group_rows, device=self.device), scratch] = 0.0  # the scratch positions
+            self.token_scores[pick(rows_t), pick(lengths)] = 0.0  # the scratch positions
 
     def _occupancy(self, states, recording: list[int], last_weights: torch.Tensor, positions: torch.Tensor) -> dict:
         """Per recording row: tier sizes and attention masses at attention time (after recall, before
@@ -480,20 +516,17 @@ class PagedLayer:
         block_mass = torch.zeros(last_weights.shape[0], n_blocks_max + 1, dtype=torch.float32, device=self.device)
         block_mass[:, :n_blocks_max].scatter_add_(1, (positions // bs).clamp_max(n_blocks_max - 1), last_weights)
         block_mass[:, n_blocks_max] = last_weights[:, hbm_end:].sum(1)  # recalled: the DDR mass
-        host = self.copies.add(block_mass, lambda a: a.astype(np.float32).reshape(last_weights.shape[0], -1))
-        out = {}
+        out = {"masses": self.copies.add(block_mass, lambda a: a.astype(np.float32).reshape(last_weights.shape[0], -1))}
+        ddr_block_bytes = self.ddr.block_bytes()
         for i in recording:
             state = states[i]
-            blocks, n_hbm = state.blocks(), state.logical_len - (state.n_ddr_blocks + state.n_evicted_blocks) * bs
+            n_hbm = state.logical_len - (state.n_ddr_blocks + state.n_evicted_blocks) * bs
             recalled_tokens = state.recalled_blocks * bs
-            mass_ddr = host.then(lambda a, i=i: float(a[i, -1]))
-            mass_hbm = host.then(lambda a, i=i: float(a[i, :-1].sum()) - float(a[i, -1]))  # HBM + recalled is 1
             out[i] = dict(
                 hbm_tokens=n_hbm, ddr_tokens=state.n_ddr_blocks * bs, evicted_tokens=state.n_evicted_blocks * bs,
                 recalled_tokens=recalled_tokens, hbm_blocks=state.hbm_blocks(), ddr_blocks=state.n_ddr_blocks,
                 evicted_blocks=state.n_evicted_blocks, hbm_kv_bytes=(n_hbm + recalled_tokens) * self.token_bytes,
-                ddr_kv_bytes=state.n_ddr_blocks * self.ddr.block_bytes(), mass_hbm=mass_hbm, mass_ddr=mass_ddr,
-                block_mass=host.then(lambda a, i=i, blocks=blocks: a[i, :blocks]),
+                ddr_kv_bytes=state.n_ddr_blocks * ddr_block_bytes,
             )
         return out
 
@@ -579,10 +612,7 @@ class PagedLayer:
             state = states[i]
             state.n_ddr_blocks += n_off - n_promoted - n_ev_ddr
             state.n_evicted_blocks += n_ev_hbm + n_ev_ddr
-            out[rows[i]] = (host.then(lambda a, k=index: _as_ids(np.flatnonzero(a[k] == 2))),
-                            host.then(lambda a, k=index: _as_ids(np.flatnonzero(a[k] == 1))),
-                            host.then(lambda a, k=index: _as_ids(np.flatnonzero(a[k] >= 3))),
-                            bytes_d2h[index])
+            out[rows[i]] = (host, index, bytes_d2h[index])
         return out
 
     def _offload(self, place_rows: torch.Tensor, offloaded: torch.Tensor, counts: list[int]) -> list[int]:
@@ -625,7 +655,8 @@ class PagedLayer:
         self.block_page[row, block_ids] = pages
 
     def _quant_errors(self, rows: list[int], moves: dict) -> dict:
-        """The quantized tier's error over each row's blocks offloaded this step (deferred), keyed by row id."""
+        """Where each row's blocks offloaded this step sit in the quantized tier's per-block errors (deferred):
+        row id -> (errors, first, count)."""
         pop = getattr(self.ddr, "pop_block_errors", None)
         errors = None if pop is None else pop()
         if errors is None:
@@ -634,12 +665,10 @@ class PagedLayer:
         out, start = {}, 0
         block_bytes = self.ddr.block_bytes()
         for row in rows:  # _offload stored the rows' blocks in this order
-            if row not in moves or not moves[row][3]:
+            if row not in moves or not moves[row][2]:
                 continue
-            n = moves[row][3] // block_bytes
-            part = host.then(lambda a, s=start, n=n: a[s : s + n])
-            out[row] = {"quant_max_rel_err": part.then(lambda a: float(a[:, 0].max())),
-                        "quant_rms_rel_err": part.then(lambda a: float(np.sqrt(a[:, 1].mean())))}
+            n = moves[row][2] // block_bytes
+            out[row] = (host, start, n)
             start += n
         return out
 
@@ -666,6 +695,27 @@ def _targets(spec: PolicySpec, length: int) -> tuple[int, int, int | None, int] 
     if movable_end <= sink_blocks:
         return None
     return sink_blocks, movable_end, room_blocks(spec, length), evict_target
+
+
+def _row_device_values(masses: Deferred | None, index: int, blocks: int, recalled: Deferred | None,
+                       moved: tuple | None, errors: tuple | None) -> dict:
+    """One recorded row's device-derived columns, from the step's fetched copies: the attention masses
+    (block masses, then the recalled = DDR mass: HBM + recalled mass is 1), the recalled ids, the block moves
+    (codes 1 offloaded, 2 promoted, 3-4 evicted from HBM / DDR) and the quantized tier's error."""
+    mass = masses.value()[index]
+    mass_ddr = float(mass[-1])
+    values = {"mass_ddr": mass_ddr, "mass_hbm": float(mass[:-1].sum()) - mass_ddr, "block_mass": mass[:blocks],
+              "recalled_block_ids": [] if recalled is None else recalled.value(),
+              "promoted_block_ids": [], "offloaded_block_ids": [], "evicted_block_ids": []}
+    if moved is not None:
+        codes = moved[0].value()[moved[1]]
+        values.update(promoted_block_ids=_as_ids(np.flatnonzero(codes == 2)),
+                      offloaded_block_ids=_as_ids(np.flatnonzero(codes == 1)),
+                      evicted_block_ids=_as_ids(np.flatnonzero(codes >= 3)))
+    if errors is not None:
+        part = errors[0].value()[errors[1] : errors[1] + errors[2]]
+        values.update(quant_max_rel_err=float(part[:, 0].max()), quant_rms_rel_err=float(np.sqrt(part[:, 1].mean())))
+    return values
 
 
 def _flat_selection(counts: list[int], width: int) -> tuple[np.ndarray, np.ndarray]:

@@ -19,7 +19,7 @@ or recalls (tracer/cache.py).
 
 CUDA graphs: a decode step is not captured. What still stops it: (1) shapes that change between steps: the
 pages attended grow with the pool, the staging pages in use with the recall count, the batch shrinks at a
-stop, and the rows of a batch attend one after another; (2) host-side control flow on host-known values
+stop; (2) host-side control flow on host-known values
 (placement runs only when a target moved, recall only once DDR holds blocks), which a graph would have to
 replay as fixed-size masked work every step; (3) buffers reallocated when the pool grows; (4) the documented
 read-backs above. A capturable step would preallocate the pool for the run's longest sample, run placement

@@ -22,17 +22,21 @@ OPTIONAL_STEP_COLUMNS = ("quant_max_rel_err", "quant_rms_rel_err")  # quantized 
 
 
 class Deferred:
-    """A recorded value still on the device (tracer.cache.DeferredCopies): `value()` fetches it; `then(f)` is
-    the value passed through `f`, fetched with it."""
+    """A recorded value still on the device (tracer.cache.DeferredCopies): `value()` fetches it (once: the value
+    is kept); `then(f)` is the value passed through `f`, fetched with it."""
+
+    _unset = object()
 
     def __init__(self, fetch):
-        self._fetch = fetch
+        self._fetch, self._value = fetch, Deferred._unset
 
     def value(self):
-        return self._fetch()
+        if self._value is Deferred._unset:
+            self._value = self._fetch()
+        return self._value
 
     def then(self, transform) -> Deferred:
-        return Deferred(lambda: transform(self._fetch()))
+        return Deferred(lambda: transform(self.value()))
 
 
 @dataclass
@@ -42,29 +46,34 @@ class Recorder:
     columns: dict[str, list] = field(default_factory=lambda: {name: [] for name in STEP_COLUMNS + OPTIONAL_STEP_COLUMNS})
     block_mass: list[np.ndarray] = field(default_factory=list)
     step_us: list[float] = field(default_factory=list)
-    unresolved: int = 0  # rows added since the last resolve (their device values still deferred)
+    pending: list[dict] = field(default_factory=list)  # rows added since the last resolve (device values deferred)
     layer_us: list[list[float] | None] = field(default_factory=list)  # per step: each decoder layer's time
 
-    def add_layer_row(self, *, block_mass: np.ndarray | Deferred, **values) -> None:
+    def add_layer_row(self, *, deferred: Deferred | None = None, **values) -> None:
+        """One (step, layer) row: the columns' values, any of them a `Deferred`; `deferred` (optional) resolves
+        to a dict of further columns (one fetch for several device values, e.g. a row's masses and moves)."""
         values["step"] = self.step
-        for name in STEP_COLUMNS:
-            self.columns[name].append(values[name])
-        for name in OPTIONAL_STEP_COLUMNS:
-            self.columns[name].append(values.get(name))
-        if self.record_access:
-            self.block_mass.append(block_mass)
-        self.unresolved += 1
+        if deferred is not None:
+            values["_deferred"] = deferred
+        self.pending.append(values)
 
     def _resolve(self) -> None:
-        """Replace the rows' `Deferred` values by their host values (one copy per step for all of them)."""
-        n = self.unresolved
-        if not n:
-            return
-        for column in [*self.columns.values(), *([self.block_mass] if self.record_access else [])]:
-            for index in range(len(column) - n, len(column)):
-                if isinstance(column[index], Deferred):
-                    column[index] = column[index].value()
-        self.unresolved = 0
+        """Append the pending rows, their `Deferred` values replaced by host values (one copy per step for all)."""
+        pending, self.pending = self.pending, []
+        columns, block_mass, record_access = self.columns, self.block_mass, self.record_access
+        for values in pending:
+            more = values.pop("_deferred", None)
+            if more is not None:
+                values.update(more.value())
+            for name in STEP_COLUMNS:
+                value = values[name]
+                columns[name].append(value.value() if isinstance(value, Deferred) else value)
+            for name in OPTIONAL_STEP_COLUMNS:
+                value = values.get(name)
+                columns[name].append(value.value() if isinstance(value, Deferred) else value)
+            if record_access:
+                mass = values["block_mass"]
+                block_mass.append(mass.value() if isinstance(mass, Deferred) else mass)
 
     def end_step(self, wall_us: float, layer_us: list[float] | None = None) -> None:
         self._resolve()

@@ -3,10 +3,16 @@ tracer.decode.decode_batch) at batch sizes 1, 8, 32 against HF `generate` with a
 the same batch and tokens, on `random:tiny` and the bundled micro model; one torch thread, same process,
 variants interleaved over rounds (the median of each is kept, so background load hits all alike).
 
-Printed per model and B: untraced and traced tok/s, traced/untraced (goal >= 0.8), and at B = 1 the batch-1
-loop `greedy_decode` (the v1 path) for v2/v1 (goal >= 1.0); then B = 32 vs B = 1 traced tok/s.
+Printed per model and B: untraced and traced tok/s, traced/untraced (goal >= 0.8), and at B = 1 the batched
+loop against the batch-1 loop `greedy_decode` on the same cache; then B = 32 vs B = 1 traced tok/s; then the kernels
+a decode step launches per decoder layer, traced and untraced, counted as `tracer/calibrate/launches.py`
+counts them (the launch-bound regime of an eager GPU step, where time follows launches, not arithmetic).
 
     OMP_NUM_THREADS=1 .venv/bin/python tests/bench/collect_throughput.py [--steps 64] [--prompt 128] [--rounds 3]
+        [--batches 1,8,32]
+
+The tracer before issue 15's v2 (per-row, compacting) is measured the same way by running this script from a
+checkout of that commit (it only uses `decode_batch` / `greedy_decode`), alternating the two.
 """
 
 from __future__ import annotations
@@ -16,9 +22,11 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from tracer.cache import TieredCache
+from tracer.calibrate.launches import NO_KERNEL_OPS
 from tracer.decode import DecodeJob, decode_batch, greedy_decode, use_tiered_attention
 from tracer.models import load_model
 from tracer.recorder import Recorder
@@ -27,12 +35,26 @@ from tracer.run import TraceConfig, make_settings
 BATCHES = (1, 8, 32)
 
 
+class KernelCount(TorchDispatchMode):
+    """Dispatched ops that launch a kernel (views and allocations do not), as the hf-eager estimate counts."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] not in NO_KERNEL_OPS:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
 def measure(spec: str, args) -> dict:
+    batches = args.batches
     loaded = load_model(spec, "cpu", "float32")
     model = loaded.model
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, min(vocab, 259), (max(BATCHES), args.prompt), generator=generator)
+    prompts = torch.randint(3, min(vocab, 259), (max(batches), args.prompt), generator=generator)
     config = TraceConfig(model=spec, task="chains", out="-", policy="hierarchy", hbm_budget=0.3, block_size=16,
                          recall_k=4, max_new_tokens=args.steps)
     n_layers = model.config.num_hidden_layers
@@ -64,14 +86,31 @@ def measure(spec: str, args) -> dict:
         recorder.steps_table(), recorder.access_table()
         return args.steps / (time.perf_counter() - started)
 
+    def launches_per_layer(batch: int) -> tuple[float, float]:
+        """(traced, untraced) kernels per decoder layer and decode step: the difference of two run lengths
+        divided by the extra steps, so prefills and the loops' set-up cancel out."""
+        out = []
+        for run in (traced, untraced):
+            counts = []
+            for steps in (args.steps // 2, args.steps):
+                saved, args.steps = args.steps, steps
+                with KernelCount() as counter:
+                    run(batch)
+                args.steps = saved
+                counts.append(counter.n)
+            out.append((counts[1] - counts[0]) / (args.steps - args.steps // 2) / n_layers)
+        return out[0], out[1]
+
     untraced(1), traced(1), v1_loop()  # warm-up
-    runs = {("untraced", b): [] for b in BATCHES} | {("traced", b): [] for b in BATCHES} | {("v1", 1): []}
+    runs = {("untraced", b): [] for b in batches} | {("traced", b): [] for b in batches} | {("v1", 1): []}
     for _ in range(args.rounds):
-        for batch in BATCHES:
+        for batch in batches:
             runs["untraced", batch].append(untraced(batch))
             runs["traced", batch].append(traced(batch))
         runs["v1", 1].append(v1_loop())
-    return {"params_m": loaded.manifest["n_params"] / 1e6, **{key: statistics.median(v) for key, v in runs.items()}}
+    launches = {batch: launches_per_layer(batch) for batch in sorted({1, min(16, max(batches))})}
+    return {"params_m": loaded.manifest["n_params"] / 1e6, "launches": launches,
+            **{key: statistics.median(v) for key, v in runs.items()}}
 
 
 def main() -> None:
@@ -80,7 +119,9 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models", default="random:tiny,micro")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes, comma-separated")
     args = parser.parse_args()
+    args.batches = tuple(int(b) for b in args.batches.split(","))
     torch.set_num_threads(1)
     print(f"prompt {args.prompt} tokens, {args.steps} new tokens per sample, {args.rounds} rounds (median), "
           f"torch threads {torch.get_num_threads()}; traced = hierarchy 0.3, recall_k 4, block 16, recording on")
@@ -88,12 +129,17 @@ def main() -> None:
         r = measure(spec, args)
         print(f"\n{spec} ({r['params_m']:.1f}M params)")
         print(f"{'B':>4} {'untraced tok/s':>15} {'traced tok/s':>13} {'traced/untraced':>16}  (goal >= 0.8)")
-        for batch in BATCHES:
+        for batch in args.batches:
             u, t = r["untraced", batch], r["traced", batch]
             print(f"{batch:>4} {u:>15.1f} {t:>13.1f} {t / u:>16.3f}")
-        print(f"B=1 v2 (decode_batch) / v1 (greedy_decode): {r['traced', 1] / r['v1', 1]:.3f}  (goal >= 1.0)")
-        print(f"B=32 vs B=1 traced tok/s: {r['traced', 32] / r['traced', 1]:.2f}x  "
-              f"(untraced: {r['untraced', 32] / r['untraced', 1]:.2f}x)")
+        print(f"B=1 decode_batch / greedy_decode (the batched loop vs the batch-1 loop, one cache): "
+              f"{r['traced', 1] / r['v1', 1]:.3f}")
+        widest = max(args.batches)
+        print(f"B={widest} vs B=1 traced tok/s: {r['traced', widest] / r['traced', 1]:.2f}x  "
+              f"(untraced: {r['untraced', widest] / r['untraced', 1]:.2f}x)")
+        for batch, (tiered, plain) in r["launches"].items():
+            print(f"B={batch}: kernels launched per decoder layer and decode step: traced {tiered:.0f}, untraced "
+                  f"{plain:.0f} ({tiered / plain:.1f}x)")
 
 
 if __name__ == "__main__":
