@@ -178,6 +178,7 @@ class PagedLayer:
         self.values = torch.zeros_like(self.keys)
         self.slot_pos = torch.full((0, self.block_size), -1, dtype=torch.long, device=self.device)
         self.page_block = torch.full((0, 1), -1, dtype=torch.long, device=self.device)
+        self.next_slot = torch.full((0,), -1, dtype=torch.long, device=self.device)  # per row: the next token's slot
         self.block_page = torch.full((0, 0), -1, dtype=torch.long, device=self.device)
         self.block_tier = torch.zeros((0, 0), dtype=torch.int8, device=self.device)
         self.token_scores = torch.zeros((0, 0), dtype=torch.float32, device=self.device)
@@ -203,6 +204,7 @@ class PagedLayer:
         self.keys, self.values = grown(self.keys, 0), grown(self.values, 0)
         self.slot_pos, self.page_block, self.block_page = grown(self.slot_pos, -1), grown(self.page_block, -1), \
             grown(self.block_page, -1)
+        self.next_slot = grown(self.next_slot, -1)
         self.block_tier = grown(self.block_tier, TIER_HBM)
         self.token_scores, self.importance, self.importance_max = (grown(t, 0) for t in (
             self.token_scores, self.importance, self.importance_max))
@@ -296,11 +298,14 @@ class PagedLayer:
                 new_blocks = torch.tensor([states[i].blocks() for i in opening], device=self.device)
                 self.page_block[open_rows, free_page] = new_blocks
                 self.block_page[open_rows, new_blocks] = free_page
+                self.next_slot[open_rows] = free_page * bs
             positions = torch.tensor([s.logical_len for s in states], device=self.device)
-            slots = self.block_page[rows_t, positions // bs] * bs + positions % bs
+            selected = self._select(rows)
+            slots = self.next_slot[selected]  # each row's next slot: in its current block's page
             self.keys[rows_t, :, slots] = key_states[:, :, 0]
             self.values[rows_t, :, slots] = value_states[:, :, 0]
             self.slot_pos[rows_t, slots] = positions
+            self.next_slot[selected] += 1
         else:
             row, state = rows[0], states[0]
             first, end = state.blocks(), state.blocks() + opened[0]
@@ -313,6 +318,7 @@ class PagedLayer:
             self.keys[row].index_copy_(1, slots, key_states[0])
             self.values[row].index_copy_(1, slots, value_states[0])
             self.slot_pos[row].index_copy_(0, slots, positions)
+            self.next_slot[row : row + 1] = slots[-1:] + 1  # a prompt ending on a block boundary opens the next
         for state in states:
             state.query_start, state.logical_len = state.logical_len, state.logical_len + n_new
             state.recalled_blocks, state.recalled_ids, state.head_picks, state.bytes_h2d = 0, None, None, 0
@@ -392,15 +398,14 @@ class PagedLayer:
         # The valid picks of every row, flattened: their count per row is known here, so the selection is built
         # on the host and nothing is read back.
         width = ids.shape[1]
-        select, within = _flat_selection(per_row, width)
-        staging = torch.from_numpy(within).to(self.device)
+        select, within = _flat_selection(tuple(per_row), width)
+        self._resize_pages(self.n_pages, max(per_row))
+        staging = torch.from_numpy(within + self.n_pages).to(self.device)  # a row's j-th block: its j-th staging page
         flat_rows, flat_ids = rec_rows.repeat_interleave(width), ids.reshape(-1)
         if len(select) < flat_ids.shape[0]:  # some rows recall fewer blocks than the widest
             select = torch.from_numpy(select).to(self.device)
             flat_rows, flat_ids = flat_rows[select], flat_ids[select]
         keys, values, n_bytes = self.ddr.get(flat_rows, flat_ids)
-        self._resize_pages(self.n_pages, max(per_row))
-        staging = staging + self.n_pages  # a row's j-th recalled block goes to its j-th staging page
         n_flat = flat_ids.shape[0]
         self._pages("keys")[flat_rows, :, staging] = keys  # whole pages: one index per block, not per slot
         self._pages("values")[flat_rows, :, staging] = values
@@ -442,11 +447,17 @@ class PagedLayer:
         decoding = [i for i in placing if weights_mean.shape[1] == 1 and self._step(states[i]) > 0
                     and states[i].settings.track_importance]
         if decoding:
-            index = torch.tensor(decoding, device=self.device)
-            target_rows = rows_t[index].repeat_interleave(n_attended)
-            at = positions[index].reshape(-1)
-            self.importance.index_put_((target_rows, at), weights_mean[index, -1].reshape(-1), accumulate=True)
-            self.importance_max.index_put_((target_rows, at), weights_max[index, -1].reshape(-1), accumulate=True)
+            selected = self._select(rows)
+            if len(decoding) == len(rows) and isinstance(selected, slice):  # the rows' slice: in place
+                self.importance[selected].scatter_add_(1, positions, weights_mean[:, -1])
+                self.importance_max[selected].scatter_add_(1, positions, weights_max[:, -1])
+            else:
+                index = torch.tensor(decoding, device=self.device)
+                target_rows = rows_t[index].repeat_interleave(n_attended)
+                at = positions[index].reshape(-1)
+                self.importance.index_put_((target_rows, at), weights_mean[index, -1].reshape(-1), accumulate=True)
+                self.importance_max.index_put_((target_rows, at), weights_max[index, -1].reshape(-1),
+                                               accumulate=True)
         recording = [i for i in placing if states[i].recorder is not None]
         occupancy = self._occupancy(states, recording, weights_mean[:, -1], positions) if recording else {}
         moves = self._place(rows, states, placing)
@@ -623,7 +634,7 @@ class PagedLayer:
             return [0] * len(counts)
         width = max(counts)
         order = torch.argsort((~offloaded).to(torch.int8), dim=1, stable=True)[:, :width]  # ascending ids first
-        select = torch.from_numpy(_flat_selection(counts, width)[0]).to(self.device)
+        select = torch.from_numpy(_flat_selection(tuple(counts), width)[0]).to(self.device)
         flat_rows = place_rows.repeat_interleave(width)[select]
         block_ids = order.reshape(-1)[select]
         pages = self.block_page[flat_rows, block_ids]
@@ -718,9 +729,11 @@ def _row_device_values(masses: Deferred | None, index: int, blocks: int, recalle
     return values
 
 
-def _flat_selection(counts: list[int], width: int) -> tuple[np.ndarray, np.ndarray]:
+@functools.lru_cache(maxsize=4096)
+def _flat_selection(counts: tuple[int, ...], width: int) -> tuple[np.ndarray, np.ndarray]:
     """For rows of `width` entries of which the first `counts[i]` are wanted: their flat indices, and each
-    one's index within its row (built on the host from host-known counts: nothing is read back)."""
+    one's index within its row (built on the host from host-known counts: nothing is read back; cached, as
+    the same counts recur step after step). Read-only arrays."""
     within = np.arange(width)
     wanted = within[None, :] < np.asarray(counts)[:, None]
     flat = (np.arange(len(counts))[:, None] * width + within)[wanted]
