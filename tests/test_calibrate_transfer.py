@@ -172,3 +172,31 @@ class HostBlockStore:
         """Bytes of one stored block, K and V."""
         n_heads, block_size, head_dim = self.shape
         return 2 * n_heads * block_size * head_dim * torch.empty(0, dtype=self.dtype).element_size()
+
+
+@pytest.mark.parametrize("ddr_dtype", ["same", "int8"])
+def test_the_unmapped_fallback_moves_the_same_blocks(ddr_dtype):
+    """Where CUDA refuses to map the pinned pool (`mapped_view` is None) the stores read the ids back and copy
+    through the host: the same puts and gets give the same blocks, bounds and bytes as the mapped path (on a
+    CPU the "mapped view" is the host tensor itself)."""
+    from tracer.quant import make_block_store
+
+    def store(mapped: bool):
+        made = make_block_store(ddr_dtype, HEADS, BLOCK, DIM, torch.float32, torch.device("cpu"))
+        made.reserve(3, 40)
+        if not mapped:
+            if hasattr(made, "views"):
+                made.views = dict.fromkeys(made.views)
+            else:
+                made.view = None
+        return made
+
+    mapped, unmapped = store(True), store(False)
+    g = torch.Generator().manual_seed(3)
+    rows, ids = torch.tensor([0, 2, 2, 1]), torch.tensor([5, 5, 39, 0])
+    keys, values = torch.randn(4, HEADS, BLOCK, DIM, generator=g), torch.randn(4, HEADS, BLOCK, DIM, generator=g)
+    assert mapped.put(rows, ids, keys, values) == unmapped.put(rows, ids, keys, values) > 0
+    back_rows, back_ids = torch.tensor([2, 0, 1]), torch.tensor([39, 5, 0])
+    for got, want in zip(unmapped.get(back_rows, back_ids), mapped.get(back_rows, back_ids), strict=True):
+        assert torch.equal(got, want) if isinstance(got, torch.Tensor) else got == want
+    assert torch.equal(unmapped.key_min[rows, ids], mapped.key_min[rows, ids])
