@@ -89,8 +89,8 @@ def simulate_steps(run_dir: Path, profile, options):
 
 def offload_is_asynchronous(device_type: str) -> bool:
     """Whether the measured run's offload copies overlap later compute: only on CUDA, and only when the DDR
-    store the tracer builds copies on a side stream (it says so with `asynchronous_offload`: its staged fallback
-    does; a scatter through the mapped pinned pool runs in order on the compute stream)."""
+    store the tracer builds says so (`asynchronous_offload`; its scatters through the mapped pinned pool run in
+    order on the compute stream, so today it does not)."""
     if device_type != "cuda":
         return False  # the CPU path copies synchronously on the compute thread
     import torch
@@ -134,8 +134,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="datasheet profile to compare too: auto (by GPU name; none on a CPU), none, or a name (default: auto)")
     # The simulator's --overlap and --async-offload, spelled as in simulate (the tiered cache recalls, then attends)
     sim_options.add_arguments(parser, only=("overlap", "async_offload"), default_note={
-        "async_offload": "as the measured run: on when the tracer's DDR store copies on a side stream (CUDA + "
-                         "tracer.transfer.PinnedBlockStore), else off"})
+        "async_offload": "as the measured run: on when the tracer's DDR store's offloads overlap later compute "
+                         "(tracer.transfer.PinnedBlockStore says so; its scatters run in order: off)"})
     parser.add_argument("--out", required=True, help="output directory (rerun to resume)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 

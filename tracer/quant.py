@@ -17,9 +17,10 @@ tensor). The Quest key bounds kept on the device are taken from the *dequantized
 the keys that recall will bring back. A recalled block that is promoted stays in HBM dequantized (its error
 persists); offloading it again re-quantizes it on a grid recomputed from the dequantized tile.
 
-`QuantizedBlockStore` has the interface of `tracer.transfer.PinnedBlockStore` (put/get/block_bytes/key_min/
-key_max) plus `pop_quant_error()`: the max and RMS relative error (relative to the block's max |x|, over K and V)
-of the blocks stored since the last call, for the trace's `quant_max_rel_err` / `quant_rms_rel_err`.
+`QuantizedBlockStore` has the interface of `tracer.transfer.PinnedBlockStore` (reserve/put/get/block_bytes/
+key_min/key_max, by (row, block id)) plus the relative error (relative to the block's max |x|, over K and V)
+of the blocks stored since the last call, for the trace's `quant_max_rel_err` / `quant_rms_rel_err`: per block
+(`pop_block_errors`, what the cache records without reading it) or as max and RMS (`pop_quant_error`).
 """
 
 from __future__ import annotations
@@ -205,8 +206,8 @@ class QuantizedBlockStore:
 
 
 def make_block_store(ddr_dtype: str, n_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device):
-    """The DDR store for `--ddr-dtype`: real data movement (`PinnedBlockStore`: preallocated pinned pool,
-    staged copies on a side stream) for `same`, else a quantized one."""
+    """The DDR store for `--ddr-dtype`: real data movement (`PinnedBlockStore`: a preallocated pinned pool
+    addressed by (row, block) from the device) for `same`, else a quantized one."""
     if check_ddr_dtype(ddr_dtype) == "same":
         from tracer.transfer import PinnedBlockStore
 

@@ -141,8 +141,8 @@ def protected_excess_note(spec, lengths) -> dict | None:
     return worst
 
 
-# The tiered layer's page pool grows by an eighth when it fills (tracer/cache.py `_resize_pool`) and the DDR
-# pool doubles (tracer/transfer.py `HostPool`), so a sample holds at most twice the entries it needs.
+# The tiered layer's page pool grows by an eighth when it fills (tracer/cache.py `_resize_pages`) and the DDR
+# pool doubles (tracer/transfer.py `PinnedBlockStore.reserve`), so a sample holds at most twice what it needs.
 GROWTH_SLACK = 2
 
 
