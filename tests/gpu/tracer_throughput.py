@@ -6,12 +6,15 @@ host synchronisations per decode step, and per-layer CUDA event timings.
 - traced: `thoughtkv trace`'s loop (tracer.decode.decode_batch) with hierarchy 30% (recall_k 4, block 16)
   and recording, the same prompts and tokens; full (recording only) at B = 1 for reference;
 - syncs: tracer.decode.HostSyncCounter over the traced decode steps (goal: <= 1 per step);
-- layer times: the traced runs' `measured_layer_us` (timing events read after each step's own sync).
+- layer times: the traced runs' `measured_layer_us` (timing events read after each step's own sync);
+- the DDR pool: whether CUDA mapped it into the device's address space (the sync-free gather and scatter) and
+  whether a put/get through it round-trips exactly (`ddr_mapped_view` in throughput.json).
 Goals (issue 15): traced/untraced >= 0.9 at B = 1 and >= 0.95 at B = 16.
 
 Run (repo root; torch + transformers from the machine's python3, the repo from PYTHONPATH):
     device run: command "OUT=$OUT PYTHONPATH=$PWD PYTHONUNBUFFERED=1 timeout 470 python3 tests/gpu/tracer_throughput.py"
 Writes under $OUT (3 files): throughput.json (every figure), layer_us.csv (per step and layer), log.txt.
+`--device cpu` (with a small `--model`) is a smoke run against the current code (tests/test_gpu_scripts.py).
 Commit them under docs/gpu/ with the date and the commit they measured.
 """
 
@@ -36,22 +39,23 @@ from tracer.recorder import Recorder
 from tracer.run import TraceConfig, make_settings
 
 
-def ddr_mapped_view_check() -> dict:
+def ddr_mapped_view_check(device: str = "cuda") -> dict:
     """Whether CUDA mapped the pinned DDR pool (tracer.transfer.mapped_view), and whether a put/get through it
     round-trips the blocks exactly (compared with the host pool's own bytes)."""
     from tracer.transfer import PinnedBlockStore
 
-    store = PinnedBlockStore(4, 16, 128, torch.bfloat16, torch.device("cuda"))
-    mapped = store.view is not None
-    ids = torch.tensor([3, 70, 9], device="cuda")
-    keys = torch.randn(3, 4, 16, 128, device="cuda", dtype=torch.bfloat16)
+    store = PinnedBlockStore(4, 16, 128, torch.bfloat16, torch.device(device))
+    rows, ids = torch.tensor([0, 1, 1], device=device), torch.tensor([3, 70, 9], device=device)
+    keys = torch.randn(3, 4, 16, 128, device=device, dtype=torch.bfloat16)
     values = torch.randn_like(keys)
-    store.reserve(71)
-    store.put(ids, keys, values)
-    got_k, got_v, n_bytes = store.get(ids.flip(0))
-    torch.cuda.synchronize()
+    store.reserve(2, 71)
+    mapped = store.view is not None
+    store.put(rows, ids, keys, values)
+    got_k, got_v, n_bytes = store.get(rows.flip(0), ids.flip(0))
+    if device == "cuda":
+        torch.cuda.synchronize()
     exact = bool(torch.equal(got_k, keys.flip(0)) and torch.equal(got_v, values.flip(0))
-                 and torch.equal(store.keys[ids.cpu()], keys.cpu()))
+                 and torch.equal(store.keys[rows.cpu(), ids.cpu()], keys.cpu()))
     return {"mapped": mapped, "round_trip_exact": exact, "bytes_per_get": n_bytes}
 
 
@@ -62,7 +66,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--device", default="cuda", help="cuda (the device run), or cpu for a smoke run of this "
+                        "script against the current code (tests/test_gpu_scripts.py)")
     args = parser.parse_args()
+    device = args.device
+    cuda = device == "cuda"
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+    dtype = "bfloat16" if cuda else "float32"
     out = Path(os.environ.get("OUT", "gpu-out"))
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / "log.txt", "w")
@@ -72,11 +82,12 @@ def main() -> int:
         log.write(text + "\n")
         log.flush()
 
-    assert torch.cuda.is_available(), "no CUDA device visible to torch"
+    assert not cuda or torch.cuda.is_available(), "no CUDA device visible to torch"
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
-    say(f"torch {torch.__version__} cuda {torch.version.cuda} {torch.cuda.get_device_name(0)}; commit {commit}")
+    device_name = torch.cuda.get_device_name(0) if cuda else "cpu"
+    say(f"torch {torch.__version__} cuda {torch.version.cuda} {device_name}; commit {commit}")
     started = time.perf_counter()
-    loaded = load_model(args.model, "cuda", "bfloat16")
+    loaded = load_model(args.model, device, dtype)
     model, n_layers = loaded.model, loaded.model.config.num_hidden_layers
     say(f"{args.model}: {loaded.manifest['n_params'] / 1e9:.2f}B params loaded in {time.perf_counter() - started:.0f}s")
     batches = [int(b) for b in args.batches.split(",")]
@@ -90,12 +101,12 @@ def main() -> int:
 
     def untraced(batch: int) -> float:
         model.set_attn_implementation("sdpa")
-        ids = prompts[:batch].cuda()
-        torch.cuda.synchronize()
+        ids = prompts[:batch].to(device)
+        synchronize()
         begin = time.perf_counter()
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.steps, min_new_tokens=args.steps,
                        do_sample=False, cache=DynamicCache(config=model.config), pad_token_id=0)
-        torch.cuda.synchronize()
+        synchronize()
         return batch * args.steps / (time.perf_counter() - begin)
 
     def traced(batch: int, policy: str, counter: HostSyncCounter | None = None) -> tuple[float, list[Recorder]]:
@@ -112,8 +123,8 @@ def main() -> int:
 
     untraced(1), traced(1, "hierarchy")  # warm-up (kernels, allocator)
     results: dict = {"model": args.model, "prompt": args.prompt, "steps": args.steps, "commit": commit,
-                     "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "by_batch": {},
-                     "ddr_mapped_view": ddr_mapped_view_check()}
+                     "device": device_name, "torch": torch.__version__, "by_batch": {},
+                     "ddr_mapped_view": ddr_mapped_view_check(device)}
     say(f"DDR pool addressed through the mapped pinned view (no id read back): {results['ddr_mapped_view']}")
     layer_rows = []
     for batch in batches:
