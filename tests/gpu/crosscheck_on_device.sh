@@ -41,7 +41,7 @@ phase "calibrate (microbenchmarks -> profile)"
 timeout 180 $PYTHON -m thoughtkv calibrate --device cuda --out "$WORK/measured-cuda.yaml" --force || status=1
 cp "$WORK/measured-cuda.yaml" "$OUT/" 2>/dev/null || true
 
-phase "CUDA paths of the DDR tier's data movement (pinned pool, staging, copy streams)"
+phase "CUDA paths of the DDR tier's data movement (the mapped pinned pool, gathers and scatters by (row, block))"
 timeout 90 $PYTHON -m pytest -q -p no:cacheprovider tests/test_calibrate_transfer.py || status=1
 
 phase "crosscheck random:qwen2-7b: measured decodes vs simulator"
