@@ -331,3 +331,17 @@ def test_pages_hold_exactly_the_resident_blocks_and_are_reused(policy):
     assert most_pages <= most_hbm_blocks + max(2, most_hbm_blocks // 8)  # the growth slack, nothing more
     if policy != FULL:
         assert layer.hbm_blocks < blocks - 4 and most_pages < blocks  # moved blocks' pages were reused
+
+
+def test_a_batch_allocates_its_rows_once_and_exactly():
+    """decode_batch names the batch size: a batch of 5 holds 5 rows of pools and DDR store (not 8 by
+    doubling, which `tracer.run.kv_buffer_bytes` would not have sized)."""
+    from tracer.decode import DecodeJob, decode_batch
+
+    model = tiny_model("qwen2")
+    model.set_attn_implementation("thoughtkv")
+    jobs = [DecodeJob(i, prompt_ids()[0, : 10 + i].tolist(), settings(hierarchy(0.3), recall_k=2)) for i in range(7)]
+    cache = TieredCache(2, jobs[0].settings)
+    list(decode_batch(model, jobs, cache, 5, 12, set()))
+    for layer in cache.paged:
+        assert layer.n_rows == 5 and layer.keys.shape[0] == 5 and layer.ddr.storage.shape[0] == 5

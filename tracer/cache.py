@@ -151,6 +151,7 @@ class PagedLayer:
         self.layer_idx, self.copies = layer_idx, copies
         self.rows: list[RowState | None] = []
         self._rows_cache: tuple = ((), None)
+        self.rows_hint = 0  # the batch size, when known: rows are allocated for it at once
         self.initialized = False
         self.n_pages = self.n_staging_pages = self.block_capacity = 0
 
@@ -191,10 +192,11 @@ class PagedLayer:
         self._grow_rows(len(self.rows))
 
     def _grow_rows(self, n_rows: int) -> None:
-        """Room for `n_rows` rows (doubling: a batch admits its rows one by one)."""
+        """Room for `n_rows` rows: the batch size when the decode loop named it (`TieredCache.reserve_rows`),
+        else doubling (a batch admits its rows one by one)."""
         if n_rows <= self.n_rows:
             return
-        n_rows = max(n_rows, 2 * self.n_rows)
+        n_rows = max(n_rows, self.rows_hint or 2 * self.n_rows)
         extra = n_rows - self.n_rows
 
         def grown(tensor: torch.Tensor, fill) -> torch.Tensor:
@@ -938,6 +940,12 @@ class TieredCache(Cache):
 
     def set_active(self, rows: list[int]) -> None:
         self.active = list(rows)
+
+    def reserve_rows(self, n_rows: int) -> None:
+        """Allocate the shared tensors for `n_rows` rows at once (the batch size), not by doubling, so that a
+        batch of 5 holds 5 rows of pools, as `tracer.run.kv_buffer_bytes` sized them."""
+        for layer in self.paged:
+            layer.rows_hint = n_rows
 
     def row_view(self, row: int) -> TieredRow:
         return TieredRow(self.rows[row], self.row_settings[row])

@@ -330,6 +330,7 @@ def decode_batch(
     exhausted = False
     timer = LayerTimer(model)
     _, clock = step_clock(device)
+    cache.reserve_rows(batch_size)
 
     def step(rows: list[int], input_ids: torch.Tensor, position_ids: torch.Tensor,
              earlier: tuple[float, list[float] | None] = (0.0, None)) -> Iterator[tuple[DecodeJob, DecodeResult]]:
