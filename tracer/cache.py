@@ -160,7 +160,7 @@ class PagedLayer:
         while len(self.rows) <= row:
             self.rows.append(None)
         others = [r.spec for i, r in enumerate(self.rows) if r is not None and i != row]
-        if others and any(_shared_part(spec) != _shared_part(settings.spec) for spec in others):
+        if any(spec != settings.spec for spec in others):
             raise UnsupportedBatch("the rows of a batch share one placement policy (only the scorer state is per "
                                    "sample); decode runs with different policies separately")
         self.rows[row] = RowState(settings, recorder)
@@ -344,16 +344,20 @@ class PagedLayer:
 
     def _rows_tensor(self, rows: list[int]) -> torch.Tensor:
         """`rows` as a device tensor, made once per set of rows (a step's rows are every layer's)."""
-        key = tuple(rows)
-        if self._rows_cache[0] != key:
-            self._rows_cache = (key, torch.tensor(rows, device=self.device))
-        return self._rows_cache[1]
+        return self._rows_index(rows)[0]
 
     def _select(self, rows: list[int]) -> slice | torch.Tensor:
-        """Index of `rows` into the shared tensors: a slice when they are consecutive, else a tensor."""
-        if rows == list(range(rows[0], rows[0] + len(rows))):
-            return slice(rows[0], rows[0] + len(rows))
-        return torch.tensor(rows, device=self.device)
+        """Index of `rows` into the shared tensors: a slice (a view, no gather) when they are consecutive, as a
+        full batch or one row is, else a tensor."""
+        return self._rows_index(rows)[1]
+
+    def _rows_index(self, rows: list[int]) -> tuple[torch.Tensor, slice | torch.Tensor]:
+        key = tuple(rows)
+        if self._rows_cache[0] != key:
+            tensor = torch.tensor(rows, device=self.device)
+            consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+            self._rows_cache = (key, (tensor, slice(rows[0], rows[0] + len(rows)) if consecutive else tensor))
+        return self._rows_cache[1]
 
     def _recall(self, rows, states, rows_t, query) -> torch.Tensor | None:
         """Copy each recalling row's DDR blocks for its query into its staging pages (one gather for all rows);
@@ -689,11 +693,6 @@ class PagedLayer:
     def final_tiers(self, row: int) -> torch.Tensor:
         state = self.rows[row]
         return self.block_tier[row, : state.blocks()].repeat_interleave(self.block_size)[: state.logical_len]
-
-
-def _shared_part(spec: PolicySpec) -> PolicySpec:
-    """What the rows of one batch must share: the policy spec (the scorer's state is per sample)."""
-    return spec
 
 
 @functools.lru_cache(maxsize=65536)

@@ -1,8 +1,8 @@
 """Per-sample recording buffers -> the columns of trace v1 (traces/schema.py).
 
-The tiered layers call `add_layer_row` once per (step, layer) with scalars, id lists and the block masses
-already reduced on the device; device values arrive as `Deferred` and are resolved at `end_step` (one copy
-per step for every layer and row, tracer.cache.DeferredCopies); the decode loop sets `step`, the
+The tiered layers call `add_layer_row` once per (step, layer) with the host-known columns and one `Deferred`
+for the device-derived ones (block masses reduced on the device, moved and recalled ids), resolved at
+`end_step` (one copy per step for every layer and row, tracer.cache.DeferredCopies); the decode loop sets `step`, the
 step's wall time and (tracer.decode.LayerTimer) each decoder layer's time. Nothing here touches torch.
 """
 
@@ -46,34 +46,28 @@ class Recorder:
     columns: dict[str, list] = field(default_factory=lambda: {name: [] for name in STEP_COLUMNS + OPTIONAL_STEP_COLUMNS})
     block_mass: list[np.ndarray] = field(default_factory=list)
     step_us: list[float] = field(default_factory=list)
-    pending: list[dict] = field(default_factory=list)  # rows added since the last resolve (device values deferred)
+    pending: list[tuple] = field(default_factory=list)  # rows added since the last resolve: (host values, Deferred)
     layer_us: list[list[float] | None] = field(default_factory=list)  # per step: each decoder layer's time
 
     def add_layer_row(self, *, deferred: Deferred | None = None, **values) -> None:
-        """One (step, layer) row: the columns' values, any of them a `Deferred`; `deferred` (optional) resolves
-        to a dict of further columns (one fetch for several device values, e.g. a row's masses and moves)."""
+        """One (step, layer) row: the columns known on the host, and `deferred`, which resolves (from the step's
+        one copy) to the columns that come from the device (masses, block ids, quantization error)."""
         values["step"] = self.step
-        if deferred is not None:
-            values["_deferred"] = deferred
-        self.pending.append(values)
+        self.pending.append((values, deferred))
 
     def _resolve(self) -> None:
-        """Append the pending rows, their `Deferred` values replaced by host values (one copy per step for all)."""
+        """Append the pending rows, their device values fetched (one copy per step for every row and layer)."""
         pending, self.pending = self.pending, []
-        columns, block_mass, record_access = self.columns, self.block_mass, self.record_access
-        for values in pending:
-            more = values.pop("_deferred", None)
-            if more is not None:
-                values.update(more.value())
+        columns = self.columns
+        for values, deferred in pending:
+            if deferred is not None:
+                values.update(deferred.value())
             for name in STEP_COLUMNS:
-                value = values[name]
-                columns[name].append(value.value() if isinstance(value, Deferred) else value)
+                columns[name].append(values[name])
             for name in OPTIONAL_STEP_COLUMNS:
-                value = values.get(name)
-                columns[name].append(value.value() if isinstance(value, Deferred) else value)
-            if record_access:
-                mass = values["block_mass"]
-                block_mass.append(mass.value() if isinstance(mass, Deferred) else mass)
+                columns[name].append(values.get(name))
+            if self.record_access:
+                self.block_mass.append(values["block_mass"])
 
     def end_step(self, wall_us: float, layer_us: list[float] | None = None) -> None:
         self._resolve()
