@@ -1,7 +1,8 @@
 """Batched = sequential on the bundled micro model, at scale (issue 15): `thoughtkv trace` on N `chains`
 samples at B = 1 and at B = 16 for full, evict 30% and hierarchy 30% (evict 0), in one process. Prints, per
 policy, whether every sample's generated text is identical, each accuracy with its 95% Wilson CI, the
-traffic, and the B = 16 / B = 1 wall-time ratio.
+traffic (attended fraction, recalled tokens per layer-step, H2D bytes per generated token at the micro model's
+own KV size), and the B = 16 / B = 1 wall-time ratio.
 
     OMP_NUM_THREADS=1 .venv/bin/python tests/bench/batched_micro.py [--n-samples 200] [--batch-size 16]
 """
@@ -49,9 +50,10 @@ def main() -> None:
             (wall_1, one), (wall_b, many) = runs[1], runs[args.batch_size]
             a, b = one.samples().set_index("sample_id"), many.samples().set_index("sample_id")
             same = a.index.equals(b.index) and (a["generated_text"] == b.loc[a.index, "generated_text"]).all()
-            steps = one.steps(columns=["query_tokens", "logical_len", "hbm_tokens", "recalled_tokens"])
+            steps = one.steps(columns=["query_tokens", "logical_len", "hbm_tokens", "recalled_tokens", "bytes_h2d"])
             decode = steps[steps["query_tokens"] == 1]
             attended = ((decode["hbm_tokens"] + decode["recalled_tokens"]) / decode["logical_len"]).mean()
+            h2d_per_token = decode["bytes_h2d"].sum() / a["generated_tokens"].sum()  # micro's own KV bytes
             line = []
             for label, frame in (("B=1", a), (f"B={args.batch_size}", b)):
                 correct, n = int(frame["correct"].sum()), len(frame)
@@ -59,7 +61,8 @@ def main() -> None:
                 line.append(f"{label} {correct}/{n} = {correct / n:.1%} [{low:.1%}, {high:.1%}]")
             print(f"{name:>18}: token-identical {same}; " + "; ".join(line)
                   + f"; attended {attended:.1%} of the context, recalled "
-                  f"{decode['recalled_tokens'].mean():.1f} tokens/layer-step; wall B={args.batch_size} / B=1 "
+                  f"{decode['recalled_tokens'].mean():.1f} tokens/layer-step, H2D {h2d_per_token:,.0f} B/token "
+                  f"(micro's KV); wall B={args.batch_size} / B=1 "
                   f"{wall_b / wall_1:.2f}")
             failures += not same or int(a["correct"].sum()) != int(b["correct"].sum())
     print("all token-identical with equal accuracy" if not failures else f"{failures} policies differ")
