@@ -120,14 +120,23 @@ class RowState:
     step: int = 0
     defer_placement: bool = False
     deferred_query_tokens: int = 0
-    recalled_ids: torch.Tensor | None = None  # this step's recalled block ids (sorted; device)
-    recalled_record: object = None  # the same ids as the trace records them (`Deferred`, fetched at step end)
+    # This step's recalled block ids (sorted): (every recalling row's ids on the device, the same as the trace
+    # records them (`Deferred`, fetched at step end), this row's first, count); sliced only when read.
+    recalled: tuple | None = None
     head_picks: torch.Tensor | None = None  # quest-per-head: [recalled, Hkv] bool
     bytes_h2d: int = 0
 
     @property
     def spec(self) -> PolicySpec:
         return self.settings.spec
+
+    @property
+    def recalled_ids(self) -> torch.Tensor | None:
+        """This step's recalled block ids (sorted; device)."""
+        if self.recalled is None:
+            return None
+        ids, _, start, n = self.recalled
+        return ids[start : start + n]
 
     def blocks(self) -> int:
         return n_blocks(self.spec, self.logical_len)
@@ -151,6 +160,7 @@ class PagedLayer:
         self.layer_idx, self.copies = layer_idx, copies
         self.rows: list[RowState | None] = []
         self._rows_cache: tuple = ((), None)
+        self._shared_scorers: tuple = ([], False)  # (the scorers of the last scored rows, whether they share a call)
         self.rows_hint = 0  # the batch size, when known: rows are allocated for it at once
         self.initialized = False
         self.n_pages = self.n_staging_pages = self.block_capacity = 0
@@ -308,6 +318,7 @@ class PagedLayer:
             self.values[rows_t, :, slots] = value_states[:, :, 0]
             self.slot_pos[rows_t, slots] = positions
             self.next_slot[selected] += 1
+            self.lengths = positions + 1
         else:
             row, state = rows[0], states[0]
             first, end = state.blocks(), state.blocks() + opened[0]
@@ -320,11 +331,11 @@ class PagedLayer:
             self.keys[row].index_copy_(1, slots, key_states[0])
             self.values[row].index_copy_(1, slots, value_states[0])
             self.slot_pos[row].index_copy_(0, slots, positions)
+            self.lengths = positions[-1:] + 1
             self.next_slot[row : row + 1] = slots[-1:] + 1  # a prompt ending on a block boundary opens the next
         for state in states:
             state.query_start, state.logical_len = state.logical_len, state.logical_len + n_new
-            state.recalled_blocks, state.recalled_ids, state.head_picks, state.bytes_h2d = 0, None, None, 0
-            state.recalled_record = None
+            state.recalled_blocks, state.recalled, state.head_picks, state.bytes_h2d = 0, None, None, 0
 
     # -- recall, attention, scoring, placement (the attention function calls this) -------------------------
     def attend(self, rows: list[int], query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -404,26 +415,34 @@ class PagedLayer:
         # The valid picks of every row, flattened: their count per row is known here, so the selection is built
         # on the host and nothing is read back.
         width = ids.shape[1]
-        select, within = _flat_selection(tuple(per_row), width)
+        select = _flat_selection(tuple(per_row), width)[0]
         self._resize_pages(self.n_pages, max(per_row))
-        staging = torch.from_numpy(within + self.n_pages).to(self.device)  # a row's j-th block: its j-th staging page
         flat_rows, flat_ids = rec_rows.repeat_interleave(width), ids.reshape(-1)
-        if len(select) < flat_ids.shape[0]:  # some rows recall fewer blocks than the widest
+        uneven_picks = len(select) < flat_ids.shape[0]  # some rows recall fewer blocks than the widest
+        if uneven_picks:
             select = torch.from_numpy(select).to(self.device)
             flat_rows, flat_ids = flat_rows[select], flat_ids[select]
         keys, values, n_bytes = self.ddr.get(flat_rows, flat_ids)
         n_flat = flat_ids.shape[0]
-        self._pages("keys")[flat_rows, :, staging] = keys  # whole pages: one index per block, not per slot
-        self._pages("values")[flat_rows, :, staging] = values
-        self._pages("slot_pos")[flat_rows, staging] = flat_ids[:, None] * bs + self.offsets
+        # A row's j-th recalled block goes to its j-th staging page, whole pages at a time.
+        staging = _staging_pages(tuple(per_row), width, self.n_pages, str(self.device)) \
+            if uneven_picks or spec.recall_rule != "quest" or not isinstance(selected, slice) else None
+        if staging is None:  # consecutive rows, `width` blocks each: one strided copy per tensor, no index
+            pages, shape = slice(self.n_pages, self.n_pages + width), (len(batch_index), width, *keys.shape[1:])
+            self._pages("keys")[selected, :, pages] = keys.view(shape).transpose(1, 2)
+            self._pages("values")[selected, :, pages] = values.view(shape).transpose(1, 2)
+            self._pages("slot_pos")[selected, pages] = ids[:, :, None] * bs + self.offsets
+        else:
+            self._pages("keys")[flat_rows, :, staging] = keys
+            self._pages("values")[flat_rows, :, staging] = values
+            self._pages("slot_pos")[flat_rows, staging] = flat_ids[:, None] * bs + self.offsets
         block_bytes = n_bytes // max(1, n_flat)
         recorded = self.copies.add(flat_ids, lambda a: a.astype(np.int64))  # every row's ids in one copy
         start = 0
         for position, (i, n) in enumerate(zip(batch_index, per_row, strict=True)):
             state = states[i]
             state.recalled_blocks, state.bytes_h2d = n, n * block_bytes
-            state.recalled_ids = flat_ids[start : start + n]
-            state.recalled_record = recorded.then(lambda a, start=start, n=n: a[start : start + n].tolist())
+            state.recalled = (flat_ids, recorded, start, n)
             if head_picks is not None:
                 state.head_picks = head_picks[position, :n]
             start += n
@@ -439,7 +458,7 @@ class PagedLayer:
 
     def _after_attention(self, rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos):
         n_attended = slot_pos.shape[1]
-        lengths = torch.tensor([s.logical_len for s in states], device=self.device)
+        lengths = self.lengths  # [rows]: each row's logical length (made by `update`, which just ran for these rows)
         # Empty slots (weight 0) point at each row's scratch position, one past its last token.
         valid = slot_pos >= 0
         positions = torch.where(valid, slot_pos, lengths[:, None])
@@ -479,7 +498,7 @@ class PagedLayer:
                 # The row's device values (masses, moved and recalled ids, quantization error) in one `Deferred`,
                 # resolved from the step's one copy.
                 device_values = Deferred(functools.partial(
-                    _row_device_values, masses, i, state.blocks(), state.recalled_record, moved,
+                    _row_device_values, masses, i, state.blocks(), state.recalled, moved,
                     errors.get(rows[i])))
                 state.recorder.add_layer_row(
                     layer=self.layer_idx, query_tokens=weights_mean.shape[1] + state.deferred_query_tokens,
@@ -503,8 +522,13 @@ class PagedLayer:
         # Rows whose scorers keep no per-sample state and have the same settings share one call; the others
         # (oracle, gradient, AlsoScore) are scored one row at a time, with the same code.
         first = scorers[active[0]]
-        shared = first.batchable and all(type(scorers[i]) is type(first) and repr(scorers[i]) == repr(first)
-                                         for i in active)
+        key = [scorers[i] for i in active]  # the scorers themselves (kept alive here, so never a stale id)
+        cached = self._shared_scorers[0]
+        if len(cached) != len(key) or any(a is not b for a, b in zip(cached, key, strict=True)):
+            # decided once per set of scorers (by identity: they are dataclasses, and may hold tensors)
+            self._shared_scorers = (key, first.batchable and all(
+                type(scorers[i]) is type(first) and repr(scorers[i]) == repr(first) for i in active))
+        shared = self._shared_scorers[1]
         groups = [active] if shared else [[i] for i in active]
         for group in groups:
             index = None if len(group) == len(rows) else torch.tensor(group, device=self.device)
@@ -709,7 +733,7 @@ def _targets(spec: PolicySpec, length: int) -> tuple[int, int, int | None, int] 
     return sink_blocks, movable_end, room_blocks(spec, length), evict_target
 
 
-def _row_device_values(masses: Deferred | None, index: int, blocks: int, recalled: Deferred | None,
+def _row_device_values(masses: Deferred | None, index: int, blocks: int, recalled: tuple | None,
                        moved: tuple | None, errors: tuple | None) -> dict:
     """One recorded row's device-derived columns, from the step's fetched copies: the attention masses
     (block masses, then the recalled = DDR mass: HBM + recalled mass is 1), the recalled ids, the block moves
@@ -717,7 +741,8 @@ def _row_device_values(masses: Deferred | None, index: int, blocks: int, recalle
     mass = masses.value()[index]
     mass_ddr = float(mass[-1])
     values = {"mass_ddr": mass_ddr, "mass_hbm": float(mass[:-1].sum()) - mass_ddr, "block_mass": mass[:blocks],
-              "recalled_block_ids": [] if recalled is None else recalled.value(),
+              "recalled_block_ids": [] if recalled is None else
+              recalled[1].value()[recalled[2] : recalled[2] + recalled[3]].tolist(),
               "promoted_block_ids": [], "offloaded_block_ids": [], "evicted_block_ids": []}
     if moved is not None:
         codes = moved[0].value()[moved[1]]
@@ -728,6 +753,13 @@ def _row_device_values(masses: Deferred | None, index: int, blocks: int, recalle
         part = errors[0].value()[errors[1] : errors[1] + errors[2]]
         values.update(quant_max_rel_err=float(part[:, 0].max()), quant_rms_rel_err=float(np.sqrt(part[:, 1].mean())))
     return values
+
+
+@functools.lru_cache(maxsize=4096)
+def _staging_pages(counts: tuple[int, ...], width: int, n_pages: int, device: str) -> torch.Tensor:
+    """The staging page of each recalled block (`_flat_selection`'s order): its index within its row after the
+    row's `n_pages` main pages, on the device (cached: the same recall counts recur step after step)."""
+    return torch.from_numpy(_flat_selection(counts, width)[1] + n_pages).to(device)
 
 
 @functools.lru_cache(maxsize=4096)

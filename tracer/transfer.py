@@ -107,8 +107,9 @@ class PinnedBlockStore:
 
     def get(self, rows: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Copy blocks (`rows`, `block_ids`) to the compute device: ([n, H, block, d] keys, values, bytes H2D)."""
-        if self.view is not None:
-            blocks = self.view[rows, block_ids]
+        if self.view is not None:  # one flat index: a contiguous block copy per id, not a 2-D advanced index
+            capacity = self.view.shape[1]
+            blocks = self.view.flatten(0, 1).index_select(0, rows * capacity + block_ids)
         else:
             blocks = self.storage[rows.cpu(), block_ids.cpu()].to(self.device, non_blocking=self.pin)
         return blocks[:, 0], blocks[:, 1], blocks.numel() * blocks.element_size()
