@@ -299,8 +299,9 @@ def test_protected_excess_is_reported_at_the_worst_length():
 @pytest.mark.parametrize("policy", [hierarchy(0.3), {"policy": "evict", "hbm_budget": 0.3}, FULL])
 def test_pages_hold_exactly_the_resident_blocks_and_are_reused(policy):
     """After every step: each HBM block sits in one page whose slots hold its positions and the K/V the full
-    cache computed there (layer 0 depends only on token and position); DDR/evicted blocks hold no page; free
-    pages hold nothing. The pool stays at the budget's size (pages are reused), not the logical length's."""
+    cache computed there (layer 0 depends only on token and position), and the resident blocks fill the first
+    main pages (packed); DDR/evicted blocks hold no page; free pages hold nothing. The pool stays at the
+    budget's size (pages are reused), not the logical length's."""
     model = tiny_model("llama")
     reference_cache = DynamicCache(config=model.config)
     _, tokens = decode(model, reference_cache, steps=STEPS)
@@ -323,7 +324,9 @@ def test_pages_hold_exactly_the_resident_blocks_and_are_reused(policy):
             expected = (resident[:, None] * block_size + torch.arange(block_size)).reshape(-1)
             expected = torch.where(expected < layer.logical_len, expected, -1)  # the partial block's empty tail
             assert torch.equal(layer.slot_pos[slots], expected)
-            assert int((layer.slot_pos[: layer.n_pages * block_size] >= 0).sum()) == layer.n_hbm
+            assert int((layer.slot_pos[layer.main_slots] >= 0).sum()) == layer.n_hbm
+            first_page = layer.main_slots.start // block_size  # packed: the first hbm_blocks main pages
+            assert sorted(pages.tolist()) == list(range(first_page, first_page + layer.hbm_blocks))
             stored = expected >= 0
             torch.testing.assert_close(layer.keys_buf[0, :, slots[stored]],
                                        reference_cache.layers[0].keys[0, :, expected[stored]], rtol=0, atol=1e-6)

@@ -164,6 +164,7 @@ class PagedLayer:
         self.rows_hint = 0  # the batch size, when known: rows are allocated for it at once
         self.initialized = False
         self.n_pages = self.n_staging_pages = self.block_capacity = 0
+        self.staged_pages = 0  # staging pages this step's recall filled (the last ones before the main pages)
 
     # -- rows and storage ----------------------------------------------------------------------------------
     def reset_row(self, row: int, settings: TierSettings, recorder=None) -> None:
@@ -231,28 +232,28 @@ class PagedLayer:
 
     def _resize_pages(self, pages: int, staging_pages: int) -> None:
         """At least `pages` main and `staging_pages` staging pages per row; what the pages hold is kept (the
-        staging pages too: a placement may promote from them after a resize)."""
+        staging pages too: a placement may promote from them after a resize). More staging pages shift the main
+        pages up, and the block tables and next slots with them: rare, as the recall count seldom grows."""
         if pages <= self.n_pages and staging_pages <= self.n_staging_pages:
             return
-        # An eighth of slack amortises the growth; attention reads every page, so a doubling would cost more.
+        # An eighth of slack amortises the growth (attention reads only the pages in use: packed, see `_pack`).
         pages = pages + max(2, pages // 8) if pages > self.n_pages else self.n_pages
         staging_pages = max(staging_pages, self.n_staging_pages)
-        bs = self.block_size
-        old_main, old_staging = self.n_pages * bs, self.n_staging_pages * bs
-        total = (pages + staging_pages + 1) * bs
-        moved = [(slice(0, old_main), slice(0, old_main)),
-                 (slice(old_main, old_main + old_staging), slice(pages * bs, pages * bs + old_staging))]
+        bs, shift = self.block_size, staging_pages - self.n_staging_pages
+        old_pages = self.n_staging_pages + self.n_pages  # staging + main, not the scratch page
+        target = slice(shift * bs, (shift + old_pages) * bs)
+        total = (staging_pages + pages + 1) * bs
         for name in ("keys", "values"):
-            old = getattr(self, name)
             new = torch.zeros((self.n_rows, self.n_kv_heads, total, self.head_dim), dtype=self.dtype, device=self.device)
-            for source, target in moved:
-                new[:, :, target] = old[:, :, source]
+            new[:, :, target] = getattr(self, name)[:, :, : old_pages * bs]
             setattr(self, name, new)
         slot_pos = torch.full((self.n_rows, total), -1, dtype=torch.long, device=self.device)
-        for source, target in moved:
-            slot_pos[:, target] = self.slot_pos[:, source]
-        page_block = torch.full((self.n_rows, pages + staging_pages + 1), -1, dtype=torch.long, device=self.device)
-        page_block[:, : self.n_pages] = self.page_block[:, : self.n_pages]
+        slot_pos[:, target] = self.slot_pos[:, : old_pages * bs]
+        page_block = torch.full((self.n_rows, staging_pages + pages + 1), -1, dtype=torch.long, device=self.device)
+        page_block[:, shift : shift + old_pages] = self.page_block[:, :old_pages]
+        if shift:
+            self.block_page = torch.where(self.block_page >= 0, self.block_page + shift, -1)
+            self.next_slot = torch.where(self.next_slot >= 0, self.next_slot + shift * bs, -1)
         self.slot_pos, self.page_block = slot_pos, page_block
         self.n_pages, self.n_staging_pages = pages, staging_pages
 
@@ -276,7 +277,12 @@ class PagedLayer:
 
     @property
     def scratch_page(self) -> int:
-        return self.n_pages + self.n_staging_pages
+        return self.n_staging_pages + self.n_pages
+
+    @property
+    def main_slots(self) -> slice:
+        """The main pages' slots (after the staging pages, before the scratch page)."""
+        return slice(self.n_staging_pages * self.block_size, self.scratch_page * self.block_size)
 
     def _pages(self, name: str) -> torch.Tensor:
         """`keys`/`values` as [rows, Hkv, pages, block, d], `slot_pos` as [rows, pages, block] (views): a page
@@ -304,10 +310,11 @@ class PagedLayer:
         rows_t = self._rows_tensor(rows)
         if n_new == 1:
             opening = [i for i, o in enumerate(opened) if o]
-            if opening:  # new blocks take each row's first free page (there is one: pages >= HBM blocks)
+            if opening:  # a new block takes the main page after the row's resident blocks (packed: `_pack`)
                 open_rows = rows_t[opening] if len(opening) < len(rows) else rows_t
-                free_page = (self.page_block[open_rows, : self.n_pages] < 0).to(torch.int8).argmax(1)
-                new_blocks = torch.tensor([states[i].blocks() for i in opening], device=self.device)
+                new_blocks, free_page = torch.tensor(
+                    [[states[i].blocks() for i in opening],
+                     [self.n_staging_pages + states[i].hbm_blocks() for i in opening]], device=self.device)
                 self.page_block[open_rows, free_page] = new_blocks
                 self.block_page[open_rows, new_blocks] = free_page
                 self.next_slot[open_rows] = free_page * bs
@@ -322,8 +329,8 @@ class PagedLayer:
         else:
             row, state = rows[0], states[0]
             first, end = state.blocks(), state.blocks() + opened[0]
-            if opened[0]:
-                pages = _first_true(self.page_block[row, : self.n_pages] < 0, opened[0])
+            if opened[0]:  # after the row's resident blocks (packed)
+                pages = torch.arange(opened[0], device=self.device) + (self.n_staging_pages + state.hbm_blocks())
                 self.page_block[row, pages] = torch.arange(first, end, device=self.device)
                 self.block_page[row, first:end] = pages
             positions = torch.arange(state.logical_len, state.logical_len + n_new, device=self.device)
@@ -333,6 +340,7 @@ class PagedLayer:
             self.slot_pos[row].index_copy_(0, slots, positions)
             self.lengths = positions[-1:] + 1
             self.next_slot[row : row + 1] = slots[-1:] + 1  # a prompt ending on a block boundary opens the next
+        self.staged_pages = 0  # this step's recall has not run yet
         for state in states:
             state.query_start, state.logical_len = state.logical_len, state.logical_len + n_new
             state.recalled_blocks, state.recalled, state.head_picks, state.bytes_h2d = 0, None, None, 0
@@ -344,12 +352,15 @@ class PagedLayer:
         states = [self.rows[r] for r in rows]
         rows_t = self._rows_tensor(rows)
         hidden = self._recall(rows, states, rows_t, query) if query.shape[-2] == 1 else None
-        n_keys = (self.n_pages + max(s.recalled_blocks for s in states)) * self.block_size
+        # The slots in use, one range: the staging pages this step's recall filled (the last `staged_pages`),
+        # then the main pages up to the fullest row's resident blocks (packed at the front).
+        bs, staging = self.block_size, self.n_staging_pages
+        used = slice((staging - self.staged_pages) * bs, (staging + max(s.hbm_blocks() for s in states)) * bs)
         selected = self._select(rows)  # consecutive rows (a full batch, one row) are a view, not a gather
-        keys, values = self.keys[selected][:, :, :n_keys], self.values[selected][:, :, :n_keys]
-        slot_pos = self.slot_pos[selected][:, :n_keys]
+        keys, values = self.keys[selected][:, :, used], self.values[selected][:, :, used]
+        slot_pos = self.slot_pos[selected][:, used]
         output, weights_mean, weights_max = attend(query, keys, values, scaling, slot_pos, states[0].query_start,
-                                                   None if hidden is None else hidden[:, :, :n_keys])
+                                                   None if hidden is None else hidden[:, :, used])
         self._after_attention(rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos)
         return output
 
@@ -425,10 +436,13 @@ class PagedLayer:
         keys, values, n_bytes = self.ddr.get(flat_rows, flat_ids)
         n_flat = flat_ids.shape[0]
         # A row's j-th recalled block goes to its j-th staging page, whole pages at a time.
-        staging = _staging_pages(tuple(per_row), width, self.n_pages, str(self.device)) \
+        # A row's j-th recalled block goes to staging page S - width + j (the last `width` staging pages, next
+        # to the main pages, so that attention reads one range of slots), whole pages at a time.
+        self.staged_pages, first_page = width, self.n_staging_pages - width
+        staging = _staging_pages(tuple(per_row), width, first_page, str(self.device)) \
             if uneven_picks or spec.recall_rule != "quest" or not isinstance(selected, slice) else None
         if staging is None:  # consecutive rows, `width` blocks each: one strided copy per tensor, no index
-            pages, shape = slice(self.n_pages, self.n_pages + width), (len(batch_index), width, *keys.shape[1:])
+            pages, shape = slice(first_page, first_page + width), (len(batch_index), width, *keys.shape[1:])
             self._pages("keys")[selected, :, pages] = keys.view(shape).transpose(1, 2)
             self._pages("values")[selected, :, pages] = values.view(shape).transpose(1, 2)
             self._pages("slot_pos")[selected, pages] = ids[:, :, None] * bs + self.offsets
@@ -486,9 +500,9 @@ class PagedLayer:
         recording = [i for i in placing if states[i].recorder is not None]
         occupancy = self._occupancy(states, recording, weights_mean[:, -1], positions) if recording else {}
         moves = self._place(rows, states, placing)
-        hbm_end = self.n_pages * self.block_size
-        if any(s.recalled_blocks for s in states):  # the staging pages are refilled at the next recall
-            self.slot_pos[self._select(rows), hbm_end:] = -1
+        if self.staged_pages:  # the staging pages are refilled at the next recall
+            bs = self.block_size
+            self.slot_pos[self._select(rows), (self.n_staging_pages - self.staged_pages) * bs : self.n_staging_pages * bs] = -1
         errors = self._quant_errors(rows, moves)
         masses = occupancy.pop("masses", None)
         for i in placing:
@@ -552,11 +566,11 @@ class PagedLayer:
         """Per recording row: tier sizes and attention masses at attention time (after recall, before
         placement). The block masses of every row reach the host in the step's one copy (`DeferredCopies`).
         Empty slots carry weight 0, so where their scratch position lands adds nothing."""
-        bs, hbm_end = self.block_size, self.n_pages * self.block_size
+        bs, staged_slots = self.block_size, self.staged_pages * self.block_size  # the attended range starts with them
         n_blocks_max = max(states[i].blocks() for i in recording) + 1
         block_mass = torch.zeros(last_weights.shape[0], n_blocks_max + 1, dtype=torch.float32, device=self.device)
         block_mass[:, :n_blocks_max].scatter_add_(1, (positions // bs).clamp_max(n_blocks_max - 1), last_weights)
-        block_mass[:, n_blocks_max] = last_weights[:, hbm_end:].sum(1)  # recalled: the DDR mass
+        block_mass[:, n_blocks_max] = last_weights[:, :staged_slots].sum(1)  # recalled: the DDR mass
         out = {"masses": self.copies.add(block_mass, lambda a: a.astype(np.float32).reshape(last_weights.shape[0], -1))}
         ddr_block_bytes = self.ddr.block_bytes()
         for i in recording:
@@ -637,12 +651,15 @@ class PagedLayer:
                                   evicted_from_ddr.sum(1)], dim=1).tolist()
         bytes_d2h = self._offload(place_rows, offloaded, [c[0] for c in counts])
         self._free_pages(place_rows, was_hbm & (tier != TIER_HBM), end)
+        resident = [states[plan[0]].hbm_blocks() for plan in plans]  # before this placement
+        self._pack(place_rows, resident, [n - c[0] - c[2] for n, c in zip(resident, counts, strict=True)])
         if any(c[1] for c in counts):
             for index, (plan, c) in enumerate(zip(plans, counts, strict=True)):
                 if c[1]:  # promotion can grow HBM (when it was under its room): pages for it first
                     state = states[plan[0]]
-                    self._resize_pages(state.hbm_blocks() - c[0] - c[2] + c[1], self.n_staging_pages)
-                    self._promote(rows[plan[0]], state, promoted[index], c[1])
+                    kept = state.hbm_blocks() - c[0] - c[2]
+                    self._resize_pages(kept + c[1], self.n_staging_pages)
+                    self._promote(rows[plan[0]], state, promoted[index], c[1], self.n_staging_pages + kept)
         self.block_tier[place_rows, :end] = tier
         # What happened to each movable block, recorded through the step's one deferred copy.
         moves = (offloaded.to(torch.int8) + 2 * promoted.to(torch.int8) + 3 * evicted_from_hbm.to(torch.int8)
@@ -683,11 +700,49 @@ class PagedLayer:
         self._pages("slot_pos")[rows, freed] = -1
         self.block_page[place_rows, :end] = torch.where(left, -1, pages)
 
-    def _promote(self, row: int, state: RowState, promoted: torch.Tensor, n: int) -> None:
-        """Move `n` promoted blocks of `row` from its staging pages into free main pages."""
+    def _pack(self, place_rows: torch.Tensor, before: list[int], after: list[int]) -> None:
+        """Keep every row's resident blocks in its first main pages, so that attention reads only the pages in use
+        (a pool sized by a long prompt would otherwise be read whole at every step after its blocks left): the
+        blocks in pages at or above a row's new HBM count (`after`; `before` it held that many) move down into the
+        pages its departed blocks freed, one block copy each, every row in one gather and one scatter. At most
+        before - after blocks move per row; their number, data-dependent, stays on the device (the unused moves
+        copy the scratch page onto itself)."""
+        width = max(b - a for b, a in zip(before, after, strict=True))
+        if width <= 0:
+            return
+        first, bs = self.n_staging_pages, self.block_size
+        column = torch.arange(max(before), device=self.device)
+        counts = torch.tensor(after, device=self.device)[:, None]
+        occupied = self.page_block[place_rows, first : first + column.shape[0]] >= 0
+        above, holes = occupied & (column >= counts), ~occupied & (column < counts)
+        source = torch.argsort((~above).to(torch.int8), dim=1, stable=True)[:, :width]
+        target = torch.argsort((~holes).to(torch.int8), dim=1, stable=True)[:, :width]
+        moving = above.gather(1, source)  # as many holes as blocks above: the j-th of each pair up
+        source = torch.where(moving, source + first, self.scratch_page)
+        target = torch.where(moving, target + first, self.scratch_page)
+        rows = place_rows[:, None]
+        for name in ("keys", "values"):
+            pages = self._pages(name)  # [rows, Hkv, pages, block, d]
+            pages[rows, :, target] = pages[rows, :, source]
+        slot_pos = self._pages("slot_pos")  # [rows, pages, block]
+        slot_pos[rows, target] = slot_pos[rows, source]
+        slot_pos[rows, source] = -1
+        blocks = self.page_block[rows, source]  # -1 for the scratch page
+        self.page_block[rows, target] = blocks
+        self.page_block[rows, source] = -1
+        shift = torch.where(moving, target - source, 0)
+        self.block_page.index_put_((rows.expand_as(blocks), blocks.clamp_min(0)), shift, accumulate=True)
+        next_slot = self.next_slot[place_rows]  # the row's current block may have moved: its next slot with it
+        hit = moving & (source == torch.div(next_slot, bs, rounding_mode="floor")[:, None])
+        self.next_slot[place_rows] = next_slot + (hit * shift).sum(1) * bs
+
+    def _promote(self, row: int, state: RowState, promoted: torch.Tensor, n: int, first_page: int) -> None:
+        """Move `n` promoted blocks of `row` from its staging pages into main pages `first_page`, ... (the pages
+        after its resident blocks)."""
         block_ids = _first_true(promoted, n)
-        source = self._page_slots(self.n_pages + torch.searchsorted(state.recalled_ids, block_ids))
-        pages = _first_true(self.page_block[row, : self.n_pages] < 0, n)
+        source = self._page_slots(self.n_staging_pages - self.staged_pages
+                                  + torch.searchsorted(state.recalled_ids, block_ids))
+        pages = torch.arange(first_page, first_page + n, device=self.device)
         target = self._page_slots(pages)
         for buffer in (self.keys, self.values):
             buffer[row].index_copy_(1, target, buffer[row].index_select(1, source))
@@ -756,10 +811,10 @@ def _row_device_values(masses: Deferred | None, index: int, blocks: int, recalle
 
 
 @functools.lru_cache(maxsize=4096)
-def _staging_pages(counts: tuple[int, ...], width: int, n_pages: int, device: str) -> torch.Tensor:
-    """The staging page of each recalled block (`_flat_selection`'s order): its index within its row after the
-    row's `n_pages` main pages, on the device (cached: the same recall counts recur step after step)."""
-    return torch.from_numpy(_flat_selection(counts, width)[1] + n_pages).to(device)
+def _staging_pages(counts: tuple[int, ...], width: int, first_page: int, device: str) -> torch.Tensor:
+    """The staging page of each recalled block (`_flat_selection`'s order): `first_page` + its index within its
+    row, on the device (cached: the same recall counts recur step after step)."""
+    return torch.from_numpy(_flat_selection(counts, width)[1] + first_page).to(device)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -820,6 +875,10 @@ class TieredLayer(DynamicLayer):
     def n_pages(self) -> int:
         return self.paged.n_pages
 
+    @property
+    def main_slots(self) -> slice:
+        return self.paged.main_slots
+
     keys_buf = property(lambda self: self.paged.keys[self.row : self.row + 1])
     values_buf = property(lambda self: self.paged.values[self.row : self.row + 1])
     slot_pos = property(lambda self: self.paged.slot_pos[self.row])
@@ -854,11 +913,10 @@ class TieredLayer(DynamicLayer):
     def resident_entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(keys [1, H, n, d], values, positions [n]) of the HBM-resident entries (reads the device: for the
         gradient scorer's backward pass, not the step)."""
-        hbm_end = self.paged.n_pages * self.paged.block_size
-        slot_pos = self.slot_pos[:hbm_end]
+        main = self.paged.main_slots
+        slot_pos = self.slot_pos[main]
         stored = slot_pos >= 0
-        return self.keys_buf[:, :, :hbm_end][:, :, stored], self.values_buf[:, :, :hbm_end][:, :, stored], \
-            slot_pos[stored]
+        return self.keys_buf[:, :, main][:, :, stored], self.values_buf[:, :, main][:, :, stored], slot_pos[stored]
 
     def final_tiers(self) -> torch.Tensor:
         """TIER_* code of every logical position."""
