@@ -1,5 +1,6 @@
 """Host synchronisations per decode step (tracer.decode.HostSyncCounter): operations that make the host wait
-for the device (item/int/bool of a tensor, nonzero, boolean-mask indexing, tolist/numpy, device->host copies).
+for the device (item/int/bool of a tensor, nonzero, boolean-mask indexing, tolist/numpy, device->host copies, blocking
+host->device copies).
 
 The decode loop's cost is one per step: the next tokens and their finiteness, copied once together with every
 layer's recorded rows, including which blocks moved. The tiered cache adds nothing in a hierarchy or evict
@@ -19,6 +20,7 @@ from tracer.cache import TieredCache, TierSettings
 from tracer.decode import DecodeJob, HostSyncCounter, decode_batch
 from tracer.recorder import Recorder
 from tracer.scorers import build_scorer
+from tracer.transfer import host_to_device
 from traces.policy import PolicySpec
 
 SHAPES = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -53,8 +55,12 @@ def test_the_counter_sees_every_kind_of_host_wait():
     with HostSyncCounter() as counter:
         int(x.sum()), (x > 3).nonzero(), x[x > 2], x.tolist(), x.numpy(), x + 1, x[torch.tensor([1, 2])]
         torch.arange(3).cpu().numpy()  # a fetch, then reading what it fetched: one wait
+        # Uploads: blocking ones from pageable memory (on CUDA each waits for the stream), then the free ones.
+        torch.tensor([1, 2], device="cpu"), torch.as_tensor([3], device=x.device), x.to(x.device)
+        host_to_device([1, 2], x.device), x.to(torch.float64), x.to(x.device, non_blocking=True)
     assert counter.by_op == {"aten._local_scalar_dense": 1, "aten.nonzero": 1, "boolean-mask index": 1,
-                             "Tensor.tolist": 1, "Tensor.numpy": 1, "Tensor.cpu": 1}
+                             "Tensor.tolist": 1, "Tensor.numpy": 1, "Tensor.cpu": 1,
+                             "blocking host->device copy": 3}
 
 
 @pytest.mark.parametrize("record", [False, True])

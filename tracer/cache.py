@@ -72,6 +72,7 @@ from tracer.attention import attend, set_pending
 from tracer.quant import make_block_store
 from tracer.recorder import Deferred
 from tracer.scorers import Observation, Scorer
+from tracer.transfer import host_to_device
 from traces.policy import (
     PolicySpec,
     evict_target_blocks,
@@ -156,8 +157,10 @@ class PagedLayer:
     `[rows, pages]` (-1: free), `block_page` / `block_tier` `[rows, blocks]`, `token_scores` `[rows, positions]`.
     """
 
-    def __init__(self, layer_idx: int, copies: DeferredCopies):
+    def __init__(self, layer_idx: int, copies: DeferredCopies, positions: list | None = None):
         self.layer_idx, self.copies = layer_idx, copies
+        # [(rows, lengths), (positions, lengths) on the device] of the last decode append, shared by the layers
+        self.positions = positions if positions is not None else [None, None]
         self.rows: list[RowState | None] = []
         self._rows_cache: tuple = ((), None)
         self._shared_scorers: tuple = ([], False)  # (the scorers of the last scored rows, whether they share a call)
@@ -312,20 +315,27 @@ class PagedLayer:
             opening = [i for i, o in enumerate(opened) if o]
             if opening:  # a new block takes the main page after the row's resident blocks (packed: `_pack`)
                 open_rows = rows_t[opening] if len(opening) < len(rows) else rows_t
-                new_blocks, free_page = torch.tensor(
+                new_blocks, free_page = host_to_device(
                     [[states[i].blocks() for i in opening],
-                     [self.n_staging_pages + states[i].hbm_blocks() for i in opening]], device=self.device)
+                     [self.n_staging_pages + states[i].hbm_blocks() for i in opening]], self.device)
                 self.page_block[open_rows, free_page] = new_blocks
                 self.block_page[open_rows, new_blocks] = free_page
                 self.next_slot[open_rows] = free_page * bs
-            positions = torch.tensor([s.logical_len for s in states], device=self.device)
+            lengths = tuple(s.logical_len for s in states)
+            key = (tuple(rows), lengths)
+            if self.positions[0] != key:  # the layers append in lockstep: the first one's tensors serve them all
+                positions = host_to_device(lengths, self.device)
+                self.positions[:] = key, (positions, positions + 1)
+            positions, self.lengths = self.positions[1]
             selected = self._select(rows)
             slots = self.next_slot[selected]  # each row's next slot: in its current block's page
             self.keys[rows_t, :, slots] = key_states[:, :, 0]
             self.values[rows_t, :, slots] = value_states[:, :, 0]
             self.slot_pos[rows_t, slots] = positions
-            self.next_slot[selected] += 1
-            self.lengths = positions + 1
+            if isinstance(selected, slice):
+                self.next_slot[selected].add_(1)
+            else:
+                self.next_slot[selected] += 1
         else:
             row, state = rows[0], states[0]
             first, end = state.blocks(), state.blocks() + opened[0]
@@ -376,7 +386,7 @@ class PagedLayer:
     def _rows_index(self, rows: list[int]) -> tuple[torch.Tensor, slice | torch.Tensor]:
         key = tuple(rows)
         if self._rows_cache[0] != key:
-            tensor = torch.tensor(rows, device=self.device)
+            tensor = host_to_device(rows, self.device)
             consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
             self._rows_cache = (key, (tensor, slice(rows[0], rows[0] + len(rows)) if consecutive else tensor))
         return self._rows_cache[1]
@@ -404,7 +414,7 @@ class PagedLayer:
         uneven = any(wanted[i] < k_max for i in batch_index)  # rows that hold fewer DDR blocks than the widest
         if uneven or spec.recall_rule != "quest":
             ranks = torch.arange(k_max, device=self.device)
-            counts_t = torch.tensor([wanted[i] for i in batch_index], device=self.device)
+            counts_t = host_to_device([wanted[i] for i in batch_index], self.device)
         head_picks = None
         if spec.recall_rule == "quest":
             best = bounds.flatten(2).amax(2).masked_fill(not_ddr, float("-inf"))
@@ -431,7 +441,7 @@ class PagedLayer:
         flat_rows, flat_ids = rec_rows.repeat_interleave(width), ids.reshape(-1)
         uneven_picks = len(select) < flat_ids.shape[0]  # some rows recall fewer blocks than the widest
         if uneven_picks:
-            select = torch.from_numpy(select).to(self.device)
+            select = host_to_device(select, self.device)
             flat_rows, flat_ids = flat_rows[select], flat_ids[select]
         keys, values, n_bytes = self.ddr.get(flat_rows, flat_ids)
         n_flat = flat_ids.shape[0]
@@ -464,7 +474,7 @@ class PagedLayer:
             return None
         hidden = torch.zeros(len(rows), self.n_kv_heads, self.keys.shape[2], dtype=torch.bool, device=self.device)
         flat_picks = head_picks.reshape(-1, self.n_kv_heads)  # [n_flat, Hkv]
-        batch_of = torch.tensor(batch_index, device=self.device).repeat_interleave(width)
+        batch_of = host_to_device(batch_index, self.device).repeat_interleave(width)
         if isinstance(select, torch.Tensor):
             flat_picks, batch_of = flat_picks[select], batch_of[select]
         hidden.view(len(rows), self.n_kv_heads, -1, bs)[batch_of, :, staging] = ~flat_picks[:, :, None]
@@ -491,7 +501,7 @@ class PagedLayer:
                 self.importance[selected].scatter_add_(1, positions, weights_mean[:, -1])
                 self.importance_max[selected].scatter_add_(1, positions, weights_max[:, -1])
             else:
-                index = torch.tensor(decoding, device=self.device)
+                index = host_to_device(decoding, self.device)
                 target_rows = rows_t[index].repeat_interleave(n_attended)
                 at = positions[index].reshape(-1)
                 self.importance.index_put_((target_rows, at), weights_mean[index, -1].reshape(-1), accumulate=True)
@@ -545,7 +555,7 @@ class PagedLayer:
         shared = self._shared_scorers[1]
         groups = [active] if shared else [[i] for i in active]
         for group in groups:
-            index = None if len(group) == len(rows) else torch.tensor(group, device=self.device)
+            index = None if len(group) == len(rows) else host_to_device(group, self.device)
 
             def pick(tensor, index=index):
                 return tensor if index is None else tensor[index]
@@ -605,18 +615,16 @@ class PagedLayer:
         if not plans:
             return {}
         m, end = len(plans), max(p[2] for p in plans)
-        place_rows = torch.tensor([rows[p[0]] for p in plans], device=self.device)
+        # The plans as one [5, m] device tensor (one transfer): rows, then sink blocks, movable end, room, victims.
+        plan_t = host_to_device([[rows[p[0]] for p in plans], *([p[k] for p in plans] for k in range(1, 5))], self.device)
+        place_rows, (sink_t, end_t, room_t, victims_t) = plan_t[0], plan_t[1:, :, None]
         column = torch.arange(end, device=self.device)
-        sink_t = torch.tensor([p[1] for p in plans], device=self.device)[:, None]
-        end_t = torch.tensor([p[2] for p in plans], device=self.device)[:, None]
-        room_t = torch.tensor([p[3] for p in plans], device=self.device)[:, None]
         in_range = (column >= sink_t) & (column < end_t)  # [m, blocks]: each row's movable blocks
         block_scores = self.token_scores[place_rows, : end * bs].view(m, end, bs).sum(2)
         tier = self.block_tier[place_rows, :end]
         was_hbm = (tier == TIER_HBM) & in_range
         evict_now = torch.zeros_like(was_hbm)
         if any(p[4] for p in plans):  # the lowest-scored alive blocks, as many as each row's target asks
-            victims_t = torch.tensor([p[4] for p in plans], device=self.device)[:, None]
             alive = (tier != TIER_EVICTED) & in_range
             evict_now = (_ranks(block_scores.masked_fill(~alive, float("inf")), descending=False) < victims_t) & alive
             tier = torch.where(evict_now, TIER_EVICTED, tier)
@@ -681,7 +689,7 @@ class PagedLayer:
             return [0] * len(counts)
         width = max(counts)
         order = torch.argsort((~offloaded).to(torch.int8), dim=1, stable=True)[:, :width]  # ascending ids first
-        select = torch.from_numpy(_flat_selection(tuple(counts), width)[0]).to(self.device)
+        select = host_to_device(_flat_selection(tuple(counts), width)[0], self.device)
         flat_rows = place_rows.repeat_interleave(width)[select]
         block_ids = order.reshape(-1)[select]
         pages = self.block_page[flat_rows, block_ids]
@@ -712,7 +720,7 @@ class PagedLayer:
             return
         first, bs = self.n_staging_pages, self.block_size
         column = torch.arange(max(before), device=self.device)
-        counts = torch.tensor(after, device=self.device)[:, None]
+        counts = host_to_device(after, self.device)[:, None]
         occupied = self.page_block[place_rows, first : first + column.shape[0]] >= 0
         above, holes = occupied & (column >= counts), ~occupied & (column < counts)
         source = torch.argsort((~above).to(torch.int8), dim=1, stable=True)[:, :width]
@@ -814,7 +822,7 @@ def _row_device_values(masses: Deferred | None, index: int, blocks: int, recalle
 def _staging_pages(counts: tuple[int, ...], width: int, first_page: int, device: str) -> torch.Tensor:
     """The staging page of each recalled block (`_flat_selection`'s order): `first_page` + its index within its
     row, on the device (cached: the same recall counts recur step after step)."""
-    return torch.from_numpy(_flat_selection(counts, width)[1] + first_page).to(device)
+    return host_to_device(_flat_selection(counts, width)[1] + first_page, device)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1007,7 +1015,8 @@ class TieredCache(Cache):
 
     def __init__(self, n_layers: int, settings: TierSettings, recorder=None):
         self.copies = DeferredCopies()
-        self.paged = [PagedLayer(i, self.copies) for i in range(n_layers)]
+        positions = [None, None]  # one per cache: its layers share each decode step's position tensors
+        self.paged = [PagedLayer(i, self.copies, positions) for i in range(n_layers)]
         for layer in self.paged:
             layer.reset_row(0, settings, recorder)
         super().__init__(layers=[TieredLayer(layer, 0) for layer in self.paged])

@@ -29,6 +29,7 @@ per pool size bucket (as vLLM captures per batch size).
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from collections.abc import Iterable, Iterator
@@ -41,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tracer.attention import ATTN_IMPLEMENTATION
 from tracer.cache import TieredCache
 from tracer.recorder import Recorder
+from tracer.transfer import host_to_device
 
 
 @dataclass
@@ -133,6 +135,9 @@ class HostSyncCounter(TorchDispatchMode):
     `Tensor.cpu`, `Tensor.tolist` and `Tensor.numpy` are counted too (wrapped for the block): on a CPU run
     they reach no dispatched op, yet on CUDA each is a device->host copy the host waits for, so a CPU test
     sees what a GPU would pay (`.cpu()` always counts; `.numpy()`/`.tolist()` of its result do not again).
+    So are blocking host->device copies asked for outside torch and transformers: `torch.tensor`/`as_tensor`
+    with a `device`, and `Tensor.to(device)` of a CPU tensor without `non_blocking` (on CUDA a copy from
+    pageable memory synchronises the stream; `tracer.transfer.host_to_device` is the non-blocking way).
     `count` is the total; `by_op` names them.
     """
 
@@ -155,15 +160,38 @@ class HostSyncCounter(TorchDispatchMode):
     def __enter__(self):
         for name in ("tolist", "numpy", "cpu"):
             original = getattr(torch.Tensor, name)
-            self._wrapped.append((name, original))
+            self._wrapped.append((torch.Tensor, name, original))
             setattr(torch.Tensor, name, self._counting(name, original))
+        for owner, name in ((torch, "tensor"), (torch, "as_tensor"), (torch.Tensor, "to")):
+            original = getattr(owner, name)
+            self._wrapped.append((owner, name, original))
+            setattr(owner, name, self._counting_uploads(name, original))
         return super().__enter__()
 
     def __exit__(self, *exc):
-        for name, original in self._wrapped:
-            setattr(torch.Tensor, name, original)
+        for owner, name, original in reversed(self._wrapped):
+            setattr(owner, name, original)
         self._wrapped.clear()
         return super().__exit__(*exc)
+
+    def _counting_uploads(self, name: str, original):
+        counter = self
+
+        def wrapper(*args, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if not caller.startswith(("torch", "transformers")) and not kwargs.get("non_blocking", False):
+                if name == "to":
+                    tensor, rest = args[0], args[1:]
+                    targets = [a.device if isinstance(a, torch.Tensor) else a for a in rest
+                               if isinstance(a, (torch.device, str, torch.Tensor))] + [kwargs.get("device")]
+                    blocking = tensor.device.type == "cpu" and any(t is not None for t in targets)
+                else:
+                    blocking = kwargs.get("device") is not None
+                if blocking:
+                    counter._add("blocking host->device copy")
+            return original(*args, **kwargs)
+
+        return wrapper
 
     def _counting(self, name: str, original):
         counter = self
@@ -371,14 +399,15 @@ def decode_batch(
                 last = prefill_chunks(len(prompt), prefill_chunk_tokens)[-1]
                 earlier = _prefill_front(model, cache, row_id, prompt[: last.start], prefill_chunk_tokens, timer, clock,
                                          synchronize)
-                yield from step([row_id], torch.tensor([prompt[last]], device=device),
+                yield from step([row_id], host_to_device([prompt[last]], device),
                                 torch.arange(last.start, last.stop, device=device)[None], earlier)
             if not active:
                 return
             rows = sorted(active)
-            input_ids = torch.tensor([[active[r].generated[-1]] for r in rows], device=device)
-            position_ids = torch.tensor([[active[r].next_position] for r in rows], device=device)
-            yield from step(rows, input_ids, position_ids)
+            # Tokens and positions in one transfer, pinned and non-blocking (tracer.transfer.host_to_device).
+            inputs = host_to_device([[active[r].generated[-1] for r in rows], [active[r].next_position for r in rows]],
+                                    device)
+            yield from step(rows, inputs[0][:, None], inputs[1][:, None])
     finally:
         timer.close()
 
@@ -407,7 +436,7 @@ def _prefill_front(model, cache: TieredCache, row_id: int, front: list[int], chu
         for chunk in prefill_chunks(len(front), chunk_tokens):
             started = clock()
             cache.set_active([row_id])
-            model(input_ids=torch.tensor([front[chunk]], device=device), cache=cache, use_cache=True,
+            model(input_ids=host_to_device([front[chunk]], device), cache=cache, use_cache=True,
                   position_ids=torch.arange(chunk.start, chunk.stop, device=device)[None], logits_to_keep=1)
             synchronize()
             total_us += (clock() - started) * 1e6

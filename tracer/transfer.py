@@ -17,6 +17,17 @@ from __future__ import annotations
 import torch
 
 
+def host_to_device(values, device: torch.device) -> torch.Tensor:
+    """Host-known values (a list, a NumPy array) as a tensor on the compute device, without making the host wait:
+    on CUDA through pinned memory, non-blocking (PyTorch's caching host allocator keeps the pinned buffer until
+    the copy has run). `torch.tensor(values, device=cuda)` would copy from pageable memory, which synchronises
+    the stream: the host would wait for every kernel queued before it. On a CPU: the tensor itself."""
+    tensor = torch.as_tensor(values)
+    if torch.device(device).type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def mapped_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
     """`host` as a tensor the compute device's kernels index directly: the tensor itself on a CPU; on CUDA a
     view of its pinned pages in the device's address space (unified virtual addressing: a page-locked

@@ -8,6 +8,7 @@ import torch
 
 from thoughtkv_base import UserError
 from tracer.scorers.base import Scorer
+from tracer.transfer import host_to_device
 
 
 @dataclass
@@ -26,7 +27,10 @@ class OracleScorer(Scorer):
     def score(self, obs, previous):
         if self.future_importance is None:
             raise UserError("the oracle scorer needs a full-cache pass first; use tracer.run (it runs one)")
-        table = self.future_importance[obs.layer_idx].to(previous.device, torch.float32)
+        table = self.future_importance[obs.layer_idx]
+        if table.device != previous.device or table.dtype != torch.float32:  # once per layer, not per step
+            table = self.future_importance[obs.layer_idx] = host_to_device(table.float(), previous.device) \
+                if table.device.type == "cpu" else table.to(previous.device, torch.float32)
         scores = torch.zeros(previous.shape[0], obs.logical_len, dtype=torch.float32, device=previous.device)
         n = min(obs.logical_len, table.shape[0])
         scores[:, :n] = table[:n]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tracer.scorers.base import Scorer
+from tracer.transfer import host_to_device
 
 
 @dataclass
@@ -17,6 +18,7 @@ class RandomScorer(Scorer):
     name: str = "random"
     seed: int = 0
     _table: torch.Tensor = field(default_factory=lambda: torch.empty(0), repr=False)
+    _on_device: torch.Tensor | None = field(default=None, repr=False)  # the table where the scores are made
 
     def _chunked_table(self, length: int) -> torch.Tensor:
         chunk = 4096
@@ -27,5 +29,8 @@ class RandomScorer(Scorer):
         return self._table
 
     def score(self, obs, previous):
-        table = self._chunked_table(obs.logical_len).to(previous.device)
+        table = self._on_device
+        if table is None or table.shape[0] < obs.logical_len or table.device != previous.device:
+            # copied once per 4096 positions, not per step (on CUDA a blocking copy would wait for the device)
+            table = self._on_device = host_to_device(self._chunked_table(obs.logical_len), previous.device)
         return table[: obs.logical_len].expand(previous.shape[0], -1).clone()
