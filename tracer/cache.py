@@ -70,7 +70,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from thoughtkv_base import UserError
 from tracer.attention import attend, set_pending
 from tracer.quant import make_block_store
-from tracer.recorder import Deferred
+from tracer.recorder import Deferred, LayerRows
 from tracer.scorers import Observation, Scorer
 from tracer.transfer import host_to_device
 from traces.policy import (
@@ -508,27 +508,31 @@ class PagedLayer:
                 self.importance_max.index_put_((target_rows, at), weights_max[index, -1].reshape(-1),
                                                accumulate=True)
         recording = [i for i in placing if states[i].recorder is not None]
-        occupancy = self._occupancy(states, recording, weights_mean[:, -1], positions) if recording else {}
+        if recording:
+            masses, host = self._occupancy(states, recording, weights_mean[:, -1], positions)
         moves = self._place(rows, states, placing)
         if self.staged_pages:  # the staging pages are refilled at the next recall
             bs = self.block_size
             self.slot_pos[self._select(rows), (self.n_staging_pages - self.staged_pages) * bs : self.n_staging_pages * bs] = -1
         errors = self._quant_errors(rows, moves)
-        masses = occupancy.pop("masses", None)
+        if recording:
+            recorded = [states[i] for i in recording]
+            moved = [moves.get(rows[i]) for i in recording]
+            host.update(
+                layer=[self.layer_idx] * len(recording),
+                query_tokens=[weights_mean.shape[1] + s.deferred_query_tokens for s in recorded],
+                logical_len=[s.logical_len for s in recorded], bytes_h2d=[s.bytes_h2d for s in recorded],
+                bytes_d2h=[0 if m is None else m[2] for m in moved],
+            )
+            # The rows' device values (masses, moved and recalled ids, quantization errors), resolved together
+            # from the step's one copy.
+            layer_rows = LayerRows(host, functools.partial(
+                _device_columns, masses, recording, host.pop("blocks"), [s.recalled for s in recorded], moved,
+                [errors.get(rows[i]) for i in recording]))
+            for index, state in enumerate(recorded):
+                state.recorder.add_layer_rows(layer_rows, index)
         for i in placing:
             state = states[i]
-            if state.recorder is not None:
-                moved = moves.get(rows[i])
-                # The row's device values (masses, moved and recalled ids, quantization error) in one `Deferred`,
-                # resolved from the step's one copy.
-                device_values = Deferred(functools.partial(
-                    _row_device_values, masses, i, state.blocks(), state.recalled, moved,
-                    errors.get(rows[i])))
-                state.recorder.add_layer_row(
-                    layer=self.layer_idx, query_tokens=weights_mean.shape[1] + state.deferred_query_tokens,
-                    logical_len=state.logical_len, bytes_h2d=state.bytes_h2d, bytes_d2h=0 if moved is None else
-                    moved[2], deferred=device_values, **occupancy[i],
-                )
             state.deferred_query_tokens = 0
             state.step = self._step(state) + 1
 
@@ -572,28 +576,32 @@ class PagedLayer:
                 self.token_scores[selected] = scores[:, :width]
             self.token_scores[pick(rows_t), pick(lengths)] = 0.0  # the scratch positions
 
-    def _occupancy(self, states, recording: list[int], last_weights: torch.Tensor, positions: torch.Tensor) -> dict:
-        """Per recording row: tier sizes and attention masses at attention time (after recall, before
-        placement). The block masses of every row reach the host in the step's one copy (`DeferredCopies`).
-        Empty slots carry weight 0, so where their scratch position lands adds nothing."""
+    def _occupancy(self, states, recording: list[int], last_weights: torch.Tensor,
+                   positions: torch.Tensor) -> tuple[Deferred, dict[str, list]]:
+        """The recording rows' tier sizes (host columns, a list over the rows each, plus their block counts) and
+        attention masses at attention time (after recall, before placement). The block masses of every row
+        reach the host in the step's one copy (`DeferredCopies`). Empty slots carry weight 0, so where their
+        scratch position lands adds nothing."""
         bs, staged_slots = self.block_size, self.staged_pages * self.block_size  # the attended range starts with them
         n_blocks_max = max(states[i].blocks() for i in recording) + 1
         block_mass = torch.zeros(last_weights.shape[0], n_blocks_max + 1, dtype=torch.float32, device=self.device)
         block_mass[:, :n_blocks_max].scatter_add_(1, (positions // bs).clamp_max(n_blocks_max - 1), last_weights)
         block_mass[:, n_blocks_max] = last_weights[:, :staged_slots].sum(1)  # recalled: the DDR mass
-        out = {"masses": self.copies.add(block_mass, lambda a: a.astype(np.float32).reshape(last_weights.shape[0], -1))}
-        ddr_block_bytes = self.ddr.block_bytes()
-        for i in recording:
-            state = states[i]
-            n_hbm = state.logical_len - (state.n_ddr_blocks + state.n_evicted_blocks) * bs
-            recalled_tokens = state.recalled_blocks * bs
-            out[i] = dict(
-                hbm_tokens=n_hbm, ddr_tokens=state.n_ddr_blocks * bs, evicted_tokens=state.n_evicted_blocks * bs,
-                recalled_tokens=recalled_tokens, hbm_blocks=state.hbm_blocks(), ddr_blocks=state.n_ddr_blocks,
-                evicted_blocks=state.n_evicted_blocks, hbm_kv_bytes=(n_hbm + recalled_tokens) * self.token_bytes,
-                ddr_kv_bytes=state.n_ddr_blocks * ddr_block_bytes,
-            )
-        return out
+        masses = self.copies.add(block_mass, lambda a: a.astype(np.float32).reshape(last_weights.shape[0], -1))
+        ddr_block_bytes, token_bytes = self.ddr.block_bytes(), self.token_bytes
+        rows = [states[i] for i in recording]
+        blocks = [s.blocks() for s in rows]
+        ddr, evicted = [s.n_ddr_blocks for s in rows], [s.n_evicted_blocks for s in rows]
+        hbm_tokens = [s.logical_len - (d + e) * bs for s, d, e in zip(rows, ddr, evicted, strict=True)]
+        recalled_tokens = [s.recalled_blocks * bs for s in rows]
+        return masses, {
+            "blocks": blocks, "hbm_tokens": hbm_tokens, "ddr_tokens": [d * bs for d in ddr],
+            "evicted_tokens": [e * bs for e in evicted], "recalled_tokens": recalled_tokens,
+            "hbm_blocks": [b - d - e for b, d, e in zip(blocks, ddr, evicted, strict=True)], "ddr_blocks": ddr,
+            "evicted_blocks": evicted,
+            "hbm_kv_bytes": [(h + r) * token_bytes for h, r in zip(hbm_tokens, recalled_tokens, strict=True)],
+            "ddr_kv_bytes": [d * ddr_block_bytes for d in ddr],
+        }
 
     def _place(self, rows: list[int], states: list[RowState], placing: list[int]) -> dict:
         """Apply each row's targets (rows whose targets moved, or that may promote); returns per row id
@@ -796,26 +804,47 @@ def _targets(spec: PolicySpec, length: int) -> tuple[int, int, int | None, int] 
     return sink_blocks, movable_end, room_blocks(spec, length), evict_target
 
 
-def _row_device_values(masses: Deferred | None, index: int, blocks: int, recalled: tuple | None,
-                       moved: tuple | None, errors: tuple | None) -> dict:
-    """One recorded row's device-derived columns, from the step's fetched copies: the attention masses
-    (block masses, then the recalled = DDR mass: HBM + recalled mass is 1), the recalled ids, the block moves
-    (codes 1 offloaded, 2 promoted, 3-4 evicted from HBM / DDR) and the quantized tier's error."""
-    mass = masses.value()[index]
-    mass_ddr = float(mass[-1])
-    values = {"mass_ddr": mass_ddr, "mass_hbm": float(mass[:-1].sum()) - mass_ddr, "block_mass": mass[:blocks],
-              "recalled_block_ids": [] if recalled is None else
-              recalled[1].value()[recalled[2] : recalled[2] + recalled[3]].tolist(),
-              "promoted_block_ids": [], "offloaded_block_ids": [], "evicted_block_ids": []}
-    if moved is not None:
-        codes = moved[0].value()[moved[1]]
-        values.update(promoted_block_ids=_as_ids(np.flatnonzero(codes == 2)),
-                      offloaded_block_ids=_as_ids(np.flatnonzero(codes == 1)),
-                      evicted_block_ids=_as_ids(np.flatnonzero(codes >= 3)))
-    if errors is not None:
-        part = errors[0].value()[errors[1] : errors[1] + errors[2]]
-        values.update(quant_max_rel_err=float(part[:, 0].max()), quant_rms_rel_err=float(np.sqrt(part[:, 1].mean())))
-    return values
+def _device_columns(masses: Deferred, index: list[int], blocks: list[int], recalled: list, moved: list,
+                    errors: list) -> dict[str, list]:
+    """The recorded rows' device-derived columns (lists over the rows; `index`: each one's place in the layer's
+    batch), from the step's fetched copy: the attention masses (block masses, then the recalled = DDR mass:
+    HBM + recalled mass is 1), the recalled ids, the block moves (codes 1 offloaded, 2 promoted, 3-4 evicted
+    from HBM / DDR) and the quantized tier's errors (None where a row offloaded nothing this step)."""
+    mass = masses.value()[index]  # [rows, blocks + 2]
+    mass_ddr = mass[:, -1].astype(np.float64)
+    columns = {"mass_ddr": mass_ddr.tolist(),
+               "mass_hbm": (mass[:, :-1].sum(1).astype(np.float64) - mass_ddr).tolist(),
+               "block_mass": [row[:n] for row, n in zip(mass, blocks, strict=True)]}
+    fetched: dict[int, list] = {}  # every row's recalled ids of the layer, fetched together: one list
+    recalled_ids = []
+    for entry in recalled:
+        if entry is None:
+            recalled_ids.append([])
+            continue
+        ids = fetched.get(id(entry[1]))
+        if ids is None:
+            ids = fetched[id(entry[1])] = entry[1].value().tolist()
+        recalled_ids.append(ids[entry[2] : entry[2] + entry[3]])
+    columns["recalled_block_ids"] = recalled_ids
+    moves = {"promoted_block_ids": [], "offloaded_block_ids": [], "evicted_block_ids": []}
+    for entry in moved:
+        if entry is None:
+            for ids in moves.values():
+                ids.append([])
+            continue
+        codes = entry[0].value()[entry[1]]
+        moves["promoted_block_ids"].append(_as_ids(np.flatnonzero(codes == 2)))
+        moves["offloaded_block_ids"].append(_as_ids(np.flatnonzero(codes == 1)))
+        moves["evicted_block_ids"].append(_as_ids(np.flatnonzero(codes >= 3)))
+    columns.update(moves)
+    if any(e is not None for e in errors):
+        largest, rms = [], []
+        for entry in errors:
+            part = None if entry is None else entry[0].value()[entry[1] : entry[1] + entry[2]]
+            largest.append(None if part is None else float(part[:, 0].max()))
+            rms.append(None if part is None else float(np.sqrt(part[:, 1].mean())))
+        columns.update(quant_max_rel_err=largest, quant_rms_rel_err=rms)
+    return columns
 
 
 @functools.lru_cache(maxsize=4096)
@@ -978,7 +1007,9 @@ class DeferredCopies:
         if self._batch.fetched:  # the previous batch reached the host: start a new one
             self._batch = _CopyBatch()
         batch = self._batch
-        batch.tensors.append(tensor.detach().reshape(-1).to(torch.float64))
+        flat = tensor.detach().reshape(-1)
+        batch.tensors.append(flat.to(torch.float64))
+        batch.offsets.append(batch.offsets[-1] + flat.shape[0])
         index = len(batch.tensors) - 1
         return Deferred(lambda: transform(batch.host(index)))
 
@@ -986,7 +1017,8 @@ class DeferredCopies:
 class _CopyBatch:
     def __init__(self):
         self.tensors: list[torch.Tensor] = []
-        self._host: list[np.ndarray] | None = None
+        self.offsets: list[int] = [0]  # where each tensor starts in the fetched copy
+        self._host: np.ndarray | None = None
 
     @property
     def fetched(self) -> bool:
@@ -994,11 +1026,9 @@ class _CopyBatch:
 
     def host(self, index: int) -> np.ndarray:
         if self._host is None:
-            flat = torch.cat(self.tensors).cpu().numpy()
-            offsets = np.cumsum([0, *(t.numel() for t in self.tensors)])
-            self._host = [flat[offsets[i] : offsets[i + 1]] for i in range(len(self.tensors))]
+            self._host = torch.cat(self.tensors).cpu().numpy()
             self.tensors = []
-        return self._host[index]
+        return self._host[self.offsets[index] : self.offsets[index + 1]]
 
 
 class TieredCache(Cache):

@@ -1,8 +1,10 @@
 """Per-sample recording buffers -> the columns of trace v1 (traces/schema.py).
 
-The tiered layers call `add_layer_row` once per (step, layer) with the host-known columns and one `Deferred`
-for the device-derived ones (block masses reduced on the device, moved and recalled ids), resolved at
-`end_step` (one copy per step for every layer and row, tracer.cache.DeferredCopies); the decode loop sets `step`, the
+Each tiered layer hands every recording row of a step one `LayerRows` (the layer's columns for all its rows:
+host-known ones as lists, the device-derived ones — block masses reduced on the device, moved and recalled ids
+— resolved for all rows at once from the step's one copy, tracer.cache.DeferredCopies); each row's recorder
+keeps (LayerRows, its index) and appends its values at `end_step`. No dict per row and layer: at a batch of B
+that is B x layers of them per step, Python time a GPU step cannot hide. The decode loop sets `step`, the
 step's wall time and (tracer.decode.LayerTimer) each decoder layer's time. Nothing here touches torch.
 """
 
@@ -19,6 +21,7 @@ STEP_COLUMNS = (
     "mass_hbm", "mass_ddr",
 )
 OPTIONAL_STEP_COLUMNS = ("quant_max_rel_err", "quant_rms_rel_err")  # quantized DDR tier; None when not measured
+_ROW_COLUMNS = STEP_COLUMNS[1:]  # what a layer records per row (the recorder adds the step)
 
 
 class Deferred:
@@ -39,6 +42,20 @@ class Deferred:
         return Deferred(lambda: transform(self.value()))
 
 
+class LayerRows:
+    """One decoder layer's rows of one step for every recording row of a batch (index i: the i-th of them):
+    `host` columns as lists over the rows, and `device`, a callable returning the device-derived columns as
+    lists over the same rows, called once (after the step's copy) for all of them."""
+
+    def __init__(self, host: dict[str, list], device=None):
+        self.host, self._device, self._columns = host, device, None
+
+    def columns(self) -> dict[str, list]:
+        if self._columns is None:
+            self._columns = self.host if self._device is None else {**self.host, **self._device()}
+        return self._columns
+
+
 @dataclass
 class Recorder:
     record_access: bool = True
@@ -46,28 +63,30 @@ class Recorder:
     columns: dict[str, list] = field(default_factory=lambda: {name: [] for name in STEP_COLUMNS + OPTIONAL_STEP_COLUMNS})
     block_mass: list[np.ndarray] = field(default_factory=list)
     step_us: list[float] = field(default_factory=list)
-    pending: list[tuple] = field(default_factory=list)  # rows added since the last resolve: (host values, Deferred)
+    pending: list[tuple] = field(default_factory=list)  # rows added since the last resolve: (LayerRows, index, step)
     layer_us: list[list[float] | None] = field(default_factory=list)  # per step: each decoder layer's time
 
-    def add_layer_row(self, *, deferred: Deferred | None = None, **values) -> None:
-        """One (step, layer) row: the columns known on the host, and `deferred`, which resolves (from the step's
-        one copy) to the columns that come from the device (masses, block ids, quantization error)."""
-        values["step"] = self.step
-        self.pending.append((values, deferred))
+    def add_layer_rows(self, rows: LayerRows, index: int) -> None:
+        """This sample's (step, layer) row: row `index` of a layer's `rows` (`_ROW_COLUMNS`, `block_mass`, and
+        the optional columns where measured), appended when the step ends."""
+        self.pending.append((rows, index, self.step))
 
     def _resolve(self) -> None:
         """Append the pending rows, their device values fetched (one copy per step for every row and layer)."""
         pending, self.pending = self.pending, []
         columns = self.columns
-        for values, deferred in pending:
-            if deferred is not None:
-                values.update(deferred.value())
-            for name in STEP_COLUMNS:
-                columns[name].append(values[name])
+        step_column = columns["step"]
+        row_columns = [(columns[name], name) for name in _ROW_COLUMNS]
+        for rows, index, step in pending:
+            values = rows.columns()
+            step_column.append(step)
+            for column, name in row_columns:
+                column.append(values[name][index])
             for name in OPTIONAL_STEP_COLUMNS:
-                columns[name].append(values.get(name))
+                measured = values.get(name)
+                columns[name].append(None if measured is None else measured[index])
             if self.record_access:
-                self.block_mass.append(values["block_mass"])
+                self.block_mass.append(values["block_mass"][index])
 
     def end_step(self, wall_us: float, layer_us: list[float] | None = None) -> None:
         self._resolve()
