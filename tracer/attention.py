@@ -47,8 +47,11 @@ def attend(
     rows, n_heads, lq, head_dim = query.shape
     n_kv_heads, n_keys = key.shape[1], key.shape[2]
     group = n_heads // n_kv_heads  # query head h reads KV head h // group (HF's repeat_kv order)
-    grouped_query = query.reshape(rows, n_kv_heads, group * lq, head_dim)
-    logits = torch.matmul(grouped_query, key.transpose(-1, -2)) * scaling
+    # One batched GEMM with the scaling folded in (a view of the pages: rows and KV heads collapse).
+    grouped_query = query.reshape(rows * n_kv_heads, group * lq, head_dim)
+    flat_keys = key.reshape(rows * n_kv_heads, n_keys, head_dim)
+    logits = torch.baddbmm(grouped_query.new_empty(rows * n_kv_heads, group * lq, n_keys), grouped_query,
+                           flat_keys.transpose(1, 2), beta=0, alpha=scaling)
     if lq == 1:
         blocked = (key_positions < 0)[:, None, None, None, :]  # every stored position precedes the one query
     else:

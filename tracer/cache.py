@@ -133,7 +133,7 @@ class RowState:
 
     @property
     def recalled_ids(self) -> torch.Tensor | None:
-        """This step's recalled block ids (sorted; device)."""
+        """This step's recalled block ids, in staging order (device)."""
         if self.recalled is None:
             return None
         ids, _, start, n = self.recalled
@@ -411,18 +411,16 @@ class PagedLayer:
         key_max = self.ddr.key_max[selected, :n_blocks_max].unsqueeze(3)
         bounds = torch.maximum(q * key_min, q * key_max).sum(-1)  # [m, blocks, Hkv, group]: Quest's logit bound
         k_max = max(wanted[i] for i in batch_index)
-        uneven = any(wanted[i] < k_max for i in batch_index)  # rows that hold fewer DDR blocks than the widest
-        if uneven or spec.recall_rule != "quest":
+        if spec.recall_rule != "quest":
             ranks = torch.arange(k_max, device=self.device)
             counts_t = host_to_device([wanted[i] for i in batch_index], self.device)
         head_picks = None
         if spec.recall_rule == "quest":
             best = bounds.flatten(2).amax(2).masked_fill(not_ddr, float("-inf"))
-            top = best.topk(k_max, dim=1).indices  # by bound, highest first: a row's first `wanted` are its picks
+            # By bound, highest first: a row's first `wanted` are its picks (the selection below keeps them), in
+            # that order (the trace records them sorted; attention reads them as a set).
+            ids = best.topk(k_max, dim=1).indices
             per_row = [wanted[i] for i in batch_index]
-            if uneven:  # their extra picks sort last
-                top = torch.where(ranks < counts_t[:, None], top, n_blocks_max)
-            ids = top.sort(dim=1).values
         else:  # quest-per-head: each KV head its own top blocks; the union is copied
             per_head = bounds.amax(3).masked_fill(not_ddr[:, :, None], float("-inf"))  # [m, blocks, Hkv]
             top = per_head.topk(k_max, dim=1).indices  # [m, k_max, Hkv]
@@ -756,8 +754,8 @@ class PagedLayer:
         """Move `n` promoted blocks of `row` from its staging pages into main pages `first_page`, ... (the pages
         after its resident blocks)."""
         block_ids = _first_true(promoted, n)
-        source = self._page_slots(self.n_staging_pages - self.staged_pages
-                                  + torch.searchsorted(state.recalled_ids, block_ids))
+        staged = (state.recalled_ids[None, :] == block_ids[:, None]).to(torch.int8).argmax(1)  # staging order
+        source = self._page_slots(self.n_staging_pages - self.staged_pages + staged)
         pages = torch.arange(first_page, first_page + n, device=self.device)
         target = self._page_slots(pages)
         for buffer in (self.keys, self.values):
@@ -824,7 +822,7 @@ def _device_columns(masses: Deferred, index: list[int], blocks: list[int], recal
         ids = fetched.get(id(entry[1]))
         if ids is None:
             ids = fetched[id(entry[1])] = entry[1].value().tolist()
-        recalled_ids.append(ids[entry[2] : entry[2] + entry[3]])
+        recalled_ids.append(sorted(ids[entry[2] : entry[2] + entry[3]]))  # staged by bound; recorded by id
     columns["recalled_block_ids"] = recalled_ids
     moves = {"promoted_block_ids": [], "offloaded_block_ids": [], "evicted_block_ids": []}
     for entry in moved:
@@ -993,12 +991,17 @@ def _as_ids(values: np.ndarray) -> list[int]:
     return values.astype(np.int64).tolist()
 
 
+# dtypes a recorded value travels in as its own bytes (the others are converted to float32 first)
+_HOST_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64, torch.int32: np.int32,
+                torch.int8: np.int8, torch.uint8: np.uint8, torch.bool: np.bool_}
+
+
 class DeferredCopies:
     """Recorded device values, copied to the host together: each `add` returns a `Deferred` whose value is
     fetched (one `torch.cat` + one device->host copy for everything added since the last fetch) when the
     recorder resolves its rows at step end. One per `TieredCache`, shared by its layers and rows, so a decode
-    step's recording costs one copy, whatever the layers and batch. Values travel as float64 (block ids and
-    float32 masses are exact in it) and come back through the `transform` given."""
+    step's recording costs one copy, whatever the layers and batch. Values travel as their own bytes (a view,
+    no conversion kernel) and come back, as NumPy arrays of their dtype, through the `transform` given."""
 
     def __init__(self):
         self._batch = _CopyBatch()
@@ -1008,16 +1011,21 @@ class DeferredCopies:
             self._batch = _CopyBatch()
         batch = self._batch
         flat = tensor.detach().reshape(-1)
-        batch.tensors.append(flat.to(torch.float64))
-        batch.offsets.append(batch.offsets[-1] + flat.shape[0])
+        if flat.dtype not in _HOST_DTYPES:  # e.g. bfloat16, which NumPy has not
+            flat = flat.float()
+        raw = flat.contiguous().view(torch.uint8)
+        batch.tensors.append(raw)
+        batch.dtypes.append(_HOST_DTYPES[flat.dtype])
+        batch.offsets.append(batch.offsets[-1] + raw.shape[0])
         index = len(batch.tensors) - 1
         return Deferred(lambda: transform(batch.host(index)))
 
 
 class _CopyBatch:
     def __init__(self):
-        self.tensors: list[torch.Tensor] = []
-        self.offsets: list[int] = [0]  # where each tensor starts in the fetched copy
+        self.tensors: list[torch.Tensor] = []  # bytes
+        self.dtypes: list = []
+        self.offsets: list[int] = [0]  # where each value starts in the fetched bytes
         self._host: np.ndarray | None = None
 
     @property
@@ -1028,7 +1036,7 @@ class _CopyBatch:
         if self._host is None:
             self._host = torch.cat(self.tensors).cpu().numpy()
             self.tensors = []
-        return self._host[self.offsets[index] : self.offsets[index + 1]]
+        return self._host[self.offsets[index] : self.offsets[index + 1]].view(self.dtypes[index])
 
 
 class TieredCache(Cache):
