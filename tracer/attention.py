@@ -50,8 +50,8 @@ def attend(
     # One batched GEMM with the scaling folded in (a view of the pages: rows and KV heads collapse).
     grouped_query = query.reshape(rows * n_kv_heads, group * lq, head_dim)
     flat_keys = key.reshape(rows * n_kv_heads, n_keys, head_dim)
-    logits = torch.baddbmm(grouped_query.new_empty(rows * n_kv_heads, group * lq, n_keys), grouped_query,
-                           flat_keys.transpose(1, 2), beta=0, alpha=scaling)
+    unused = torch.empty(rows * n_kv_heads, group * lq, n_keys, dtype=query.dtype, device=query.device)  # beta=0
+    logits = torch.baddbmm(unused, grouped_query, flat_keys.transpose(1, 2), beta=0, alpha=scaling)
     if lq == 1:
         blocked = (key_positions < 0)[:, None, None, None, :]  # every stored position precedes the one query
     else:

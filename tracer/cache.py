@@ -163,6 +163,7 @@ class PagedLayer:
         self.positions = positions if positions is not None else [None, None]
         self.rows: list[RowState | None] = []
         self._rows_cache: tuple = ((), None)
+        self._flat_rows: tuple = (None, None)  # (recalling rows and picks per row, the rows repeated per pick)
         self._shared_scorers: tuple = ([], False)  # (the scorers of the last scored rows, whether they share a call)
         self.rows_hint = 0  # the batch size, when known: rows are allocated for it at once
         self.initialized = False
@@ -436,7 +437,10 @@ class PagedLayer:
         width = ids.shape[1]
         select = _flat_selection(tuple(per_row), width)[0]
         self._resize_pages(self.n_pages, max(per_row))
-        flat_rows, flat_ids = rec_rows.repeat_interleave(width), ids.reshape(-1)
+        key = (tuple(rows[i] for i in batch_index), width)
+        if self._flat_rows[0] != key:  # each recalling row once per pick (the same rows recall alike, step by step)
+            self._flat_rows = (key, rec_rows.repeat_interleave(width))
+        flat_rows, flat_ids = self._flat_rows[1], ids.reshape(-1)
         uneven_picks = len(select) < flat_ids.shape[0]  # some rows recall fewer blocks than the widest
         if uneven_picks:
             select = host_to_device(select, self.device)
