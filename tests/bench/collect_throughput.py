@@ -3,7 +3,10 @@ tracer.decode.decode_batch) at batch sizes 1, 8, 32 against HF `generate` with a
 the same batch and tokens, on `random:tiny` and the bundled micro model; one torch thread, same process,
 variants interleaved over rounds (the median of each is kept, so background load hits all alike).
 
-Printed per model and B: untraced and traced tok/s, traced/untraced (goal >= 0.8), and at B = 1 the batched
+Printed per model and B: untraced and traced tok/s, traced/untraced (goal >= 0.8), beside the same for the
+decode steps alone (the time of a run of `--steps` tokens less that of a 1-token run, prefill included in both:
+the traced loop prefills each sample alone, as continuous refill does, and `generate` the whole batch at once,
+while a reasoning trace is thousands of decode steps per prompt), and at B = 1 the batched
 loop against the batch-1 loop `greedy_decode` on the same cache; then B = 32 vs B = 1 traced tok/s; then the kernels
 a decode step launches per decoder layer, traced and untraced, counted as `tracer/calibrate/launches.py`
 counts them (the launch-bound regime of an eager GPU step, where time follows launches, not arithmetic).
@@ -59,23 +62,23 @@ def measure(spec: str, args) -> dict:
                          recall_k=4, max_new_tokens=args.steps)
     n_layers = model.config.num_hidden_layers
 
-    def untraced(batch: int) -> float:
+    def untraced(batch: int, steps: int) -> float:
+        """Seconds for `batch` samples of `steps` new tokens (prefill included)."""
         model.set_attn_implementation("sdpa")
         ids = prompts[:batch]
         started = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.steps,
-                             min_new_tokens=args.steps, do_sample=False, cache=DynamicCache(config=model.config),
-                             pad_token_id=0)
-        assert out.shape[1] == args.prompt + args.steps
-        return batch * args.steps / (time.perf_counter() - started)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
+                             do_sample=False, cache=DynamicCache(config=model.config), pad_token_id=0)
+        assert out.shape[1] == args.prompt + steps
+        return time.perf_counter() - started
 
-    def traced(batch: int) -> float:
+    def traced(batch: int, steps: int) -> float:
         use_tiered_attention(model)
         jobs = [DecodeJob(i, prompts[i].tolist(), make_settings(config), Recorder()) for i in range(batch)]
         started = time.perf_counter()
-        for job, _ in decode_batch(model, jobs, TieredCache(n_layers, jobs[0].settings), batch, args.steps, set()):
+        for job, _ in decode_batch(model, jobs, TieredCache(n_layers, jobs[0].settings), batch, steps, set()):
             job.recorder.steps_table(), job.recorder.access_table()  # the columns the writer receives
-        return batch * args.steps / (time.perf_counter() - started)
+        return time.perf_counter() - started
 
     def v1_loop() -> float:
         use_tiered_attention(model)
@@ -93,23 +96,25 @@ def measure(spec: str, args) -> dict:
         for run in (traced, untraced):
             counts = []
             for steps in (args.steps // 2, args.steps):
-                saved, args.steps = args.steps, steps
                 with KernelCount() as counter:
-                    run(batch)
-                args.steps = saved
+                    run(batch, steps)
                 counts.append(counter.n)
             out.append((counts[1] - counts[0]) / (args.steps - args.steps // 2) / n_layers)
         return out[0], out[1]
 
-    untraced(1), traced(1), v1_loop()  # warm-up
+    untraced(1, args.steps), traced(1, args.steps), v1_loop()  # warm-up
     runs = {("untraced", b): [] for b in batches} | {("traced", b): [] for b in batches} | {("v1", 1): []}
+    decode = {("untraced", b): [] for b in batches} | {("traced", b): [] for b in batches}
     for _ in range(args.rounds):
         for batch in batches:
-            runs["untraced", batch].append(untraced(batch))
-            runs["traced", batch].append(traced(batch))
+            for name, run in (("untraced", untraced), ("traced", traced)):
+                whole, first = run(batch, args.steps), run(batch, 1)  # first: the prefill and its token
+                runs[name, batch].append(batch * args.steps / whole)
+                decode[name, batch].append(batch * (args.steps - 1) / (whole - first))
         runs["v1", 1].append(v1_loop())
     launches = {batch: launches_per_layer(batch) for batch in sorted({1, min(16, max(batches))})}
     return {"params_m": loaded.manifest["n_params"] / 1e6, "launches": launches,
+            "decode": {key: statistics.median(v) for key, v in decode.items()},
             **{key: statistics.median(v) for key, v in runs.items()}}
 
 
@@ -128,10 +133,12 @@ def main() -> None:
     for spec in args.models.split(","):
         r = measure(spec, args)
         print(f"\n{spec} ({r['params_m']:.1f}M params)")
-        print(f"{'B':>4} {'untraced tok/s':>15} {'traced tok/s':>13} {'traced/untraced':>16}  (goal >= 0.8)")
+        print(f"{'B':>4} {'untraced tok/s':>15} {'traced tok/s':>13} {'traced/untraced':>16}  (goal >= 0.8)"
+              f"   decode steps only: {'untraced':>9} {'traced':>8} {'ratio':>6}")
         for batch in args.batches:
             u, t = r["untraced", batch], r["traced", batch]
-            print(f"{batch:>4} {u:>15.1f} {t:>13.1f} {t / u:>16.3f}")
+            du, dt = r["decode"]["untraced", batch], r["decode"]["traced", batch]
+            print(f"{batch:>4} {u:>15.1f} {t:>13.1f} {t / u:>16.3f}   {'':>19}{du:>9.1f} {dt:>8.1f} {dt / du:>6.3f}")
         print(f"B=1 decode_batch / greedy_decode (the batched loop vs the batch-1 loop, one cache): "
               f"{r['traced', 1] / r['v1', 1]:.3f}")
         widest = max(args.batches)
