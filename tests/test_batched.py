@@ -31,7 +31,10 @@ POLICIES = {
     "full": dict(policy="full"),
     "evict": dict(policy="evict", hbm_budget=0.4, scorer="h2o"),
     "hierarchy": dict(policy="hierarchy", hbm_budget=0.3, evict_ratio=0.1, recall_k=2),
-    "per-head-promote": dict(policy="hierarchy", hbm_budget=0.3, recall_k=2, recall_rule="quest-per-head", promote=True),
+    # snapkv reads the last 32 queries of a prefill: most prompts here are shorter, so a left-padded batch
+    # prefill must hand it each row's real queries only
+    "per-head-promote": dict(policy="hierarchy", hbm_budget=0.3, recall_k=2, recall_rule="quest-per-head", promote=True,
+                             scorer="snapkv"),
     "hierarchy-int8": dict(policy="hierarchy", hbm_budget=0.3, recall_k=2, ddr_dtype="int8"),
 }
 RECORDED = ("step", "layer", "logical_len", "hbm_tokens", "ddr_tokens", "recalled_block_ids", "offloaded_block_ids",
@@ -212,3 +215,28 @@ def test_micro_chains_at_batch_eight_are_token_identical_to_batch_one(tmp_path, 
     assert first.equals(second)
     if policy["policy"] == "hierarchy":
         assert first["bytes_h2d"].sum() > 0  # it recalled: the traffic compared is not all zero
+
+
+@pytest.mark.parametrize("scorer", ["snapkv", "h2o"])
+def test_a_left_padded_prefill_scores_each_row_as_it_would_alone(scorer):
+    """Fresh rows are prefilled in one left-padded forward: each row's scores after it (what placement ranks)
+    equal its own prefill's, so the pads' queries reach no scorer (snapkv averages the last 32 queries, which
+    for these prompts would include pads)."""
+    model = tiny_model("qwen2")
+    spec = PolicySpec(policy="hierarchy", hbm_budget=0.3, recall_k=2, block_size=4, sink_tokens=4, window_tokens=8,
+                      scorer=scorer)
+
+    def scores(batch_size: int) -> dict[int, list[torch.Tensor]]:
+        jobs = [DecodeJob(i, ids, TierSettings(spec=spec, scorer=build_scorer(scorer)), Recorder())
+                for i, ids in enumerate(prompts()[:4])]
+        cache, out = TieredCache(model.config.num_hidden_layers, jobs[0].settings), {}
+        for job, result in decode_batch(model, jobs, cache, batch_size, 1, set()):
+            n = len(job.prompt_ids)
+            out[job.key] = [layer.token_scores[:n].clone() for layer in result.cache.layers]
+        return out
+
+    alone, together = scores(1), scores(4)
+    for key, layers in alone.items():
+        for want, got in zip(layers, together[key], strict=True):
+            assert want.abs().sum() > 0
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -69,3 +69,13 @@ def test_trace_records_and_checks_the_prefill_chunk(tmp_path, capsys):
     assert main(["trace", "--model", "micro", "--task", "chains", "--n-samples", "1", "--prefill-chunk-tokens", "0",
                  "--out", str(tmp_path / "bad")]) == 2
     assert "--prefill-chunk-tokens must be at least 1" in capsys.readouterr().err
+
+
+def test_fresh_rows_are_prefilled_together_within_one_chunks_scores():
+    """m rows padded to L attend m x L x L prefill scores: grouped within chunk x chunk, all at once unchunked."""
+    from tracer.decode import _prefill_groups
+
+    assert _prefill_groups([0, 1, 2], [100, 100, 100], 256) == [[0, 1, 2]]  # 3 x 100^2 <= 256^2
+    assert _prefill_groups([0, 1, 2], [200, 200, 100], 256) == [[0], [1], [2]]  # 2 x 200^2 > 256^2
+    assert _prefill_groups([4, 5, 6, 7], [60, 250, 10, 10], 256) == [[4], [5], [6, 7]]
+    assert _prefill_groups([0, 1, 2], [200, 5000, 100], None) == [[0, 1, 2]]

@@ -36,8 +36,10 @@ def attend(
 
     `query` [rows, Hq, lq, d], `key`/`value` [rows, Hkv, n_keys, d]. `key_positions` [rows, n_keys]: the
     logical position each key slot holds, -1 for an empty slot (a free page, an unused staging slot); the `lq`
-    queries sit at positions [query_start, query_start + lq) (lq > 1: one row, a prefill), and each attends
-    the slots holding a position up to its own (causal, in any slot order). `hidden_keys` ([rows, Hkv, n_keys]
+    queries sit at positions [query_start, query_start + lq) (lq > 1: a prefill; `query_start` a tensor [rows]
+    for rows left-padded to one length, where a pad's negative position reads position 0 only, so that it
+    stays finite: its output is never used), and each attends the slots holding a position up to its own
+    (causal, in any slot order). `hidden_keys` ([rows, Hkv, n_keys]
     bool, decode only): key columns a KV head's queries must not attend (the per-head recall rule's blocks
     picked by other heads). Blocked slots get weight exactly 0.
 
@@ -55,8 +57,12 @@ def attend(
     if lq == 1:
         blocked = (key_positions < 0)[:, None, None, None, :]  # every stored position precedes the one query
     else:
-        query_positions = torch.arange(query_start, query_start + lq, device=query.device)
-        blocked = (key_positions[:, None, :] > query_positions[:, None]) | (key_positions < 0)[:, None, :]
+        offsets = torch.arange(lq, device=query.device)
+        if isinstance(query_start, torch.Tensor):  # per row, left-padded: a pad (negative) reads position 0
+            query_positions = (query_start[:, None] + offsets).clamp_min(0)  # [rows, lq]
+        else:
+            query_positions = (offsets + query_start)[None]
+        blocked = (key_positions[:, None, :] > query_positions[:, :, None]) | (key_positions < 0)[:, None, :]
         blocked = blocked[:, None, None]  # [rows, 1, 1, lq, n_keys]
     logits = logits.view(rows, n_kv_heads, group, lq, n_keys).masked_fill(blocked, float("-inf"))
     if hidden_keys is not None:

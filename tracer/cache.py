@@ -2,17 +2,21 @@
 compute device), DDR (`tracer.transfer.PinnedBlockStore`, host memory) or are evicted (only their ids are kept).
 
 Paged layout (the way vLLM's PagedAttention holds KV): each layer's HBM tier is a pool of pages, one block of
-`block_size` slots each, then the recall staging pages, then one scratch page (a target for writes that must
-go nowhere); `block_page` maps a block to its page (-1 when it is not resident), `page_block` a page to its
-block (-1 when free), `slot_pos` each slot to the logical position it holds (-1 when empty). A new block takes
-a free page; a block that leaves HBM frees its page, which the next new block reuses. Moving a block is one
-block copy; nothing is compacted. Attention runs over the pages with the empty slots masked out (weight 0), so
-the slots' order does not matter (softmax over a set).
+`block_size` slots each: the recall staging pages, then the main pages, then one scratch page (a target for
+writes that must go nowhere); `block_page` maps a block to its page (-1 when it is not resident), `page_block`
+a page to its block (-1 when free), `slot_pos` each slot to the logical position it holds (-1 when empty).
+Moving a block is one block copy; nothing is compacted. A row's resident blocks stay packed in its first main
+pages: a new block takes the page after them (known on the host), and when blocks leave HBM the ones above the
+new count move down into the freed pages (`_pack`: a block copy each, at placement). So attention reads one
+range of slots in use, this step's staging pages then the fullest row's resident pages, not the whole pool
+(which a long prompt sizes at prefill); the empty slots in it are masked out (weight 0), and the slots' order
+does not matter (softmax over a set).
 
 Batched: one `PagedLayer` per decoder layer holds every row (sequence) of a batch in `[rows, ...]` tensors, and a
 step appends, recalls (one gather for all rows), attends, scores and places all its rows with one set of
 kernels, each row on its own slice, with its counts on the host: the kernels a step issues do not grow with
-the batch. The rows share one page count (the fullest row's), so a shorter row attends empty, masked pages
+the batch. Fresh rows' prompts can come in one left-padded forward (`update`'s `new_tokens`): each row keeps
+only its real tokens, and its pads' queries read position 0 and reach no scorer. The rows share one page count (the fullest row's), so a shorter row attends empty, masked pages
 (compute, never another row's entries). `TieredLayer` is one row's view, what HF, the tokens table and the
 gradient scorer read for one sequence. Memory per layer: rows x (pages + staging pages + 1) x block_size x the
 K+V bytes of a token on the device (`tracer.run.kv_buffer_bytes` sizes it before a run), and rows x blocks
@@ -169,6 +173,7 @@ class PagedLayer:
         self.initialized = False
         self.n_pages = self.n_staging_pages = self.block_capacity = 0
         self.staged_pages = 0  # staging pages this step's recall filled (the last ones before the main pages)
+        self.pads = None  # a left-padded prefill of several rows: each row's pad count (else None)
 
     # -- rows and storage ----------------------------------------------------------------------------------
     def reset_row(self, row: int, settings: TierSettings, recorder=None) -> None:
@@ -301,15 +306,26 @@ class PagedLayer:
         return (pages[..., None] * self.block_size + self.offsets).flatten(-2)
 
     # -- append (update) -----------------------------------------------------------------------------------
-    def update(self, rows: list[int], key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def update(self, rows: list[int], key_states: torch.Tensor, value_states: torch.Tensor,
+               new_tokens: list[int] | None = None) -> None:
+        """Append each row's new K/V [rows, Hkv, n, d]. A multi-token forward of several rows is a prefill of fresh
+        rows, left-padded to a common length: `new_tokens` gives each row's real count (its last ones)."""
         if not self.initialized:
             self._init_storage(key_states)
         n_new, bs = key_states.shape[-2], self.block_size
-        if n_new > 1 and len(rows) > 1:
-            raise UnsupportedBatch("a multi-token forward (prefill) runs one row at a time")
         states = [self.rows[r] for r in rows]
-        self._ensure_blocks(max(s.logical_len for s in states) + n_new)
-        opened = [n_blocks(s.spec, s.logical_len + n_new) - s.blocks() for s in states]
+        self.pads = None
+        if n_new > 1 and len(rows) > 1:
+            if new_tokens is None or len(new_tokens) != len(rows) or any(s.logical_len for s in states):
+                raise UnsupportedBatch(
+                    "a multi-token forward of several rows prefills fresh rows, left-padded, with each row's "
+                    "token count (TieredCache.set_active(rows, new_tokens)); otherwise one row at a time")
+            counts = list(new_tokens)
+            self.pads = [n_new - n for n in counts]
+        else:
+            counts = [n_new] * len(rows)
+        self._ensure_blocks(max(s.logical_len + n for s, n in zip(states, counts, strict=True)))
+        opened = [n_blocks(s.spec, s.logical_len + n) - s.blocks() for s, n in zip(states, counts, strict=True)]
         self._resize_pages(max(s.hbm_blocks() + o for s, o in zip(states, opened, strict=True)), self.n_staging_pages)
         rows_t = self._rows_tensor(rows)
         if n_new == 1:
@@ -337,6 +353,8 @@ class PagedLayer:
                 self.next_slot[selected].add_(1)
             else:
                 self.next_slot[selected] += 1
+        elif len(rows) > 1:
+            self._append_prompts(rows, rows_t, key_states, value_states, counts, opened)
         else:
             row, state = rows[0], states[0]
             first, end = state.blocks(), state.blocks() + opened[0]
@@ -352,9 +370,32 @@ class PagedLayer:
             self.lengths = positions[-1:] + 1
             self.next_slot[row : row + 1] = slots[-1:] + 1  # a prompt ending on a block boundary opens the next
         self.staged_pages = 0  # this step's recall has not run yet
-        for state in states:
-            state.query_start, state.logical_len = state.logical_len, state.logical_len + n_new
+        for state, n in zip(states, counts, strict=True):
+            state.query_start, state.logical_len = state.logical_len, state.logical_len + n
             state.recalled_blocks, state.recalled, state.head_picks, state.bytes_h2d = 0, None, None, 0
+
+    def _append_prompts(self, rows, rows_t, key_states, value_states, counts: list[int], opened: list[int]) -> None:
+        """Several fresh rows' prompts, left-padded to one length: row i's blocks take its first main pages and its
+        `counts[i]` real tokens (the last ones of its batch entry) the slots from there on, in order; the pads are
+        not stored. All rows in one index each (built on the host, from host-known counts)."""
+        bs, first = self.block_size, self.n_staging_pages
+        length, real = key_states.shape[-2], np.asarray(counts)
+        entry = np.repeat(np.arange(len(rows)), real)
+        within = np.arange(real.sum()) - np.repeat(np.cumsum(real) - real, real)  # each token's position
+        tokens = host_to_device(np.stack([entry, within + np.repeat(length - real, real),
+                                          np.asarray(rows)[entry], first * bs + within, within]), self.device)
+        self.keys[tokens[2], :, tokens[3]] = key_states[tokens[0], :, tokens[1]]
+        self.values[tokens[2], :, tokens[3]] = value_states[tokens[0], :, tokens[1]]
+        self.slot_pos[tokens[2], tokens[3]] = tokens[4]
+        blocks = np.asarray(opened)
+        entry = np.repeat(np.arange(len(rows)), blocks)
+        within = np.arange(blocks.sum()) - np.repeat(np.cumsum(blocks) - blocks, blocks)
+        pages = host_to_device(np.stack([np.asarray(rows)[entry], first + within, within]), self.device)
+        self.page_block[pages[0], pages[1]] = pages[2]
+        self.block_page[pages[0], pages[2]] = pages[1]
+        # Each row's length, next slot, and the position of its batch entry's first (padded) query: -pads.
+        ends = host_to_device(np.stack([real, first * bs + real, real - length]), self.device)
+        self.lengths, self.next_slot[rows_t], self.query_starts = ends[0], ends[1], ends[2]
 
     # -- recall, attention, scoring, placement (the attention function calls this) -------------------------
     def attend(self, rows: list[int], query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -370,7 +411,8 @@ class PagedLayer:
         selected = self._select(rows)  # consecutive rows (a full batch, one row) are a view, not a gather
         keys, values = self.keys[selected][:, :, used], self.values[selected][:, :, used]
         slot_pos = self.slot_pos[selected][:, used]
-        output, weights_mean, weights_max = attend(query, keys, values, scaling, slot_pos, states[0].query_start,
+        query_start = states[0].query_start if self.pads is None else self.query_starts  # per row when padded
+        output, weights_mean, weights_max = attend(query, keys, values, scaling, slot_pos, query_start,
                                                    None if hidden is None else hidden[:, :, used])
         self._after_attention(rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos)
         return output
@@ -522,7 +564,7 @@ class PagedLayer:
             moved = [moves.get(rows[i]) for i in recording]
             host.update(
                 layer=[self.layer_idx] * len(recording),
-                query_tokens=[weights_mean.shape[1] + s.deferred_query_tokens for s in recorded],
+                query_tokens=[s.logical_len - s.query_start + s.deferred_query_tokens for s in recorded],
                 logical_len=[s.logical_len for s in recorded], bytes_h2d=[s.bytes_h2d for s in recorded],
                 bytes_d2h=[0 if m is None else m[2] for m in moved],
             )
@@ -558,17 +600,22 @@ class PagedLayer:
             # decided once per set of scorers (by identity: they are dataclasses, and may hold tensors)
             self._shared_scorers = (key, first.batchable and all(
                 type(scorers[i]) is type(first) and repr(scorers[i]) == repr(first) for i in active))
-        shared = self._shared_scorers[1]
-        groups = [active] if shared else [[i] for i in active]
+        shared, pads = self._shared_scorers[1], self.pads
+        # A left-padded prefill is scored row by row, on each row's real queries: a scorer that reads the last
+        # queries (snapkv, rkv) then sees exactly what the row alone would.
+        groups = [active] if shared and pads is None else [[i] for i in active]
         for group in groups:
             index = None if len(group) == len(rows) else host_to_device(group, self.device)
 
             def pick(tensor, index=index):
                 return tensor if index is None else tensor[index]
 
+            def queries(weights, index=index, pad=0 if pads is None else pads[group[0]]):
+                return pick(weights, index)[:, pad:]
+
             observation = Observation(
-                self.layer_idx, self._step(states[group[0]]), width, pick(positions), pick(weights_mean),
-                pick(weights_max), pick(keys), values=pick(values), valid=pick(valid),
+                self.layer_idx, self._step(states[group[0]]), width, pick(positions), queries(weights_mean),
+                queries(weights_max), pick(keys), values=pick(values), valid=pick(valid),
             )
             group_rows = [rows[i] for i in group]
             selected = self._select(group_rows)
@@ -1066,6 +1113,7 @@ class TieredCache(Cache):
         self.rows: list[list[TieredLayer]] = [self.layers]
         self.row_settings: list[TierSettings] = [settings]
         self.active: list[int] = [0]
+        self.new_tokens: list[int] | None = None
 
     def reset_row(self, row: int, settings: TierSettings, recorder=None) -> None:
         """A fresh, empty `row` (a new sample), growing the rows when needed."""
@@ -1078,8 +1126,11 @@ class TieredCache(Cache):
         if row == 0:
             self.settings = settings
 
-    def set_active(self, rows: list[int]) -> None:
+    def set_active(self, rows: list[int], new_tokens: list[int] | None = None) -> None:
+        """The rows the next forward's batch entries are; `new_tokens`: for a prefill of several fresh rows,
+        left-padded to one length, each row's real token count (the batch entry's last ones)."""
         self.active = list(rows)
+        self.new_tokens = None if new_tokens is None else list(new_tokens)
 
     def reserve_rows(self, n_rows: int) -> None:
         """Allocate the shared tensors for `n_rows` rows at once (the batch size), not by doubling, so that a
@@ -1097,7 +1148,7 @@ class TieredCache(Cache):
                 "size 1 unless TieredCache.set_active(rows) names a row per batch entry (tracer.decode.decode_batch)"
             )
         layer = self.paged[layer_idx]
-        layer.update(self.active, key_states, value_states)
+        layer.update(self.active, key_states, value_states, self.new_tokens)
         set_pending((layer, self.active))  # the attention function recalls, attends and places for these rows
         return key_states, value_states
 

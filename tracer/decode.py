@@ -6,10 +6,12 @@ and flag it (that step's token is never emitted).
 
 `greedy_decode`: one sample (any cache, e.g. a plain DynamicCache as the untraced reference).
 `decode_batch`: up to `batch_size` samples per step on one `TieredCache`, one row each, with continuous
-refill: a sample that stops frees its row, and the next sample is prefilled into it (alone: prompts differ
-in length) before the next batched decode step, so the batch stays full. Every sample sees exactly the steps
-it would see alone (same tokens, positions, tiers, recall, stop); only the wall times are shared: a
-batched step's time is recorded for every sample in it.
+refill: a sample that stops frees its row, and the next sample is prefilled into it before the next batched
+decode step, so the batch stays full. Fresh rows whose prompts are one chunk each are prefilled in one
+forward, left-padded to the longest (the pads are never stored, attended or scored; `_prefill_groups` bounds
+the scores that forward holds); a longer prompt is prefilled alone, chunk by chunk. Every sample sees exactly
+the steps it would see alone (same tokens, positions, tiers, recall, stop); only the wall times are shared: a
+batched step's time (a batched prefill's too) is recorded for every sample in it.
 
 Host synchronisation (counted by `HostSyncCounter`, tests/test_host_syncs.py): one per step, for the next tokens,
 fetched in the same copy as every layer's recorded rows. The tiered cache adds none under the full, evict and
@@ -325,12 +327,12 @@ class LayerTimer:
 
 
 def decode_step(model, cache: TieredCache, rows: list[int], input_ids: torch.Tensor, position_ids: torch.Tensor,
-                timer: LayerTimer, clock, synchronize):
+                timer: LayerTimer, clock, synchronize, new_tokens: list[int] | None = None):
     """One forward of the active `rows`, as the trace times it: (logits [rows, vocab], next tokens, finite flags,
     step µs, per-layer µs). `decode_batch` runs every step through here, and so does calibration's overhead
     benchmark (tracer/calibrate/tiered.py), so the overhead it fits is this path's."""
     started = clock()
-    cache.set_active(rows)
+    cache.set_active(rows, new_tokens)
     logits = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     # The step's one device->host copy: each row's next token and whether its logits were finite, fetched
     # together with the values every layer recorded this step (tracer.cache.DeferredCopies).
@@ -361,9 +363,10 @@ def decode_batch(
     cache.reserve_rows(batch_size)
 
     def step(rows: list[int], input_ids: torch.Tensor, position_ids: torch.Tensor,
-             earlier: tuple[float, list[float] | None] = (0.0, None)) -> Iterator[tuple[DecodeJob, DecodeResult]]:
+             earlier: tuple[float, list[float] | None] = (0.0, None),
+             new_tokens: list[int] | None = None) -> Iterator[tuple[DecodeJob, DecodeResult]]:
         logits, tokens, finite, wall_us, layer_us = decode_step(model, cache, rows, input_ids, position_ids, timer,
-                                                                clock, synchronize)
+                                                                clock, synchronize, new_tokens)
         wall_us += earlier[0]  # a chunked prefill: the chunks before this last one belong to the same step
         if earlier[1] is not None and layer_us is not None:
             layer_us = [a + b for a, b in zip(layer_us, earlier[1], strict=True)]
@@ -384,8 +387,18 @@ def decode_batch(
                 yield row.job, result
                 free.append(row_id)
 
-    try:  # the continuous-refill schedule: fill free rows (one prefill each), then one step of all rows
+    def prefill(rows: list[int]) -> Iterator[tuple[DecodeJob, DecodeResult]]:
+        """One forward for the prompts of fresh `rows` (each one chunk), left-padded to the longest: the batch's
+        prefill step (its time shared by the rows, as a decode step's is)."""
+        prompts = [active[r].job.prompt_ids for r in rows]
+        length = max(map(len, prompts))
+        padded = host_to_device([[[p[0]] * (length - len(p)) + p for p in prompts],
+                                 [[0] * (length - len(p)) + list(range(len(p))) for p in prompts]], device)
+        yield from step(rows, padded[0], padded[1], new_tokens=[len(p) for p in prompts])
+
+    try:  # the continuous-refill schedule: fill free rows (their prefills batched), then one step of all rows
         while True:
+            starting: list[int] = []  # fresh rows whose prompt is one chunk: prefilled together below
             while free and not exhausted:
                 job = next(pending, None)
                 if job is None:
@@ -397,10 +410,20 @@ def decode_batch(
                 active[row_id] = _Row(job, time.perf_counter(), logits=[] if keep_logits else None)
                 prompt = job.prompt_ids
                 last = prefill_chunks(len(prompt), prefill_chunk_tokens)[-1]
+                if last.start == 0:
+                    starting.append(row_id)
+                    continue
                 earlier = _prefill_front(model, cache, row_id, prompt[: last.start], prefill_chunk_tokens, timer, clock,
                                          synchronize)
                 yield from step([row_id], host_to_device([prompt[last]], device),
                                 torch.arange(last.start, last.stop, device=device)[None], earlier)
+            if starting:
+                for group in _prefill_groups(starting, [len(active[r].job.prompt_ids) for r in starting],
+                                             prefill_chunk_tokens):
+                    yield from prefill(group) if len(group) > 1 else step(
+                        group, host_to_device([active[group[0]].job.prompt_ids], device),
+                        torch.arange(len(active[group[0]].job.prompt_ids), device=device)[None])
+                continue  # a sample that stopped at its first token freed its row: fill it before decoding
             if not active:
                 return
             rows = sorted(active)
@@ -410,6 +433,21 @@ def decode_batch(
             yield from step(rows, inputs[0][:, None], inputs[1][:, None])
     finally:
         timer.close()
+
+
+def _prefill_groups(rows: list[int], lengths: list[int], chunk_tokens: int | None) -> list[list[int]]:
+    """Fresh rows prefilled together, in order: a group of m rows padded to length L attends m x L x L scores,
+    kept within one chunk's chunk_tokens x chunk_tokens (the bound `--prefill-chunk-tokens` sets for one
+    prompt); with no chunking (None) the rows go at once, as `generate` prefills its batch."""
+    groups: list[list[int]] = []
+    for row, length in zip(rows, lengths, strict=True):
+        if groups:
+            widest = max(length, *(lengths[rows.index(r)] for r in groups[-1]))
+            if chunk_tokens is None or (len(groups[-1]) + 1) * widest * widest <= chunk_tokens * chunk_tokens:
+                groups[-1].append(row)
+                continue
+        groups.append([row])
+    return groups
 
 
 def prefill_chunks(n_tokens: int, chunk_tokens: int | None) -> list[slice]:

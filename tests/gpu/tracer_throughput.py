@@ -137,10 +137,13 @@ def main() -> int:
         entry["traced_over_untraced"] = entry["traced_hierarchy_tok_s"] / entry["untraced_tok_s"]
         if batch == 1:
             entry["traced_full_tok_s"] = statistics.median(traced(1, "full")[0] for _ in range(args.rounds))
-        counter = HostSyncCounter()
-        traced(batch, "hierarchy", counter)
-        forwards = batch + args.steps - 1  # one prefill per sample, then the batched decode steps
-        entry["host_syncs_per_step"] = counter.count / forwards
+        counter, forwards = HostSyncCounter(), [0]  # forwards: the batch's prefill(s), then its decode steps
+        hook = model.register_forward_pre_hook(lambda *_, seen=forwards: seen.__setitem__(0, seen[0] + 1))
+        try:
+            traced(batch, "hierarchy", counter)
+        finally:
+            hook.remove()
+        entry["host_syncs_per_step"] = counter.count / forwards[0]
         entry["host_syncs_by_op"] = counter.by_op
         table = recorders[0].steps_table()
         per_layer: dict[int, list[float]] = {}

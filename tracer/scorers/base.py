@@ -22,7 +22,8 @@ class BadScorerOption(UserError):
 
 @dataclass
 class Observation:
-    """What one layer saw in one attention call, for a batch of rows (sequences; a prefill is one row).
+    """What one layer saw in one attention call, for a batch of rows (sequences; a prefill is scored one row at a
+    time, on that row's own queries).
 
     A paged cache attends whole pages: a slot that holds no entry (`valid` False) has weight exactly 0 and its
     position is the row's scratch position (one past its last token; the cache resets that score after the
