@@ -192,18 +192,22 @@ def test_batch_above_one_is_refused_with_a_clear_error():
         model(input_ids=torch.ones(2, 5, dtype=torch.long), cache=cache, use_cache=True)
 
 
-def test_nonfinite_logits_stop_the_sample_without_emitting_a_token():
-    from tracer.decode import greedy_decode
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_logits_stop_the_sample_without_emitting_a_token(bad):
+    from tracer.decode import DecodeJob, decode_batch, greedy_decode
 
     model = tiny_model("qwen2")
     model.set_attn_implementation("thoughtkv")
     with torch.no_grad():
-        model.lm_head.weight[7] = float("nan")
+        model.lm_head.weight[7] = bad
     recorder = Recorder()
     cache = TieredCache(2, settings(FULL), recorder)
     result = greedy_decode(model, prompt_ids()[0].tolist(), cache, 8, set(), recorder)
     assert result.stop_reason == "nonfinite" and result.generated_ids == []
     assert recorder.columns["step"] == [0, 0]  # the prefill ran (one row per layer) and nothing after
+    jobs = [DecodeJob(i, prompt_ids()[0].tolist()[: 9 + i], settings(FULL), Recorder()) for i in range(2)]
+    for job, result in decode_batch(model, jobs, TieredCache(2, jobs[0].settings), 2, 8, set()):  # the batched loop
+        assert result.stop_reason == "nonfinite" and result.generated_ids == [], job.key
 
 
 # -- the policy contract's recall settings ------------------------------------------------------------------

@@ -634,7 +634,8 @@ class PagedLayer:
         bs, staged_slots = self.block_size, self.staged_pages * self.block_size  # the attended range starts with them
         n_blocks_max = max(states[i].blocks() for i in recording) + 1
         block_mass = torch.zeros(last_weights.shape[0], n_blocks_max + 1, dtype=torch.float32, device=self.device)
-        block_mass[:, :n_blocks_max].scatter_add_(1, (positions // bs).clamp_max(n_blocks_max - 1), last_weights)
+        # (a scratch position, the row's length, falls in its block count's column: within n_blocks_max)
+        block_mass[:, :n_blocks_max].scatter_add_(1, positions // bs, last_weights)
         block_mass[:, n_blocks_max] = last_weights[:, :staged_slots].sum(1)  # recalled: the DDR mass
         masses = self.copies.add(block_mass, lambda a: a.astype(np.float32).reshape(last_weights.shape[0], -1))
         ddr_block_bytes, token_bytes = self.ddr.block_bytes(), self.token_bytes
