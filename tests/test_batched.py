@@ -31,10 +31,7 @@ POLICIES = {
     "full": dict(policy="full"),
     "evict": dict(policy="evict", hbm_budget=0.4, scorer="h2o"),
     "hierarchy": dict(policy="hierarchy", hbm_budget=0.3, evict_ratio=0.1, recall_k=2),
-    # snapkv reads the last 32 queries of a prefill: most prompts here are shorter, so a left-padded batch
-    # prefill must hand it each row's real queries only
-    "per-head-promote": dict(policy="hierarchy", hbm_budget=0.3, recall_k=2, recall_rule="quest-per-head", promote=True,
-                             scorer="snapkv"),
+    "per-head-promote": dict(policy="hierarchy", hbm_budget=0.3, recall_k=2, recall_rule="quest-per-head", promote=True),
     "hierarchy-int8": dict(policy="hierarchy", hbm_budget=0.3, recall_k=2, ddr_dtype="int8"),
 }
 RECORDED = ("step", "layer", "logical_len", "hbm_tokens", "ddr_tokens", "recalled_block_ids", "offloaded_block_ids",
