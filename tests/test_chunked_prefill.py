@@ -14,7 +14,7 @@ from tracer.cache import TieredCache
 from tracer.decode import DecodeJob, decode_batch, prefill_chunks
 from tracer.recorder import Recorder
 
-PROMPTS = [list(range(3, 3 + n)) for n in (61, 17, 40)]  # 61 tokens: chunks 16+16+16+13 with chunk 16
+PROMPTS = [list(range(3, 3 + n)) for n in (61, 17, 40)]  # 61 tokens: chunks 13+16+16+16 with chunk 16
 MAX_NEW = 24
 
 
@@ -33,7 +33,8 @@ def run(model, policy: str, chunk: int | None, batch_size: int = 1) -> dict[int,
 
 
 def test_prefill_chunks_cover_the_prompt_in_order():
-    assert prefill_chunks(61, 16) == [slice(0, 16), slice(16, 32), slice(32, 48), slice(48, 61)]
+    assert prefill_chunks(61, 16) == [slice(0, 13), slice(13, 29), slice(29, 45), slice(45, 61)]  # remainder first
+    assert prefill_chunks(64, 16) == [slice(0, 16), slice(16, 32), slice(32, 48), slice(48, 64)]
     assert prefill_chunks(16, 16) == [slice(0, 16)] and prefill_chunks(5, None) == [slice(0, 5)]
 
 
@@ -79,3 +80,30 @@ def test_fresh_rows_are_prefilled_together_within_one_chunks_scores():
     assert _prefill_groups([0, 1, 2], [200, 200, 100], 256) == [[0], [1], [2]]  # 2 x 200^2 > 256^2
     assert _prefill_groups([4, 5, 6, 7], [60, 250, 10, 10], 256) == [[4], [5], [6, 7]]
     assert _prefill_groups([0, 1, 2], [200, 5000, 100], None) == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize("scorer", ["snapkv", "rkv"])
+def test_a_window_scorer_sees_the_unchunked_prefills_last_queries(scorer):
+    """snapkv and rkv score a prefill by its last `window` queries (32 and 8): with the remainder chunked first,
+    the last chunk is a whole one, so a chunk of at least the window gives the unchunked run's scores and
+    placement (with the remainder last, the 61-token prompt's last chunk of 40 would hold 21 queries: fewer than
+    snapkv's window)."""
+    from tracer.cache import TierSettings
+    from tracer.scorers import build_scorer
+    from traces.policy import PolicySpec
+
+    model = tiny_model("qwen2")
+    spec = PolicySpec(policy="hierarchy", hbm_budget=0.3, recall_k=2, block_size=4, sink_tokens=4, window_tokens=8,
+                      scorer=scorer)
+
+    def scores(chunk: int | None) -> tuple[list[torch.Tensor], list]:
+        job = DecodeJob(0, PROMPTS[0], TierSettings(spec=spec, scorer=build_scorer(scorer)), Recorder())
+        [(_, result)] = decode_batch(model, [job], TieredCache(model.config.num_hidden_layers, job.settings), 1, 1,
+                                     set(), prefill_chunk_tokens=chunk)
+        return [layer.token_scores[: len(PROMPTS[0])].clone() for layer in result.cache.layers], \
+            job.recorder.columns["offloaded_block_ids"]
+
+    (whole, moved), (chunked, chunked_moved) = scores(None), scores(40)
+    assert chunked_moved == moved and sum(map(len, moved)) > 0
+    for want, got in zip(whole, chunked, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

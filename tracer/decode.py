@@ -454,10 +454,13 @@ def _prefill_groups(rows: list[int], lengths: list[int], chunk_tokens: int | Non
 
 
 def prefill_chunks(n_tokens: int, chunk_tokens: int | None) -> list[slice]:
-    """The prompt's prefill forwards: consecutive slices of at most `chunk_tokens` (one slice when None)."""
+    """The prompt's prefill forwards: consecutive slices of at most `chunk_tokens` (one slice when None), the
+    remainder first, so that the last chunk is a whole one: a scorer that reads a prefill's last queries (snapkv,
+    rkv: their window) sees what the unchunked prefill would whenever the chunk holds its window."""
     if chunk_tokens is None or n_tokens <= chunk_tokens:
         return [slice(0, n_tokens)]
-    return [slice(start, min(start + chunk_tokens, n_tokens)) for start in range(0, n_tokens, chunk_tokens)]
+    first = n_tokens % chunk_tokens or chunk_tokens
+    return [slice(0, first)] + [slice(start, start + chunk_tokens) for start in range(first, n_tokens, chunk_tokens)]
 
 
 def _prefill_front(model, cache: TieredCache, row_id: int, front: list[int], chunk_tokens: int | None, timer, clock,
