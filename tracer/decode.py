@@ -395,7 +395,8 @@ def decode_batch(
         prefill step (its time shared by the rows, as a decode step's is)."""
         prompts = [active[r].job.prompt_ids for r in rows]
         length = max(map(len, prompts))
-        padded = host_to_device([[[p[0]] * (length - len(p)) + p for p in prompts],
+        # Pads: token 0 at position 0 (any id would do: the cache stores none of them and no query reads one).
+        padded = host_to_device([[[0] * (length - len(p)) + p for p in prompts],
                                  [[0] * (length - len(p)) + list(range(len(p))) for p in prompts]], device)
         yield from step(rows, padded[0], padded[1], new_tokens=[len(p) for p in prompts])
 
