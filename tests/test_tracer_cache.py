@@ -86,6 +86,35 @@ def test_logits_equal_dynamic_cache(arch, policy, extra):
         assert layer.n_ddr_blocks > 0 and layer.n_hbm < layer.logical_len
 
 
+def test_recorded_masses_equal_the_full_caches_attention_on_the_blocks():
+    """With every DDR block recalled, each layer attends what a full cache attends, so its recorded masses are
+    the eager full-cache attention weights (mean over heads) of the last query: per block, and on the recalled
+    (DDR) blocks; an independent reference (HF's eager attention, `output_attentions`)."""
+    model = tiny_model("qwen2")
+    model.set_attn_implementation("eager")
+    cache, weights, fed = DynamicCache(config=model.config), [], []
+    ids, position = prompt_ids(), torch.arange(PROMPT_LEN)[None]
+    with torch.no_grad():
+        for step in range(STEPS):
+            out = model(input_ids=ids, position_ids=position, cache=cache, use_cache=True, output_attentions=True)
+            weights.append([a[0, :, -1].mean(0) for a in out.attentions])  # per layer: [positions]
+            fed.append(int(out.logits[0, -1].argmax()))
+            ids, position = torch.tensor([[fed[-1]]]), torch.tensor([[PROMPT_LEN + step]])
+    model.set_attn_implementation("thoughtkv")
+    recorder = Recorder()
+    decode(model, TieredCache(2, settings(hierarchy(0.3), recall_k=10_000), recorder), fed, recorder=recorder)
+    rows, block_size, checked = recorder.columns, 4, 0
+    for row, (step, layer) in enumerate(zip(rows["step"], rows["layer"], strict=True)):
+        reference = weights[step][layer]
+        blocks = reference.new_zeros(-(-reference.shape[0] // block_size))
+        blocks.index_add_(0, torch.arange(reference.shape[0]) // block_size, reference)
+        torch.testing.assert_close(torch.as_tensor(recorder.block_mass[row]), blocks, rtol=0, atol=1e-5)
+        recalled = rows["recalled_block_ids"][row]
+        assert rows["mass_ddr"][row] == pytest.approx(float(blocks[recalled].sum()), abs=1e-5)
+        checked += bool(recalled)
+    assert checked > STEPS  # most layer-steps recalled blocks: the DDR mass compared is not all zero
+
+
 def test_generate_with_tiered_cache_matches_dynamic_cache():
     model = tiny_model("qwen2")
     ids = prompt_ids()

@@ -631,13 +631,13 @@ class PagedLayer:
         attention masses at attention time (after recall, before placement). The block masses of every row
         reach the host in the step's one copy (`DeferredCopies`). Empty slots carry weight 0, so where their
         scratch position lands adds nothing."""
-        bs, staged_slots = self.block_size, self.staged_pages * self.block_size  # the attended range starts with them
+        bs = self.block_size
         n_blocks_max = max(states[i].blocks() for i in recording) + 1
-        block_mass = torch.zeros(last_weights.shape[0], n_blocks_max + 1, dtype=torch.float32, device=self.device)
-        # (a scratch position, the row's length, falls in its block count's column: within n_blocks_max)
-        block_mass[:, :n_blocks_max].scatter_add_(1, positions // bs, last_weights)
-        block_mass[:, n_blocks_max] = last_weights[:, :staged_slots].sum(1)  # recalled: the DDR mass
-        masses = self.copies.add(block_mass, lambda a: a.astype(np.float32).reshape(last_weights.shape[0], -1))
+        block_mass = torch.zeros(last_weights.shape[0], n_blocks_max, dtype=torch.float32, device=self.device)
+        # (a scratch position, the row's length, falls in its block count's column: within n_blocks_max). A
+        # recalled block is in DDR, so its mass is that of its staged slots: the DDR mass is theirs, on the host.
+        block_mass.scatter_add_(1, positions // bs, last_weights)
+        masses = self.copies.add(block_mass, lambda a: a.reshape(last_weights.shape[0], -1))
         ddr_block_bytes, token_bytes = self.ddr.block_bytes(), self.token_bytes
         rows = [states[i] for i in recording]
         blocks = [s.blocks() for s in rows]
@@ -857,14 +857,12 @@ def _targets(spec: PolicySpec, length: int) -> tuple[int, int, int | None, int] 
 def _device_columns(masses: Deferred, index: list[int], blocks: list[int], recalled: list, moved: list,
                     errors: list) -> dict[str, list]:
     """The recorded rows' device-derived columns (lists over the rows; `index`: each one's place in the layer's
-    batch), from the step's fetched copy: the attention masses (block masses, then the recalled = DDR mass:
-    HBM + recalled mass is 1), the recalled ids, the block moves (codes 1 offloaded, 2 promoted, 3-4 evicted
-    from HBM / DDR) and the quantized tier's errors (None where a row offloaded nothing this step)."""
-    mass = masses.value()[index]  # [rows, blocks + 2]
-    mass_ddr = mass[:, -1].astype(np.float64)
-    columns = {"mass_ddr": mass_ddr.tolist(),
-               "mass_hbm": (mass[:, :-1].sum(1).astype(np.float64) - mass_ddr).tolist(),
-               "block_mass": [row[:n] for row, n in zip(mass, blocks, strict=True)]}
+    batch), from the step's fetched copy: the attention masses (block masses; the recalled = DDR mass, that of
+    the recalled blocks; HBM + recalled mass is 1), the recalled ids, the block moves (codes 1 offloaded,
+    2 promoted, 3-4 evicted from HBM / DDR) and the quantized tier's errors (None where a row offloaded nothing
+    this step)."""
+    mass = masses.value()[index]  # [rows, blocks + 1]
+    columns = {"block_mass": [row[:n] for row, n in zip(mass, blocks, strict=True)]}
     fetched: dict[int, list] = {}  # every row's recalled ids of the layer, fetched together: one list
     recalled_ids = []
     for entry in recalled:
@@ -876,6 +874,10 @@ def _device_columns(masses: Deferred, index: list[int], blocks: list[int], recal
             ids = fetched[id(entry[1])] = entry[1].value().tolist()
         recalled_ids.append(sorted(ids[entry[2] : entry[2] + entry[3]]))  # staged by bound; recorded by id
     columns["recalled_block_ids"] = recalled_ids
+    mass_ddr = [float(row[ids].sum(dtype=np.float64)) if ids else 0.0
+                for row, ids in zip(mass, recalled_ids, strict=True)]
+    columns["mass_ddr"] = mass_ddr
+    columns["mass_hbm"] = (mass.sum(1, dtype=np.float64) - np.asarray(mass_ddr, dtype=np.float64)).tolist()
     moves = {"promoted_block_ids": [], "offloaded_block_ids": [], "evicted_block_ids": []}
     for entry in moved:
         if entry is None:
