@@ -202,6 +202,9 @@ class PagedLayer:
         self.next_slot = torch.full((0,), -1, dtype=torch.long, device=self.device)  # per row: the next token's slot
         self.block_page = torch.full((0, 0), -1, dtype=torch.long, device=self.device)
         self.block_tier = torch.zeros((0, 0), dtype=torch.int8, device=self.device)
+        # True where a block's home is not DDR (what recall skips), kept with the tiers (they change at placement)
+        self.off_ddr = torch.ones((0, 0), dtype=torch.bool, device=self.device)
+        self.block_positions = torch.zeros((0, self.block_size), dtype=torch.long, device=self.device)  # b -> its positions
         self.token_scores = torch.zeros((0, 0), dtype=torch.float32, device=self.device)
         self.importance = torch.zeros((0, 0), dtype=torch.float32, device=self.device)
         self.importance_max = torch.zeros((0, 0), dtype=torch.float32, device=self.device)
@@ -228,6 +231,7 @@ class PagedLayer:
             grown(self.block_page, -1)
         self.next_slot = grown(self.next_slot, -1)
         self.block_tier = grown(self.block_tier, TIER_HBM)
+        self.off_ddr = grown(self.off_ddr, True)
         self.token_scores, self.importance, self.importance_max = (grown(t, 0) for t in (
             self.token_scores, self.importance, self.importance_max))
         self.n_rows = n_rows
@@ -236,7 +240,7 @@ class PagedLayer:
     def _clear_row(self, row: int) -> None:
         """A refilled row starts empty (its previous sample's pages, tiers and scores are gone)."""
         self.slot_pos[row], self.page_block[row], self.block_page[row] = -1, -1, -1
-        self.block_tier[row] = TIER_HBM
+        self.block_tier[row], self.off_ddr[row] = TIER_HBM, True
         self.token_scores[row], self.importance[row], self.importance_max[row] = 0, 0, 0
 
     def _resize_pages(self, pages: int, staging_pages: int) -> None:
@@ -278,6 +282,8 @@ class PagedLayer:
             return torch.cat([tensor, more], dim=1)
 
         self.block_tier = widened(self.block_tier, extra, TIER_HBM)
+        self.off_ddr = widened(self.off_ddr, extra, True)
+        self.block_positions = torch.arange(capacity * self.block_size, device=self.device).view(capacity, -1)
         self.block_page = widened(self.block_page, extra, -1)
         for name in ("token_scores", "importance", "importance_max"):
             setattr(self, name, widened(getattr(self, name), extra * self.block_size, 0))
@@ -447,7 +453,6 @@ class PagedLayer:
         rec_query = query if every_row else query[batch_index]
         selected = self._select(rows) if every_row else rec_rows  # a view when the rows are consecutive
         n_blocks_max = max(states[i].blocks() for i in batch_index)
-        not_ddr = self.block_tier[selected, :n_blocks_max] != TIER_DDR
         group = query.shape[1] // self.n_kv_heads
         q = rec_query[:, :, 0, :].reshape(len(batch_index), 1, self.n_kv_heads, group, self.head_dim)
         key_min = self.ddr.key_min[selected, :n_blocks_max].unsqueeze(3)  # [m, blocks, Hkv, 1, d]
@@ -459,12 +464,14 @@ class PagedLayer:
             counts_t = host_to_device([wanted[i] for i in batch_index], self.device)
         head_picks = None
         if spec.recall_rule == "quest":
-            best = bounds.flatten(2).amax(2).masked_fill(not_ddr, float("-inf"))
+            # (a mask, not an added -inf: the bounds of a block never offloaded are unwritten memory, maybe NaN)
+            best = bounds.flatten(2).amax(2).masked_fill(self.off_ddr[selected, :n_blocks_max], float("-inf"))
             # By bound, highest first: a row's first `wanted` are its picks (the selection below keeps them), in
             # that order (the trace records them sorted; attention reads them as a set).
             ids = best.topk(k_max, dim=1).indices
             per_row = [wanted[i] for i in batch_index]
         else:  # quest-per-head: each KV head its own top blocks; the union is copied
+            not_ddr = self.off_ddr[selected, :n_blocks_max]
             per_head = bounds.amax(3).masked_fill(not_ddr[:, :, None], float("-inf"))  # [m, blocks, Hkv]
             top = per_head.topk(k_max, dim=1).indices  # [m, k_max, Hkv]
             picks = torch.zeros_like(per_head, dtype=torch.bool)
@@ -489,7 +496,6 @@ class PagedLayer:
             flat_rows, flat_ids = flat_rows[select], flat_ids[select]
         keys, values, n_bytes = self.ddr.get(flat_rows, flat_ids)
         n_flat = flat_ids.shape[0]
-        # A row's j-th recalled block goes to its j-th staging page, whole pages at a time.
         # A row's j-th recalled block goes to staging page S - width + j (the last `width` staging pages, next
         # to the main pages, so that attention reads one range of slots), whole pages at a time.
         self.staged_pages, first_page = width, self.n_staging_pages - width
@@ -499,11 +505,11 @@ class PagedLayer:
             pages, shape = slice(first_page, first_page + width), (len(batch_index), width, *keys.shape[1:])
             self._pages("keys")[selected, :, pages] = keys.view(shape).transpose(1, 2)
             self._pages("values")[selected, :, pages] = values.view(shape).transpose(1, 2)
-            self._pages("slot_pos")[selected, pages] = ids[:, :, None] * bs + self.offsets
+            self._pages("slot_pos")[selected, pages] = self.block_positions[ids]
         else:
             self._pages("keys")[flat_rows, :, staging] = keys
             self._pages("values")[flat_rows, :, staging] = values
-            self._pages("slot_pos")[flat_rows, staging] = flat_ids[:, None] * bs + self.offsets
+            self._pages("slot_pos")[flat_rows, staging] = self.block_positions[flat_ids]
         block_bytes = n_bytes // max(1, n_flat)
         recorded = self.copies.add(flat_ids, lambda a: a.astype(np.int64))  # every row's ids in one copy
         start = 0
@@ -727,6 +733,7 @@ class PagedLayer:
                     self._resize_pages(kept + c[1], self.n_staging_pages)
                     self._promote(rows[plan[0]], state, promoted[index], c[1], self.n_staging_pages + kept)
         self.block_tier[place_rows, :end] = tier
+        self.off_ddr[place_rows, :end] = tier != TIER_DDR
         # What happened to each movable block, recorded through the step's one deferred copy.
         moves = (offloaded.to(torch.int8) + 2 * promoted.to(torch.int8) + 3 * evicted_from_hbm.to(torch.int8)
                  + 4 * evicted_from_ddr.to(torch.int8))

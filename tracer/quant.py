@@ -131,8 +131,8 @@ class QuantizedBlockStore:
             for name, (shape, dtype) in self._host_shapes(rows, blocks).items()
         }
         bounds_shape = (rows, blocks, self.shape[0], self.shape[2])
-        key_min = torch.empty(bounds_shape, dtype=self.dtype, device=self.device)
-        key_max = torch.empty(bounds_shape, dtype=self.dtype, device=self.device)
+        key_min = torch.zeros(bounds_shape, dtype=self.dtype, device=self.device)
+        key_max = torch.zeros(bounds_shape, dtype=self.dtype, device=self.device)
         old_rows, old_blocks = self.rows, self.capacity_blocks
         if old_rows and old_blocks:
             if self.pin:  # scatters through mapped views are kernels: let them land before the host copies

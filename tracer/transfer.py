@@ -76,6 +76,7 @@ class PinnedBlockStore:
         self.storage = torch.empty((0, 0, 2, *self.shape), dtype=dtype)
         self.view: torch.Tensor | None = self.storage
         self.key_min = self.key_max = torch.empty((0, 0, n_kv_heads, head_dim), dtype=dtype, device=self.device)
+        self._row_base: tuple = (None, 0, None)  # (rows of the last get, capacity, their offsets in the flat pool)
         self.reserve(1, 64)
 
     asynchronous_offload = False  # scatters run in order on the compute stream
@@ -100,7 +101,7 @@ class PinnedBlockStore:
         self.storage, self.view = storage, mapped_view(storage, self.device)
         for name in ("key_min", "key_max"):
             old = getattr(self, name)
-            grown = torch.empty((rows, blocks, *old.shape[2:]), dtype=self.dtype, device=self.device)
+            grown = torch.zeros((rows, blocks, *old.shape[2:]), dtype=self.dtype, device=self.device)  # defined (recall masks them)
             grown[:old_rows, :old_blocks] = old
             setattr(self, name, grown)
 
@@ -120,7 +121,9 @@ class PinnedBlockStore:
         """Copy blocks (`rows`, `block_ids`) to the compute device: ([n, H, block, d] keys, values, bytes H2D)."""
         if self.view is not None:  # one flat index: a contiguous block copy per id, not a 2-D advanced index
             capacity = self.view.shape[1]
-            blocks = self.view.flatten(0, 1).index_select(0, rows * capacity + block_ids)
+            if self._row_base[0] is not rows or self._row_base[1] != capacity:  # the cache passes the same rows
+                self._row_base = (rows, capacity, rows * capacity)
+            blocks = self.view.flatten(0, 1).index_select(0, self._row_base[2] + block_ids)
         else:
             blocks = self.storage[rows.cpu(), block_ids.cpu()].to(self.device, non_blocking=self.pin)
         return blocks[:, 0], blocks[:, 1], blocks.numel() * blocks.element_size()
