@@ -384,19 +384,16 @@ class PagedLayer:
         """Several fresh rows' prompts, left-padded to one length: row i's blocks take its first main pages and its
         `counts[i]` real tokens (the last ones of its batch entry) the slots from there on, in order; the pads are
         not stored. All rows in one index each (built on the host, from host-known counts)."""
-        bs, first = self.block_size, self.n_staging_pages
+        bs, first, row_ids = self.block_size, self.n_staging_pages, np.asarray(rows)
         length, real = key_states.shape[-2], np.asarray(counts)
-        entry = np.repeat(np.arange(len(rows)), real)
-        within = np.arange(real.sum()) - np.repeat(np.cumsum(real) - real, real)  # each token's position
+        entry, within = _ragged(real)  # each real token's batch entry and position
         tokens = host_to_device(np.stack([entry, within + np.repeat(length - real, real),
-                                          np.asarray(rows)[entry], first * bs + within, within]), self.device)
+                                          row_ids[entry], first * bs + within, within]), self.device)
         self.keys[tokens[2], :, tokens[3]] = key_states[tokens[0], :, tokens[1]]
         self.values[tokens[2], :, tokens[3]] = value_states[tokens[0], :, tokens[1]]
         self.slot_pos[tokens[2], tokens[3]] = tokens[4]
-        blocks = np.asarray(opened)
-        entry = np.repeat(np.arange(len(rows)), blocks)
-        within = np.arange(blocks.sum()) - np.repeat(np.cumsum(blocks) - blocks, blocks)
-        pages = host_to_device(np.stack([np.asarray(rows)[entry], first + within, within]), self.device)
+        entry, within = _ragged(np.asarray(opened))  # each new block's batch entry and id
+        pages = host_to_device(np.stack([row_ids[entry], first + within, within]), self.device)
         self.page_block[pages[0], pages[1]] = pages[2]
         self.block_page[pages[0], pages[2]] = pages[1]
         # Each row's length, next slot, and the position of its batch entry's first (padded) query: -pads.
@@ -913,6 +910,12 @@ def _staging_pages(counts: tuple[int, ...], width: int, first_page: int, device:
     return host_to_device(_flat_selection(counts, width)[1] + first_page, device)
 
 
+def _ragged(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For rows of `counts[i]` entries each, laid end to end: each entry's row and its index within the row."""
+    total = int(counts.sum())
+    return np.repeat(np.arange(len(counts)), counts), np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
 @functools.lru_cache(maxsize=4096)
 def _flat_selection(counts: tuple[int, ...], width: int) -> tuple[np.ndarray, np.ndarray]:
     """For rows of `width` entries of which the first `counts[i]` are wanted: their flat indices, and each
@@ -1074,7 +1077,7 @@ class DeferredCopies:
         flat = tensor.detach().reshape(-1)
         if flat.dtype not in _HOST_DTYPES:  # e.g. bfloat16, which NumPy has not
             flat = flat.float()
-        raw = flat.contiguous().view(torch.uint8)
+        raw = flat.contiguous().view(torch.uint8)  # (a reshape(-1) of a strided 1-D tensor may be a strided view)
         batch.tensors.append(raw)
         batch.dtypes.append(_HOST_DTYPES[flat.dtype])
         batch.offsets.append(batch.offsets[-1] + raw.shape[0])

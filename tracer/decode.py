@@ -25,9 +25,9 @@ slots attended follow the fullest row's resident blocks and the recall count, th
 (placement runs only when a target moved, recall only once DDR holds blocks), which a graph would have to
 replay as fixed-size masked work every step; (3) buffers reallocated when the pool grows, and the small
 host-to-device copies of host-known indices (pinned, non-blocking, but new buffers each step; a graph would
-read them from fixed ones); (4) the documented read-backs above. A capturable step would preallocate the pool for the run's longest sample, run placement
-and recall every step with masks for the unused slots, pad the batch to a fixed size, and capture one graph
-per pool size bucket (as vLLM captures per batch size).
+read them from fixed ones); (4) the documented read-backs above. A capturable step would preallocate the pool
+for the run's longest sample, run placement and recall every step with masks for the unused slots, pad the
+batch to a fixed size, and capture one graph per pool size bucket (as vLLM captures per batch size).
 """
 
 from __future__ import annotations
@@ -424,9 +424,7 @@ def decode_batch(
             if starting:
                 for group in _prefill_groups(starting, [len(active[r].job.prompt_ids) for r in starting],
                                              prefill_chunk_tokens):
-                    yield from prefill(group) if len(group) > 1 else step(
-                        group, host_to_device([active[group[0]].job.prompt_ids], device),
-                        torch.arange(len(active[group[0]].job.prompt_ids), device=device)[None])
+                    yield from prefill(group)  # one row: no pads, its plain prefill
                 continue  # a sample that stopped at its first token freed its row: fill it before decoding
             if not active:
                 return
@@ -444,13 +442,14 @@ def _prefill_groups(rows: list[int], lengths: list[int], chunk_tokens: int | Non
     kept within one chunk's chunk_tokens x chunk_tokens (the bound `--prefill-chunk-tokens` sets for one
     prompt); with no chunking (None) the rows go at once, as `generate` prefills its batch."""
     groups: list[list[int]] = []
+    widest = 0  # the current group's longest prompt
     for row, length in zip(rows, lengths, strict=True):
-        if groups:
-            widest = max(length, *(lengths[rows.index(r)] for r in groups[-1]))
-            if chunk_tokens is None or (len(groups[-1]) + 1) * widest * widest <= chunk_tokens * chunk_tokens:
-                groups[-1].append(row)
-                continue
-        groups.append([row])
+        widest = max(widest, length)
+        if groups and (chunk_tokens is None or (len(groups[-1]) + 1) * widest * widest <= chunk_tokens * chunk_tokens):
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+            widest = length
     return groups
 
 
