@@ -26,7 +26,7 @@ _ROW_COLUMNS = STEP_COLUMNS[1:]  # what a layer records per row (the recorder ad
 
 class Deferred:
     """A recorded value still on the device (tracer.cache.DeferredCopies): `value()` fetches it (once: the value
-    is kept); `then(f)` is the value passed through `f`, fetched with it."""
+    is kept)."""
 
     _unset = object()
 
@@ -37,9 +37,6 @@ class Deferred:
         if self._value is Deferred._unset:
             self._value = self._fetch()
         return self._value
-
-    def then(self, transform) -> Deferred:
-        return Deferred(lambda: transform(self.value()))
 
 
 class LayerRows:
