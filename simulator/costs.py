@@ -183,7 +183,8 @@ def profile_for_policy(profile: HardwareProfile, policy: str) -> tuple[HardwareP
     hierarchy only where DDR holds blocks, and often fewer blocks: its layer-steps are charged the evict
     decoder's overhead (the same scoring, no recall), and a layer-step that recalls n blocks `recall_s +
     n x recall_block_s`, from the hierarchy decoders that recall 4 and 1 blocks a layer-step (without the
-    1-block one: all of the difference to evict is the fixed part)."""
+    1-block one: all of the difference to evict is the fixed part). The per-token cost is the base decoder's
+    too, where the calibration measured one per decoder (evict's for the hierarchy, which scores alike)."""
     by_decoder = profile.provenance.get("overheads_by_decoder") or {}
     measured = by_decoder.get(f"tiered/{policy}")
     if measured is None:
@@ -206,6 +207,8 @@ def profile_for_policy(profile: HardwareProfile, policy: str) -> tuple[HardwareP
     changes = dict(step_overhead_s=value(measured, "step_overhead_s"), layer_overhead_s=value(base, "layer_overhead_s"),
                    placement_overhead_s=value(measured, "placement_layer_overhead_s"),
                    recall_overhead_s=fixed, recall_block_overhead_s=per_block)
+    if "token_overhead_s" in base:  # the decoder's own per-token cost (a scoring policy's exceeds the full cache's)
+        changes["token_overhead_s"] = value(base, "token_overhead_s")
     if profile.overheads.has_cached and "warm_step_overhead_s" in measured:
         fixed, per_block = recall("warm_layer_overhead_s")
         changes.update(

@@ -113,6 +113,20 @@ def test_calibrate_quick_writes_a_profile_the_loader_accepts(tmp_path):
     assert profile.overheads.step_overhead_s == pytest.approx(expected_step, rel=1e-4, abs=2e-8)
     by_decoder = prov["overheads_by_decoder"]
     assert set(by_decoder) == {"dynamic-cache", "tiered/full", "tiered/evict", "tiered/hierarchy", "tiered/hierarchy-k1"}
+    # The per-token cost is swept per decoder: the scoring policies (evict, hierarchy) take evict's sweep, the
+    # others the full cache's; each decoder's layer overhead is left at zero tokens by its own per-token cost.
+    kv_s = figures["kv_bytes_per_token_layer"] / bandwidth
+    for decoder, swept in (("dynamic-cache", "tiered/full"), ("tiered/full", "tiered/full"),
+                           ("tiered/evict", "tiered/evict"), ("tiered/hierarchy", "tiered/evict"),
+                           ("tiered/hierarchy-k1", "tiered/evict")):
+        slope = fits[f"token_cost/{swept}"]["slope"]
+        assert by_decoder[decoder]["token_overhead_s"] == pytest.approx(max(0.0, slope / 2 - kv_s), rel=1e-4, abs=1e-12)
+        cold_decoder = fits[f"overhead_with_weights/{decoder}"]
+        tokens = figures.get(f"attended_tokens/overhead_with_weights/{decoder}", 0.0)
+        assert by_decoder[decoder]["layer_overhead_s"] == pytest.approx(max(0.0, cold_decoder["slope"] - figures[
+            "layer_weight_bytes"] / bandwidth - by_decoder[decoder]["token_overhead_s"] * tokens), rel=1e-4, abs=2e-8)
+    assert profile.overheads.token_overhead_s == pytest.approx(by_decoder["tiered/full"]["token_overhead_s"], rel=1e-5,
+                                                               abs=1e-12)
     assert all(v["warm_layer_overhead_s"] > 0 for v in by_decoder.values())
     assert not profile.link.full_duplex  # the CPU path copies synchronously on the compute thread
     # The cached overheads: the same decoder's no-weights fit, for models that fit in the last-level cache.
@@ -201,3 +215,48 @@ def test_effective_cache_is_the_largest_working_set_read_twice_as_fast_as_memory
     assert effective_cache_bytes(cal) == 4 * mib
     cal.series["working_set_read"]["time_s"] = [x / 10e9 for x in sizes]  # no size faster than memory
     assert effective_cache_bytes(cal) is None
+
+
+def test_the_tiered_overhead_decoders_run_with_the_geometry_they_are_given():
+    """A trace's per-layer cost depends on its block size and window, so calibration times its decoders with
+    the runs' geometry: evict at budget 0.5 of a 105-token prompt keeps a different number of tokens with
+    blocks of 4 and a 16-token window than with the defaults (16, 32), as the tracer itself would."""
+    from tracer.cache import TieredCache
+    from tracer.calibrate import cache_geometry, decoder_factory
+    from tracer.calibrate.bench import Timing
+    from tracer.calibrate.overhead import overhead_sweep
+    from tracer.decode import DecodeJob, decode_batch, use_tiered_attention
+    from tracer.models import load_model
+    from tracer.recorder import Recorder
+    from tracer.run import TraceConfig, make_settings
+
+    timing = Timing(torch.device("cpu"), repeats=1, warmup=1, clock=time.thread_time)
+    attended = {}
+    for geometry in (cache_geometry(), cache_geometry(block_size=4, window_tokens=16)):
+        sweep = overhead_sweep([1], torch.float32, n_steps=4, timing=timing,
+                               make_decoder=decoder_factory("tiered/evict", geometry), prompt_tokens=105)
+        attended[geometry["block_size"]] = sweep.attended_tokens
+    assert cache_geometry() == {"block_size": 16, "sink_tokens": 4, "window_tokens": 32}
+    assert attended[4] != attended[16]
+    # The independent reference: the tracer's own decode of the same prompt with that geometry attends as many.
+    model = load_model("random:tiny", "cpu", "float32").model
+    use_tiered_attention(model)
+    config = TraceConfig(model="random:tiny", task="chains", out="-", policy="evict", hbm_budget=0.5, block_size=4,
+                         window_tokens=16, recall_k=4)
+    recorder = Recorder()
+    job = DecodeJob(0, list(range(105)), make_settings(config), recorder)
+    for _ in decode_batch(model, [job], TieredCache(model.config.num_hidden_layers, job.settings), 1, 7, set()):
+        pass
+    import pandas as pd
+
+    steps = pd.DataFrame(recorder.steps_table())
+    timed = steps[(steps["layer"] == 0) & steps["step"].between(2, 5)]  # after the prefill and the warm-up step
+    assert attended[4] == pytest.approx((timed["hbm_tokens"] + timed["recalled_tokens"]).mean())
+
+
+@pytest.mark.parametrize("flag", ["--block-size", "--window-tokens"])
+def test_a_bad_cache_geometry_is_one_line_and_exit_2(tmp_path, capsys, flag):
+    out = tmp_path / "p.yaml"
+    assert main(["calibrate", "--device", "cpu", "--smoke", "--out", str(out), flag, "-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and flag in err and not out.exists()

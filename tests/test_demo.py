@@ -47,6 +47,13 @@ def test_demo_traces_the_grid_simulates_every_profile_and_reports(demo_out):
     for _, row in projected.iterrows():
         twin = traced[(traced["policy"] == row["policy"]) & (traced["run_label"] != "full")].iloc[0]
         assert row[keys].tolist() == twin[keys].tolist()
+    # The in-run calibration timed the tiered decoders with the runs' own blocks and window (their cost depends on them).
+    import yaml
+
+    provenance = yaml.safe_load((demo_out / "profiles" / "measured-here-cpu.yaml").read_text())["provenance"]
+    policy = open_run(demo_out / "runs" / "evict-b50").manifest["policy"]
+    assert provenance["cache_geometry"] == {k: policy[k] for k in ("block_size", "sink_tokens", "window_tokens")}
+    assert policy["block_size"] == 4 and policy["window_tokens"] == 16  # the demo's, not the contract's defaults
     report = (demo_out / "report" / "report.md").read_text()
     assert "![Importance long tail]" in report and "![Projected latency]" in report
     assert json.loads((demo_out / demo.MARKER).read_text())["model"] == "random:tiny"
@@ -57,6 +64,7 @@ def test_rerun_reuses_runs_and_results(demo_out, capsys):
     before = {f: f.stat().st_mtime_ns for f in sim_files}
     assert main(["demo", "--out", str(demo_out), *TINY]) == 0
     err = capsys.readouterr().err
+    assert "(this host, reused)" in err  # same host, model shapes and cache geometry: not calibrated again
     assert "trace: 3 of 3 runs already complete" in err
     assert "simulate: 3 of 3 runs' results up to date" in err
     assert {f: f.stat().st_mtime_ns for f in sim_files} == before

@@ -195,3 +195,26 @@ def test_a_recall_costs_its_fixed_part_plus_a_part_per_recalled_block(tmp_path):
     expected = sum((r1 - per_block) + per_block * b for b in blocks if b) + len(steps) * (x - base.overheads.layer_overhead_s)
     extra = charged.samples["total_s"].iloc[0] - plain.samples["total_s"].iloc[0]
     assert extra == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("engine", ["des", "fast"])
+def test_a_scoring_policy_is_charged_its_own_decoders_per_token_cost(tmp_path, engine):
+    """Calibration sweeps the per-token cost per decoder (evict scores every attended token; the full cache
+    does not): a hierarchy trace takes evict's, not the profile's global one. With evict's T and the profile's
+    0, the extra time is T per token each layer-step read or wrote, counted from the trace's own columns."""
+    from traces import open_run
+
+    token_s = 2e-7
+    run_dir, base, calibrated = hierarchy_on_calibrated(tmp_path, recall_k=2, seed=0, layer_overhead_s={
+        "tiered/evict": 2e-4, "tiered/hierarchy": 5e-4})
+    assert base.overheads.token_overhead_s == 0
+    by_decoder = calibrated.provenance["overheads_by_decoder"]
+    with_tokens = dataclasses.replace(calibrated, provenance={"kind": "measured", "overheads_by_decoder": {
+        **by_decoder, "tiered/evict": {**by_decoder["tiered/evict"], "token_overhead_s": token_s},
+        "tiered/hierarchy": {**by_decoder["tiered/hierarchy"], "token_overhead_s": 9e-7}}})  # not the base: unused
+    plain = simulate_run(run_dir, calibrated, SimOptions(engine=engine))
+    charged = simulate_run(run_dir, with_tokens, SimOptions(engine=engine))
+    steps = open_run(run_dir).steps()
+    tokens = float((steps["hbm_tokens"] + steps["recalled_tokens"] + steps["query_tokens"]).sum())
+    extra = charged.samples["total_s"].iloc[0] - plain.samples["total_s"].iloc[0]
+    assert extra == pytest.approx(token_s * tokens, rel=1e-9)

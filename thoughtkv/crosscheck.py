@@ -170,13 +170,14 @@ def load_profiles(args: argparse.Namespace, device_type: str, device_name: str):
 
     name = args.profile
     if name is None:  # calibrate here, now: the measured side and the profile come from one machine and run
-        from tracer.calibrate import architecture_for_model, calibrate_here
+        from tracer.calibrate import architecture_for_model, cache_geometry, calibrate_here
 
         name = Path(args.out) / f"measured-here-{device_type}.yaml"
         if not name.is_file():  # a rerun resumes with the calibration its measurements were taken next to
             Path(args.out).mkdir(parents=True, exist_ok=True)
             calibrate_here(device_type, name, resolve_threads(device_type, args.threads), progress=not args.quiet,
-                           architecture=architecture_for_model(normalise_model(args.model), device_type))
+                           architecture=architecture_for_model(normalise_model(args.model), device_type),
+                           geometry=cache_geometry(block_size=args.block_size))  # the measured runs' blocks
         name = str(name)
     try:
         calibrated = load_profile(name)

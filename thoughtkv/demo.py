@@ -165,21 +165,24 @@ def _stage(name: str) -> None:
 def calibrate_here(profiles_dir: Path, args: argparse.Namespace) -> Path | None:
     """This machine's measured profile, calibrated now (into the demo's output, never into the package): the
     cross-check (Figure 6) then compares the simulator with timings from the same machine and day. A rerun
-    reuses it when it was calibrated on this host (traces.host) for the same model shapes, else calibrates again."""
+    reuses it when it was calibrated on this host (traces.host) for the same model shapes and cache geometry (the
+    runs' block size and window: their per-layer cost depends on them), else calibrates again."""
     if args.calibrate == "none":
         return None
     import yaml
 
-    from tracer.calibrate import architecture_for_model
+    from tracer.calibrate import architecture_for_model, cache_geometry
     from traces.host import host_facts, same_host
 
     device_type = args.device.split(":")[0]
     architecture = architecture_for_model(args.model, device_type)  # weight reads with the traced model's shapes
+    geometry = cache_geometry(block_size=args.block_size, window_tokens=args.window_tokens)  # the runs' blocks
     path = profiles_dir / f"measured-here-{device_type}.yaml"
     if path.is_file():
         provenance = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("provenance", {})
         if same_host(provenance.get("host_facts"), host_facts()) and \
-                provenance.get("architecture_for_attention") == architecture:
+                provenance.get("architecture_for_attention") == architecture and \
+                provenance.get("cache_geometry") == geometry:
             _stage(f"calibrate: {path} (this host, reused)")
             return path
     _stage(f"calibrate: this machine, {args.calibrate} plan -> {path}")
@@ -188,7 +191,7 @@ def calibrate_here(profiles_dir: Path, args: argparse.Namespace) -> Path | None:
 
     profiles_dir.mkdir(parents=True, exist_ok=True)
     return calibrate(device_type, path, resolve_threads(args.device, None), level=args.calibrate,
-                     architecture=architecture)
+                     architecture=architecture, geometry=geometry)
 
 
 # -- 1. trace -------------------------------------------------------------------------------------------------

@@ -140,6 +140,7 @@ class Calibration:
     clock: str = "wall"  # cuda_events | thread_cpu | wall
     statistic: str = "median"  # how repeats are reduced: median | min
     overhead_decoder: str = "tiered/full"  # whose overheads the profile's `overheads` are
+    cache_geometry: dict = field(default_factory=lambda: cache_geometry())  # the tiered decoders' blocks and window
 
 
 # ---------------------------------------------------------------- measuring ----------------------------------
@@ -153,7 +154,10 @@ def measure(
     overhead_decoder: str = "tiered/full",
     statistic: str = "median",
     progress: bool = True,
+    geometry: dict | None = None,
 ) -> Calibration:
+    """Run the plan's benchmarks; the tiered overhead decoders use `geometry` (`cache_geometry`: block size,
+    sinks, window; default the policy contract's)."""
     import numpy as np
     import torch
 
@@ -166,7 +170,8 @@ def measure(
     arch = resolve_architecture(architecture)
     clock_name, clock = ("cuda_events", time.perf_counter) if device_type == "cuda" else bench.cpu_clock(threads)
     cal = Calibration(device_type, device_name(device), str(dtype).removeprefix("torch."), threads, architecture,
-                      plan, clock=clock_name, statistic=statistic, overhead_decoder=overhead_decoder)
+                      plan, clock=clock_name, statistic=statistic, overhead_decoder=overhead_decoder,
+                      cache_geometry=dict(geometry or cache_geometry()))
     timing = bench.Timing(device, plan.repeats, plan.warmup, clock, statistic)
 
     def record(series: bench.Series) -> None:
@@ -216,13 +221,14 @@ def measure(
 
     cal.figures["kv_bytes_per_token_layer"] = float(2 * arch.n_kv_heads * arch.head_dim
                                                     * torch.tensor([], dtype=dtype).element_size())
-    steps.append(("token cost", lambda: record(token_cost_sweep(
-        decoder_factory("tiered/full"), list(plan.token_prompts), max(8, plan.overhead_steps // 2), dtype, timing,
-        model_shapes(arch), TOKEN_SWEEP_LAYERS))))
+    for decoder in TOKEN_SWEEP_DECODERS:
+        steps.append((f"token cost {decoder}", lambda decoder=decoder: record(_named(token_cost_sweep(
+            decoder_factory(decoder, cal.cache_geometry), list(plan.token_prompts), max(8, plan.overhead_steps // 2), dtype, timing,
+            model_shapes(arch), TOKEN_SWEEP_LAYERS), f"token_cost/{decoder}"))))
 
     def overheads(decoder: str, prefix: str, stream) -> None:
         sweep = overhead_sweep(list(plan.overhead_layer_counts), dtype, plan.overhead_steps, timing,
-                               decoder_factory(decoder), plan.overhead_prompt_tokens, stream,
+                               decoder_factory(decoder, cal.cache_geometry), plan.overhead_prompt_tokens, stream,
                                own_shapes if stream is None else None)
         quiet, placement = sweep.quiet, sweep.placement
         record(_named(quiet, f"{prefix}/{decoder}"))
@@ -276,12 +282,27 @@ def architecture_for_model(model: str, device_type: str) -> str:
 
 
 TOKEN_SWEEP_LAYERS = 2
+# The decoders whose per-token cost is swept: the tiered full cache attends without scoring; evict scores (and
+# records) every attended token, and so does the hierarchy, whose recall is charged apart (per recalling
+# layer-step and block), so it takes evict's slope (measured on micro shapes: full 0.13, evict 0.21, hierarchy
+# 0.24 us per token and layer; one slope for all under-estimated the scoring decoders' long contexts by ~8%).
+TOKEN_SWEEP_DECODERS = ("tiered/full", "tiered/evict")
 
 
-def token_overhead_s(cal: Calibration) -> float:
-    """Framework cost of one attended token in one layer-step: the token sweep's slope per layer, minus that
-    token's K and V read at the measured bandwidth (the cost model charges those bytes already); >= 0."""
-    fit = cal.fits.get("token_cost")
+def token_sweep_decoder(decoder: str) -> str:
+    """The swept decoder whose per-token cost `decoder` is charged: evict's for the scoring policies (evict,
+    hierarchy), the full cache's for the others (tiered/full, dynamic-cache)."""
+    policy = decoder.removeprefix("tiered/").partition("-k")[0]
+    return "tiered/evict" if policy in ("evict", "hierarchy") else "tiered/full"
+
+
+def token_overhead_s(cal: Calibration, decoder: str = "tiered/full") -> float:
+    """Framework cost of one attended token in one layer-step of `decoder`: its token sweep's slope per layer,
+    minus that token's K and V read at the measured bandwidth (the cost model charges those bytes already);
+    >= 0. A calibration from before the per-decoder sweeps has one, `token_cost` (tiered/full): used for all."""
+    fits = cal.fits
+    fit = fits.get(f"token_cost/{token_sweep_decoder(decoder)}") or fits.get("token_cost/tiered/full") \
+        or fits.get("token_cost")
     if fit is None:
         return 0.0
     kv_s = cal.figures["kv_bytes_per_token_layer"] / cal.figures["model_weights_read_bytes_per_s"]
@@ -293,9 +314,32 @@ def token_overhead_s(cal: Calibration) -> float:
 OVERHEAD_DECODERS = ("dynamic-cache", "tiered/full", "tiered/evict", "tiered/hierarchy", "tiered/hierarchy-k1")
 
 
-def decoder_factory(name: str):
+GEOMETRY_KEYS = ("block_size", "sink_tokens", "window_tokens")
+
+
+def cache_geometry(block_size: int | None = None, sink_tokens: int | None = None,
+                   window_tokens: int | None = None) -> dict[str, int]:
+    """The tiered cache's block size, sinks and window that the overhead decoders run with (None: the policy
+    contract's default), checked by the contract. A trace's per-layer cost depends on them: micro_long with
+    block 4 / window 16 (the demo's) costs ~8% more per step than with block 16 / window 32 (four times the
+    blocks to score, bound and place, and a placement every 4 steps), which a profile calibrated at block 16
+    under-estimated; so the demo and crosscheck calibrate with their runs' geometry."""
+    from traces.policy import PolicySpec
+
+    given = {"block_size": block_size, "sink_tokens": sink_tokens, "window_tokens": window_tokens}
+    default = PolicySpec()
+    values = {k: getattr(default, k) if v is None else v for k, v in given.items()}
+    try:
+        PolicySpec(**values)
+    except ValueError as exc:
+        raise CalibrationError(f"cache geometry: {exc}") from None
+    return values
+
+
+def decoder_factory(name: str, geometry: dict | None = None):
     """A decode-loop factory for the overhead benchmark: transformers' DynamicCache or the tracer's tiered
-    cache with one policy (budget 0.5, recall_k 4, block 16: the tracer's defaults for these runs)."""
+    cache with one policy (budget 0.5, recall_k 4) and `geometry` (`cache_geometry`; default block 16,
+    window 32, 4 sinks)."""
     from tracer.calibrate.overhead import dynamic_cache_decoder
 
     if name == "dynamic-cache":
@@ -303,7 +347,7 @@ def decoder_factory(name: str):
     from tracer.calibrate.tiered import tiered_decoder_factory
 
     policy, _, k = name.removeprefix("tiered/").partition("-k")
-    return tiered_decoder_factory(policy, recall_k=int(k) if k else 4)
+    return tiered_decoder_factory(policy, recall_k=int(k) if k else 4, **(geometry or cache_geometry()))
 
 
 def _named(series, name: str):
@@ -331,7 +375,7 @@ def overheads_by_decoder(cal: Calibration) -> dict[str, dict[str, float]]:
         own = cal.figures.get("warm_sweep_own_shapes", 0.0) > 0
         # The sweeps' layers attended ~prompt tokens each; the simulator charges those per token
         # (token_overhead_s), so the per-layer figure is what is left at zero tokens.
-        per_token = token_overhead_s(cal)
+        per_token = token_overhead_s(cal, decoder)
         cold_tokens = per_token * cal.figures.get(f"attended_tokens/overhead_with_weights/{decoder}", 0.0)
         warm_tokens = per_token * cal.figures.get(f"attended_tokens/overhead/{decoder}", 0.0)
         warm_fixed, warm_slope = warm["fixed"], warm["slope"]
@@ -349,6 +393,7 @@ def overheads_by_decoder(cal: Calibration) -> dict[str, dict[str, float]]:
             "layer_overhead_s": max(0.0, cold["slope"] - layer_s - cold_tokens),
             "warm_step_overhead_s": max(0.0, warm_fixed - head_s) if own else warm_fixed,
             "warm_layer_overhead_s": max(0.0, warm_slope - (layer_s if own else 0.0) - warm_tokens),
+            "token_overhead_s": per_token,
             "max_rel_residual": cold["max_rel_residual"],
         }
         for key, series in (("placement_layer_overhead_s", f"placement_overhead_with_weights/{decoder}"),
@@ -516,10 +561,12 @@ def build_profile(cal: Calibration, name: str):
             full_duplex=full_duplex,
         ),
         overheads=OverheadSpec(step_overhead_s=overhead["step_overhead_s"], layer_overhead_s=overhead["layer_overhead_s"],
-                               token_overhead_s=token_overhead_s(cal), **cached),
+                               token_overhead_s=overhead["token_overhead_s"], **cached),
         provenance=provenance(cal),
     )
     p = cal.plan
+    g = cal.cache_geometry
+    decode = f"{cal.overhead_decoder} decode, block {g['block_size']}, window {g['window_tokens']}, sinks {g['sink_tokens']}"
     copies = f"{p.copy_sizes_bytes[0]} B .. {p.copy_sizes_bytes[-1]} B, {cal.statistic} of {p.repeats}"
     pinned = "pinned host <-> device" if cal.device == "cuda" else "host -> host (the CPU tiered cache's copy)"
     sources = {
@@ -544,13 +591,13 @@ def build_profile(cal: Calibration, name: str):
         "link.full_duplex": f"measured: both directions at once / one direction = {fig['duplex_ratio']:.2f} "
                             f"(full duplex when >= {FULL_DUPLEX_MIN_RATIO}; the CPU path copies synchronously)",
         "overheads.step_overhead": f"measured: intercept of decode-step time vs layers of a near-zero-work Qwen2 "
-                                   f"whose layers stream {cal.architecture}'s weights ({cal.overhead_decoder} decode, "
+                                   f"whose layers stream {cal.architecture}'s weights ({decode}, "
                                    f"layers {list(p.overhead_layer_counts)}), minus the lm_head's read time",
         "overheads.layer_overhead": f"measured: slope of the same fit minus one layer's weight-read time and its "
                                     f"attended tokens' token_overhead ({cal.overhead_decoder} decode)",
         "overheads.token_overhead": f"measured: slope of decode-step time vs attended tokens of a "
-                                    f"{TOKEN_SWEEP_LAYERS}-layer Qwen2 with {cal.architecture}'s shapes (tiered/full "
-                                    f"decode, prompts {list(p.token_prompts)}) per layer, minus one token's K and V "
+                                    f"{TOKEN_SWEEP_LAYERS}-layer Qwen2 with {cal.architecture}'s shapes "
+                                    f"({token_sweep_decoder(cal.overhead_decoder)} decode, prompts {list(p.token_prompts)}) per layer, minus one token's K and V "
                                     f"read at the measured weight-read bandwidth",
     }
     own = cal.figures.get("warm_sweep_own_shapes", 0.0) > 0
@@ -650,6 +697,7 @@ def provenance(cal: Calibration) -> dict:
         "dtype": cal.dtype,
         "architecture_for_attention": cal.architecture,
         "overhead_decoder": cal.overhead_decoder,
+        "cache_geometry": dict(cal.cache_geometry),
         "overheads_by_decoder": rounded(overheads_by_decoder(cal)),
         "plan": rounded(asdict(cal.plan)),
         "figures": rounded(cal.figures),
@@ -701,6 +749,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "on a shared machine); recorded, and `thoughtkv crosscheck` reduces its repeats alike")
     parser.add_argument("--quick", action="store_true",
                         help="the same benchmarks with fewer sizes and repeats (<= 60 s on a 2-core CPU; what the demo runs)")
+    for flag, what in (("--block-size", "tokens per KV block"), ("--sink-tokens", "attention sinks kept in HBM"),
+                       ("--window-tokens", "recent window kept in HBM")):
+        parser.add_argument(flag, type=int, default=None,
+                            help=f"{what} of the tiered overhead decoders (default: the policy contract's); "
+                                 "calibrate with the geometry of the runs the profile will be compared with")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds: for tests only (figures mean little)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out file")
 
@@ -739,8 +792,9 @@ def run(args: argparse.Namespace) -> int:
     except UserError as exc:
         raise CalibrationError(f"--architecture: {exc}") from None
     threads = resolve_threads(device_type, args.threads)
+    geometry = cache_geometry(args.block_size, args.sink_tokens, args.window_tokens)
     cal = measure(device_type, architecture, plan_for(device_type, "smoke" if args.smoke else "quick" if args.quick else "full"), threads, args.overhead_decoder,
-                  args.statistic)
+                  args.statistic, geometry=geometry)
     profile, sources = build_profile(cal, out.stem)
     write_profile(profile, sources, out)
     print(summary_line(profile))
@@ -749,12 +803,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def calibrate_here(device_type: str, out: Path, threads: int, level: str = "quick", architecture: str | None = None,
-                   progress: bool = True) -> Path:
+                   progress: bool = True, geometry: dict | None = None) -> Path:
     """Calibrate this machine now (the `quick` plan: <= 60 s on a 2-core CPU) into `out`, for a command that
     then measures on it (demo, crosscheck): the profile and the timings it is compared with come from the same
-    machine in the same run. Returns `out`."""
+    machine in the same run, and its tiered decoders use the runs' `geometry` (`cache_geometry`). Returns `out`."""
     architecture = architecture or ("qwen2-7b" if device_type == "cuda" else "tiny")
-    cal = measure(device_type, architecture, plan_for(device_type, level), threads, progress=progress)
+    cal = measure(device_type, architecture, plan_for(device_type, level), threads, progress=progress,
+                  geometry=geometry)
     profile, sources = build_profile(cal, out.stem)
     write_profile(profile, sources, out)
     print(summary_line(profile), file=sys.stderr)
