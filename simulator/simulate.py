@@ -84,6 +84,7 @@ def simulate_run(
         check_prefetch(run, config, projected)
     host_warning = provenance_warning(profile.name, profile.provenance, str(run.path), run.manifest.get("hardware"))
     profile = apply_mode(profile, options.overhead_mode)  # measured | kernel-only | hf-eager
+    geometry_warning = costs.geometry_warning(profile, config, str(run.path)) if mode_of(profile) == "measured" else None
     profile, overhead_source = costs.profile_for_policy(profile, config.policy)
     mechanism = mechanisms.mechanism_for(options.transfer, profile)  # refused on a profile lacking its parameters
 
@@ -149,7 +150,7 @@ def simulate_run(
         if key != "sample_id" and key in samples:
             steps[key] = samples[key].iloc[0] if len(samples) else None
     return SimResult(samples=samples, steps=steps, summary=summarise(samples),
-                     warnings=[host_warning] if host_warning else [])
+                     warnings=[w for w in (host_warning, geometry_warning) if w])
 
 
 def recorded_recalls(run: TraceRun, sample_id: str, n_layers: int) -> list[list]:

@@ -218,3 +218,27 @@ def test_a_scoring_policy_is_charged_its_own_decoders_per_token_cost(tmp_path, e
     tokens = float((steps["hbm_tokens"] + steps["recalled_tokens"] + steps["query_tokens"]).sum())
     extra = charged.samples["total_s"].iloc[0] - plain.samples["total_s"].iloc[0]
     assert extra == pytest.approx(token_s * tokens, rel=1e-9)
+
+
+def test_a_profile_timed_with_another_cache_geometry_is_named_in_one_warning(tmp_path):
+    """A measured profile records the block size, window and sinks its tiered decoders ran with; simulating a
+    run with other ones says so, in one line that gives the calibrate flags, and the same geometry says nothing."""
+    from traces import open_run
+
+    run_dir, base, calibrated = hierarchy_on_calibrated(tmp_path, recall_k=2, seed=0, layer_overhead_s={
+        "tiered/evict": 2e-4, "tiered/hierarchy": 5e-4})
+    policy = open_run(run_dir).manifest["policy"]
+    same = {k: policy[k] for k in ("block_size", "sink_tokens", "window_tokens")}
+    other = {**same, "block_size": same["block_size"] * 4}
+    for geometry, expected in ((same, 0), (other, 1)):
+        profile = dataclasses.replace(calibrated, provenance={**calibrated.provenance, "cache_geometry": geometry})
+        warnings = simulate_run(run_dir, profile).warnings
+        geometry_lines = [w for w in warnings if "timed its tiered decoders" in w]
+        assert len(geometry_lines) == expected
+        if expected:
+            line = geometry_lines[0]
+            assert "\n" not in line and f"block size {other['block_size']}" in line
+            assert f"--block-size {same['block_size']}" in line
+        # Modes that do not charge the measured overheads have nothing to warn about.
+        assert not [w for w in simulate_run(run_dir, profile, SimOptions(overhead_mode="kernel-only")).warnings
+                    if "timed its tiered decoders" in w]
