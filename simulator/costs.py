@@ -30,6 +30,7 @@ import numpy as np
 
 from hwprofiles import HardwareProfile
 from traces.architectures import dtype_bytes
+from traces.policy import CACHE_GEOMETRY_KEYS
 
 
 @dataclass(frozen=True)
@@ -220,9 +221,6 @@ def profile_for_policy(profile: HardwareProfile, policy: str) -> tuple[HardwareP
     return dataclasses.replace(profile, overheads=overheads), f"tiered/{policy}"
 
 
-GEOMETRY_KEYS = ("block_size", "window_tokens", "sink_tokens")
-
-
 def geometry_warning(profile: HardwareProfile, spec, run_label: str) -> str | None:
     """One line when a measured profile's tiered overheads were timed with another block size, window or sinks
     than the policy simulated (`provenance.cache_geometry`, written by `thoughtkv calibrate`): a layer-step's
@@ -230,12 +228,12 @@ def geometry_warning(profile: HardwareProfile, spec, run_label: str) -> str | No
     timed = (profile.provenance or {}).get("cache_geometry")
     if not timed or profile.provenance.get("kind") != "measured":
         return None
-    wanted = {key: getattr(spec, key) for key in GEOMETRY_KEYS}
+    wanted = {key: getattr(spec, key) for key in CACHE_GEOMETRY_KEYS}
     if all(timed.get(key) == value for key, value in wanted.items()):
         return None
 
     def text(geometry: dict) -> str:
-        return ", ".join(f"{key.removesuffix('_tokens').replace('_', ' ')} {geometry.get(key)}" for key in GEOMETRY_KEYS)
+        return ", ".join(f"{key.removesuffix('_tokens').replace('_', ' ')} {geometry.get(key)}" for key in CACHE_GEOMETRY_KEYS)
 
     flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in wanted.items())
     return (f"warning: measured profile {profile.name} timed its tiered decoders with {text(timed)}, but {run_label} "

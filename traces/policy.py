@@ -70,6 +70,12 @@ def _is_fraction(budget: float) -> bool:
     return budget <= 1
 
 
+# The cache geometry: the fields that shape blocks and what never leaves HBM. A tiered layer-step's cost
+# depends on them, so calibration times its decoders with a run's geometry (tracer.calibrate.cache_geometry)
+# and the simulator warns when a profile was timed with another (simulator.costs.geometry_warning).
+CACHE_GEOMETRY_KEYS = ("block_size", "window_tokens", "sink_tokens")
+
+
 @dataclass(frozen=True)
 class PolicySpec:
     policy: str = "full"

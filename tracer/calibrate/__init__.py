@@ -300,9 +300,7 @@ def token_overhead_s(cal: Calibration, decoder: str = "tiered/full") -> float:
     """Framework cost of one attended token in one layer-step of `decoder`: its token sweep's slope per layer,
     minus that token's K and V read at the measured bandwidth (the cost model charges those bytes already);
     >= 0. A calibration from before the per-decoder sweeps has one, `token_cost` (tiered/full): used for all."""
-    fits = cal.fits
-    fit = fits.get(f"token_cost/{token_sweep_decoder(decoder)}") or fits.get("token_cost/tiered/full") \
-        or fits.get("token_cost")
+    fit = cal.fits.get(f"token_cost/{token_sweep_decoder(decoder)}") or cal.fits.get("token_cost")
     if fit is None:
         return 0.0
     kv_s = cal.figures["kv_bytes_per_token_layer"] / cal.figures["model_weights_read_bytes_per_s"]
@@ -314,9 +312,6 @@ def token_overhead_s(cal: Calibration, decoder: str = "tiered/full") -> float:
 OVERHEAD_DECODERS = ("dynamic-cache", "tiered/full", "tiered/evict", "tiered/hierarchy", "tiered/hierarchy-k1")
 
 
-GEOMETRY_KEYS = ("block_size", "sink_tokens", "window_tokens")
-
-
 def cache_geometry(block_size: int | None = None, sink_tokens: int | None = None,
                    window_tokens: int | None = None) -> dict[str, int]:
     """The tiered cache's block size, sinks and window that the overhead decoders run with (None: the policy
@@ -324,11 +319,10 @@ def cache_geometry(block_size: int | None = None, sink_tokens: int | None = None
     block 4 / window 16 (the demo's) costs ~8% more per step than with block 16 / window 32 (four times the
     blocks to score, bound and place, and a placement every 4 steps), which a profile calibrated at block 16
     under-estimated; so the demo and crosscheck calibrate with their runs' geometry."""
-    from traces.policy import PolicySpec
+    from traces.policy import CACHE_GEOMETRY_KEYS, PolicySpec
 
-    given = {"block_size": block_size, "sink_tokens": sink_tokens, "window_tokens": window_tokens}
-    default = PolicySpec()
-    values = {k: getattr(default, k) if v is None else v for k, v in given.items()}
+    given, default = {"block_size": block_size, "sink_tokens": sink_tokens, "window_tokens": window_tokens}, PolicySpec()
+    values = {k: getattr(default, k) if given[k] is None else given[k] for k in CACHE_GEOMETRY_KEYS}
     try:
         PolicySpec(**values)
     except ValueError as exc:
