@@ -129,3 +129,28 @@ def test_the_unmapped_fallback_moves_the_same_blocks(ddr_dtype):
     for got, want in zip(unmapped.get(back_rows, back_ids), mapped.get(back_rows, back_ids), strict=True):
         assert torch.equal(got, want) if isinstance(got, torch.Tensor) else got == want
     assert torch.equal(unmapped.key_min[rows, ids], mapped.key_min[rows, ids])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_recall_bound_is_quests_elementwise_bound(dtype):
+    """`KeyBounds.logit_bounds` (one GEMM over [q+, q-] and [kmax, kmin], what recall ranks blocks by) equals
+    Quest's bound written out, sum_d max(q_d * kmin_d, q_d * kmax_d), over the keys each block was stored with."""
+    from tracer.transfer import PinnedBlockStore
+
+    g = torch.Generator().manual_seed(5)
+    n_rows, n_blocks, group = 2, 9, 3
+    store = PinnedBlockStore(HEADS, BLOCK, DIM, dtype, torch.device("cpu"))
+    store.reserve(n_rows, n_blocks)
+    rows = torch.arange(n_rows).repeat_interleave(n_blocks)
+    ids = torch.arange(n_blocks).repeat(n_rows)
+    keys = torch.randn(len(ids), HEADS, BLOCK, DIM, generator=g).to(dtype)
+    store.put(rows, ids, keys, torch.randn(keys.shape, generator=g).to(dtype))
+    query = torch.randn(n_rows, HEADS, group, DIM, generator=g).to(dtype)
+    got = store.bounds.logit_bounds(query, slice(0, n_rows), n_blocks).float()  # [rows, Hkv, group, blocks]
+    stored = keys.float().view(n_rows, n_blocks, HEADS, BLOCK, DIM)
+    kmin, kmax = stored.amin(3), stored.amax(3)  # [rows, blocks, Hkv, d]
+    q = query.float()[:, None]  # [rows, 1, Hkv, group, d]
+    want = torch.maximum(q * kmin[:, :, :, None], q * kmax[:, :, :, None]).sum(-1).permute(0, 2, 3, 1)
+    tolerance = 1e-5 if dtype == torch.float32 else 0.1  # bf16 rounds the products the GEMM accumulates
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+    assert torch.equal(store.key_min[rows, ids], keys.amin(2)) and torch.equal(store.key_max[rows, ids], keys.amax(2))

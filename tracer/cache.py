@@ -64,7 +64,9 @@ eviction target moves) or a recalled block may be promoted; otherwise the last p
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import operator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -131,6 +133,9 @@ class RowState:
     head_picks: torch.Tensor | None = None  # quest-per-head: [recalled, Hkv] bool
     bytes_h2d: int = 0
 
+    def __post_init__(self) -> None:
+        self.block_size = self.settings.spec.block_size
+
     @property
     def spec(self) -> PolicySpec:
         return self.settings.spec
@@ -144,7 +149,7 @@ class RowState:
         return ids[start : start + n]
 
     def blocks(self) -> int:
-        return n_blocks(self.spec, self.logical_len)
+        return -(-self.logical_len // self.block_size)  # n_blocks(spec, logical_len), asked many times a step
 
     def hbm_blocks(self) -> int:
         return self.blocks() - self.n_ddr_blocks - self.n_evicted_blocks
@@ -168,7 +173,7 @@ class PagedLayer:
         self.rows: list[RowState | None] = []
         self._rows_cache: tuple = ((), None)
         self._flat_rows: tuple = (None, None)  # (recalling rows and picks per row, the rows repeated per pick)
-        self._shared_scorers: tuple = ([], False)  # (the scorers of the last scored rows, whether they share a call)
+        self._score_plan: tuple = ((), [], False)  # (the last scored rows' states, rows that score, one call?)
         self.rows_hint = 0  # the batch size, when known: rows are allocated for it at once
         self.initialized = False
         self.n_pages = self.n_staging_pages = self.block_capacity = 0
@@ -184,6 +189,8 @@ class PagedLayer:
             raise UnsupportedBatch("the rows of a batch share one placement policy (only the scorer state is per "
                                    "sample); decode runs with different policies separately")
         self.rows[row] = RowState(settings, recorder)
+        if getattr(self, "spec", None) != settings.spec:
+            self._targets_by_length: dict[int, tuple | None] = {}  # length -> `_targets(spec, length)`
         self.spec = settings.spec
         if self.initialized:
             self._grow_rows(len(self.rows))
@@ -451,10 +458,8 @@ class PagedLayer:
         selected = self._select(rows) if every_row else rec_rows  # a view when the rows are consecutive
         n_blocks_max = max(states[i].blocks() for i in batch_index)
         group = query.shape[1] // self.n_kv_heads
-        q = rec_query[:, :, 0, :].reshape(len(batch_index), 1, self.n_kv_heads, group, self.head_dim)
-        key_min = self.ddr.key_min[selected, :n_blocks_max].unsqueeze(3)  # [m, blocks, Hkv, 1, d]
-        key_max = self.ddr.key_max[selected, :n_blocks_max].unsqueeze(3)
-        bounds = torch.maximum(q * key_min, q * key_max).sum(-1)  # [m, blocks, Hkv, group]: Quest's logit bound
+        q = rec_query[:, :, 0, :].reshape(len(batch_index), self.n_kv_heads, group, self.head_dim)
+        bounds = self.ddr.bounds.logit_bounds(q, selected, n_blocks_max)  # [m, Hkv, group, blocks]: Quest's bound
         k_max = max(wanted[i] for i in batch_index)
         if spec.recall_rule != "quest":
             ranks = torch.arange(k_max, device=self.device)
@@ -462,14 +467,14 @@ class PagedLayer:
         head_picks = None
         if spec.recall_rule == "quest":
             # (a mask, not an added -inf: the bounds of a block never offloaded are unwritten memory, maybe NaN)
-            best = bounds.flatten(2).amax(2).masked_fill(self.off_ddr[selected, :n_blocks_max], float("-inf"))
+            best = bounds.flatten(1, 2).amax(1).masked_fill(self.off_ddr[selected, :n_blocks_max], float("-inf"))
             # By bound, highest first: a row's first `wanted` are its picks (the selection below keeps them), in
             # that order (the trace records them sorted; attention reads them as a set).
             ids = best.topk(k_max, dim=1).indices
             per_row = [wanted[i] for i in batch_index]
         else:  # quest-per-head: each KV head its own top blocks; the union is copied
             not_ddr = self.off_ddr[selected, :n_blocks_max]
-            per_head = bounds.amax(3).masked_fill(not_ddr[:, :, None], float("-inf"))  # [m, blocks, Hkv]
+            per_head = bounds.amax(2).transpose(1, 2).masked_fill(not_ddr[:, :, None], float("-inf"))  # [m, blocks, Hkv]
             top = per_head.topk(k_max, dim=1).indices  # [m, k_max, Hkv]
             picks = torch.zeros_like(per_head, dtype=torch.bool)
             picks.scatter_(1, top, (ranks < counts_t[:, None])[:, :, None].expand_as(top))
@@ -588,45 +593,46 @@ class PagedLayer:
         return state.recorder.step if state.recorder is not None else state.step
 
     def _score(self, rows, states, rows_t, lengths, positions, weights_mean, weights_max, keys, values, valid):
-        scorers = [s.settings.scorer for s in states]
-        active = [i for i, s in enumerate(states) if scorers[i] is not None and (
-            s.spec.policy != "full" or getattr(scorers[i], "score_under_full", False))]
+        cached_states, active, shared = self._score_plan
+        if len(cached_states) != len(states) or not all(map(operator.is_, cached_states, states)):
+            # Decided once per set of rows (the same states step after step): which rows score, and whether
+            # they share one call. Rows whose scorers keep no per-sample state and have the same settings
+            # share it; the others (oracle, gradient, AlsoScore) are scored one row at a time, with the same
+            # code. Scorers are compared by identity and repr (they are dataclasses, and may hold tensors).
+            scorers = [s.settings.scorer for s in states]
+            active = [i for i, s in enumerate(states) if scorers[i] is not None and (
+                s.spec.policy != "full" or getattr(scorers[i], "score_under_full", False))]
+            first = scorers[active[0]] if active else None
+            shared = bool(active) and first.batchable and all(
+                type(scorers[i]) is type(first) and repr(scorers[i]) == repr(first) for i in active)
+            self._score_plan = (list(states), active, shared)  # (kept alive here, so never a stale identity)
         if not active:
             return
-        width = self.token_scores.shape[1]
-        # Rows whose scorers keep no per-sample state and have the same settings share one call; the others
-        # (oracle, gradient, AlsoScore) are scored one row at a time, with the same code.
-        first = scorers[active[0]]
-        key = [scorers[i] for i in active]  # the scorers themselves (kept alive here, so never a stale id)
-        cached = self._shared_scorers[0]
-        if len(cached) != len(key) or any(a is not b for a, b in zip(cached, key, strict=True)):
-            # decided once per set of scorers (by identity: they are dataclasses, and may hold tensors)
-            self._shared_scorers = (key, first.batchable and all(
-                type(scorers[i]) is type(first) and repr(scorers[i]) == repr(first) for i in active))
-        shared, pads = self._shared_scorers[1], self.pads
+        width, pads = self.token_scores.shape[1], self.pads
         # A left-padded prefill is scored row by row, on each row's real queries: a scorer that reads the last
         # queries (snapkv, rkv) then sees exactly what the row alone would.
         groups = [active] if shared and pads is None else [[i] for i in active]
         for group in groups:
-            index = None if len(group) == len(rows) else host_to_device(group, self.device)
-
-            def pick(tensor, index=index):
-                return tensor if index is None else tensor[index]
-
-            def queries(weights, index=index, pad=0 if pads is None else pads[group[0]]):
-                return pick(weights, index)[:, pad:]
-
-            observation = Observation(
-                self.layer_idx, self._step(states[group[0]]), width, pick(positions), queries(weights_mean),
-                queries(weights_max), pick(keys), values=pick(values), valid=pick(valid),
-            )
-            group_rows = [rows[i] for i in group]
-            selected = self._select(group_rows)
+            scorer = states[group[0]].settings.scorer
+            if len(group) == len(rows) and pads is None:  # every row, unpadded: the tensors as they are
+                observation = Observation(self.layer_idx, self._step(states[group[0]]), width, positions,
+                                          weights_mean, weights_max, keys, values=values, valid=valid)
+                selected, score_rows, score_lengths = self._select(rows), rows_t, lengths
+            else:
+                index = host_to_device(group, self.device)
+                pad = 0 if pads is None else pads[group[0]]
+                observation = Observation(
+                    self.layer_idx, self._step(states[group[0]]), width, positions[index],
+                    weights_mean[index][:, pad:], weights_max[index][:, pad:], keys[index], values=values[index],
+                    valid=valid[index],
+                )
+                selected, score_rows, score_lengths = self._select([rows[i] for i in group]), rows_t[index], \
+                    lengths[index]
             previous = self.token_scores[selected]  # a view for consecutive rows: in-place scorers write through
-            scores = scorers[group[0]].score(observation, previous)
+            scores = scorer.score(observation, previous)
             if scores is not previous or not isinstance(selected, slice):
                 self.token_scores[selected] = scores[:, :width]
-            self.token_scores[pick(rows_t), pick(lengths)] = 0.0  # the scratch positions
+            self.token_scores[score_rows, score_lengths] = 0.0  # the scratch positions
 
     def _occupancy(self, states, recording: list[int], last_weights: torch.Tensor,
                    positions: torch.Tensor) -> tuple[Deferred, dict[str, list]]:
@@ -661,9 +667,12 @@ class PagedLayer:
         (promoted, offloaded, evicted) block ids (`Deferred` lists fetched at step end) and bytes copied D2H."""
         spec, bs = self.spec, self.block_size
         plans = []  # (batch index, sink blocks, movable end, room, victims)
+        targets = self._targets_by_length
         for i in placing:
             state = states[i]
-            key = _targets(spec, state.logical_len)
+            key = targets.get(state.logical_len)
+            if key is None and state.logical_len not in targets:
+                key = targets[state.logical_len] = _targets(spec, state.logical_len)
             if key is None:
                 continue
             sink_blocks, movable_end, room, evict_target = key
@@ -844,11 +853,10 @@ class PagedLayer:
         return self.block_tier[row, : state.blocks()].repeat_interleave(self.block_size)[: state.logical_len]
 
 
-@functools.lru_cache(maxsize=65536)
 def _targets(spec: PolicySpec, length: int) -> tuple[int, int, int | None, int] | None:
     """(sink blocks, movable end, room, eviction target) at this length, or None when nothing can move: the
-    policy contract's targets (traces/policy.py), which depend on the length alone (cached: every row and
-    layer asks at every step)."""
+    policy contract's targets (traces/policy.py), which depend on the length alone (each layer keeps them by
+    length, `PagedLayer._targets_by_length`: every row asks at every step)."""
     evict_target = evict_target_blocks(spec, length)
     if hbm_target_tokens(spec, length) is None and evict_target == 0:
         return None
@@ -878,10 +886,14 @@ def _device_columns(masses: Deferred, index: list[int], blocks: list[int], recal
             ids = fetched[id(entry[1])] = entry[1].value().tolist()
         recalled_ids.append(sorted(ids[entry[2] : entry[2] + entry[3]]))  # staged by bound; recorded by id
     columns["recalled_block_ids"] = recalled_ids
-    mass_ddr = [float(row[ids].sum(dtype=np.float64)) if ids else 0.0
-                for row, ids in zip(mass, recalled_ids, strict=True)]
-    columns["mass_ddr"] = mass_ddr
-    columns["mass_hbm"] = (mass.sum(1, dtype=np.float64) - np.asarray(mass_ddr, dtype=np.float64)).tolist()
+    counts = [len(ids) for ids in recalled_ids]
+    mass_ddr = np.zeros(len(recalled_ids))
+    if any(counts):  # every row's recalled masses in one gather and one per-row sum, in id order
+        which = np.repeat(np.arange(len(recalled_ids)), counts)
+        picked = mass[which, np.fromiter(itertools.chain.from_iterable(recalled_ids), np.int64, len(which))]
+        mass_ddr = np.bincount(which, weights=picked.astype(np.float64), minlength=len(recalled_ids))
+    columns["mass_ddr"] = mass_ddr.tolist()
+    columns["mass_hbm"] = (mass.sum(1, dtype=np.float64) - mass_ddr).tolist()
     moves = {"promoted_block_ids": [], "offloaded_block_ids": [], "evicted_block_ids": []}
     for entry in moved:
         if entry is None:

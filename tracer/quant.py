@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from thoughtkv_base import UserError
-from tracer.transfer import mapped_view
+from tracer.transfer import KeyBounds, mapped_view
 from traces.policy import DDR_DTYPES
 
 BITS = {"int8": 8, "int4": 4}
@@ -110,7 +110,7 @@ class QuantizedBlockStore:
         self.rows = self.capacity_blocks = 0
         self.host: dict[str, torch.Tensor] = {}  # k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
         self.views: dict[str, torch.Tensor | None] = {}
-        self.key_min = self.key_max = torch.empty(0)
+        self.bounds = KeyBounds(n_kv_heads, head_dim, dtype, device)
         self._errors: list[torch.Tensor] = []  # per stored block: [max |rel err|, mean rel err^2] since the last pop
         self.reserve(1, 64)
 
@@ -130,20 +130,20 @@ class QuantizedBlockStore:
             name: torch.empty(shape, dtype=dtype, pin_memory=self.pin)
             for name, (shape, dtype) in self._host_shapes(rows, blocks).items()
         }
-        bounds_shape = (rows, blocks, self.shape[0], self.shape[2])
-        key_min = torch.zeros(bounds_shape, dtype=self.dtype, device=self.device)
-        key_max = torch.zeros(bounds_shape, dtype=self.dtype, device=self.device)
         old_rows, old_blocks = self.rows, self.capacity_blocks
         if old_rows and old_blocks:
             if self.pin:  # scatters through mapped views are kernels: let them land before the host copies
                 torch.cuda.current_stream(self.device).synchronize()
             for name, tensor in grown.items():
                 tensor[:old_rows, :old_blocks] = self.host[name]
-            key_min[:old_rows, :old_blocks], key_max[:old_rows, :old_blocks] = self.key_min, self.key_max
-        self.host, self.key_min, self.key_max = grown, key_min, key_max
+        self.host = grown
+        self.bounds.reserve(rows, blocks)
         # Indexed by (row, block id) on the device (tracer.transfer.mapped_view); None where CUDA refuses it.
         self.views = {name: mapped_view(tensor, self.device) for name, tensor in grown.items()}
         self.rows, self.capacity_blocks = rows, blocks
+
+    key_max = property(lambda self: self.bounds.key_max)
+    key_min = property(lambda self: self.bounds.key_min)
 
     def _scatter(self, name: str, rows: torch.Tensor, ids: torch.Tensor, tensor: torch.Tensor) -> None:
         view = self.views[name]
@@ -167,7 +167,7 @@ class QuantizedBlockStore:
             x_hat = dequantize(tiles, self.bits, self.dtype)
             errors.append(relative_errors(x, x_hat).flatten(1))
             if prefix == "k":
-                self.key_min[rows, block_ids], self.key_max[rows, block_ids] = x_hat.amin(dim=2), x_hat.amax(dim=2)
+                self.bounds.put(rows, block_ids, x_hat)
             for part, tensor in zip(("codes", "scale", "zero"), tiles.tensors(), strict=True):
                 self._scatter(f"{prefix}_{part}", rows, block_ids, tensor)
                 moved += tensor.numel() * tensor.element_size()

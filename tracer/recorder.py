@@ -3,7 +3,8 @@
 Each tiered layer hands every recording row of a step one `LayerRows` (the layer's columns for all its rows:
 host-known ones as lists, the device-derived ones — block masses reduced on the device, moved and recalled ids
 — resolved for all rows at once from the step's one copy, tracer.cache.DeferredCopies); each row's recorder
-keeps (LayerRows, its index) and appends its values at `end_step`. No dict per row and layer: at a batch of B
+keeps (LayerRows, its index) and appends its values in bulk, column by column, when a table is read (or every
+`_RESOLVE_EVERY_ROWS` rows, which bounds the fetched copies they hold). No dict per row and layer: at a batch of B
 that is B x layers of them per step, Python time a GPU step cannot hide. The decode loop sets `step`, the
 step's wall time and (tracer.decode.LayerTimer) each decoder layer's time. Nothing here touches torch.
 """
@@ -22,6 +23,7 @@ STEP_COLUMNS = (
 )
 OPTIONAL_STEP_COLUMNS = ("quant_max_rel_err", "quant_rms_rel_err")  # quantized DDR tier; None when not measured
 _ROW_COLUMNS = STEP_COLUMNS[1:]  # what a layer records per row (the recorder adds the step)
+_RESOLVE_EVERY_ROWS = 2048  # pending rows appended in bulk (each holds its step's fetched copy until then)
 
 
 class Deferred:
@@ -55,44 +57,59 @@ class LayerRows:
 
 @dataclass
 class Recorder:
+    """One sample's recorded rows. A step's rows are kept as (LayerRows, index, step) until a table (or
+    `columns`) is read, then appended column by column for every pending row at once: a decode step adds only
+    its references (at a batch of B that is B x layers of them), not B x layers x 20 appends."""
+
     record_access: bool = True
     step: int = 0
-    columns: dict[str, list] = field(default_factory=lambda: {name: [] for name in STEP_COLUMNS + OPTIONAL_STEP_COLUMNS})
-    block_mass: list[np.ndarray] = field(default_factory=list)
+    _columns: dict[str, list] = field(default_factory=lambda: {name: [] for name in STEP_COLUMNS + OPTIONAL_STEP_COLUMNS})
+    _block_mass: list[np.ndarray] = field(default_factory=list)
     step_us: list[float] = field(default_factory=list)
-    pending: list[tuple] = field(default_factory=list)  # rows added since the last resolve: (LayerRows, index, step)
+    pending: list[tuple] = field(default_factory=list)  # rows not yet appended: (LayerRows, index, step)
     layer_us: list[list[float] | None] = field(default_factory=list)  # per step: each decoder layer's time
+
+    @property
+    def columns(self) -> dict[str, list]:
+        """The step columns so far (`STEP_COLUMNS` + `OPTIONAL_STEP_COLUMNS`), one entry per (step, layer) row."""
+        self._resolve()
+        return self._columns
+
+    @property
+    def block_mass(self) -> list[np.ndarray]:
+        self._resolve()
+        return self._block_mass
 
     def add_layer_rows(self, rows: LayerRows, index: int) -> None:
         """This sample's (step, layer) row: row `index` of a layer's `rows` (`_ROW_COLUMNS`, `block_mass`, and
-        the optional columns where measured), appended when the step ends."""
+        the optional columns where measured), appended when a table is read."""
         self.pending.append((rows, index, self.step))
 
     def _resolve(self) -> None:
         """Append the pending rows, their device values fetched (one copy per step for every row and layer)."""
         pending, self.pending = self.pending, []
-        columns = self.columns
-        step_column = columns["step"]
-        row_columns = [(columns[name], name) for name in _ROW_COLUMNS]
-        for rows, index, step in pending:
-            values = rows.columns()
-            step_column.append(step)
-            for column, name in row_columns:
-                column.append(values[name][index])
-            for name in OPTIONAL_STEP_COLUMNS:
-                measured = values.get(name)
-                columns[name].append(None if measured is None else measured[index])
-            if self.record_access:
-                self.block_mass.append(values["block_mass"][index])
+        if not pending:
+            return
+        columns = self._columns
+        values = [rows.columns() for rows, _, _ in pending]  # each LayerRows resolves once, for all its rows
+        index = [i for _, i, _ in pending]
+        columns["step"].extend([step for _, _, step in pending])
+        for name in _ROW_COLUMNS:
+            columns[name].extend([v[name][i] for v, i in zip(values, index, strict=True)])
+        for name in OPTIONAL_STEP_COLUMNS:
+            columns[name].extend([None if v.get(name) is None else v[name][i]
+                                  for v, i in zip(values, index, strict=True)])
+        if self.record_access:
+            self._block_mass.extend([v["block_mass"][i] for v, i in zip(values, index, strict=True)])
 
     def end_step(self, wall_us: float, layer_us: list[float] | None = None) -> None:
-        self._resolve()
+        if len(self.pending) >= _RESOLVE_EVERY_ROWS:  # bounded: pending rows keep their steps' fetched copies
+            self._resolve()
         self.step_us.append(wall_us)
         self.layer_us.append(layer_us)
         self.step += 1
 
     def steps_table(self) -> dict[str, list]:
-        self._resolve()
         table = dict(self.columns)
         table["measured_step_us"] = [self.step_us[s] for s in self.columns["step"]]
         table["measured_layer_us"] = [
@@ -102,7 +119,7 @@ class Recorder:
         return table
 
     def access_table(self) -> dict[str, list] | None:
-        self._resolve()
+        columns = self.columns
         if not self.record_access:
             return None
-        return {"step": self.columns["step"], "layer": self.columns["layer"], "block_mass": self.block_mass}
+        return {"step": columns["step"], "layer": columns["layer"], "block_mass": self._block_mass}

@@ -56,6 +56,45 @@ def mapped_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None
     return view
 
 
+class KeyBounds:
+    """Per-block key bounds of a DDR store (elementwise max and min over a block's tokens, Quest-style), on the
+    compute device, laid out for recall: `tensor` [rows, Hkv, 2, d, blocks] (max, then min), so that one batched
+    GEMM bounds every block's logit, `[q+, q-] @ tensor[row, head]` (q+ = max(q, 0), q- = min(q, 0): per
+    element the larger of q * kmax and q * kmin, as Quest's bound asks), reading the blocks of a row as one
+    strided matrix. `key_max` / `key_min` are [rows, blocks, Hkv, d] views of it. Unwritten blocks hold zeros
+    (defined: recall masks them)."""
+
+    def __init__(self, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.tensor = torch.zeros((0, n_kv_heads, 2, head_dim, 0), dtype=dtype, device=device)
+
+    def reserve(self, n_rows: int, n_blocks: int) -> None:
+        old_rows, _, _, _, old_blocks = self.tensor.shape
+        if n_rows <= old_rows and n_blocks <= old_blocks:
+            return
+        grown = self.tensor.new_zeros((max(n_rows, old_rows), *self.tensor.shape[1:4], max(n_blocks, old_blocks)))
+        grown[:old_rows, ..., :old_blocks] = self.tensor
+        self.tensor = grown
+
+    def put(self, rows: torch.Tensor, block_ids: torch.Tensor, keys: torch.Tensor) -> None:
+        """The bounds of blocks [n, Hkv, block, d] stored at (`rows`, `block_ids`): one scatter."""
+        self.tensor[rows, :, :, :, block_ids] = torch.stack([keys.amax(dim=2), keys.amin(dim=2)], dim=2)
+
+    def logit_bounds(self, query: torch.Tensor, rows: slice | torch.Tensor, n_blocks: int) -> torch.Tensor:
+        """Quest's upper bound on each block's attention logit, sum_d max(q_d kmax_d, q_d kmin_d), for the
+        queries [m, Hkv, group, d] of `rows` (a slice or index of m rows) over their first `n_blocks` blocks:
+        [m, Hkv, group, n_blocks]. One GEMM: no [m, blocks, Hkv, group, d] intermediate."""
+        signed = torch.cat([query.clamp_min(0), query.clamp_max(0)], dim=-1)
+        return torch.matmul(signed, self.tensor[rows, :, :, :, :n_blocks].flatten(2, 3))
+
+    @property
+    def key_max(self) -> torch.Tensor:
+        return self.tensor[:, :, 0].permute(0, 3, 1, 2)
+
+    @property
+    def key_min(self) -> torch.Tensor:
+        return self.tensor[:, :, 1].permute(0, 3, 1, 2)
+
+
 class PinnedBlockStore:
     """The DDR tier of one layer, for every row (sequence) of a batch, with real data movement.
 
@@ -75,7 +114,7 @@ class PinnedBlockStore:
         self.pin = self.device.type == "cuda"
         self.storage = torch.empty((0, 0, 2, *self.shape), dtype=dtype)
         self.view: torch.Tensor | None = self.storage
-        self.key_min = self.key_max = torch.empty((0, 0, n_kv_heads, head_dim), dtype=dtype, device=self.device)
+        self.bounds = KeyBounds(n_kv_heads, head_dim, dtype, self.device)
         self._row_base: tuple = (None, 0, None)  # (rows of the last get, capacity, their offsets in the flat pool)
         self.reserve(1, 64)
 
@@ -99,17 +138,12 @@ class PinnedBlockStore:
         old_rows, old_blocks = self.storage.shape[:2]
         storage[:old_rows, :old_blocks].copy_(self.storage)
         self.storage, self.view = storage, mapped_view(storage, self.device)
-        for name in ("key_min", "key_max"):
-            old = getattr(self, name)
-            grown = torch.zeros((rows, blocks, *old.shape[2:]), dtype=self.dtype, device=self.device)  # defined (recall masks them)
-            grown[:old_rows, :old_blocks] = old
-            setattr(self, name, grown)
+        self.bounds.reserve(rows, blocks)
 
     def put(self, rows: torch.Tensor, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Store blocks [n, H, block, d] (on the compute device) at (`rows`, `block_ids`) (device tensors of n,
         below the `reserve`d bounds); returns bytes copied D2H."""
-        self.key_min[rows, block_ids] = keys.amin(dim=2)
-        self.key_max[rows, block_ids] = keys.amax(dim=2)
+        self.bounds.put(rows, block_ids, keys)
         blocks = torch.stack([keys, values], dim=1)
         if self.view is not None:
             self.view[rows, block_ids] = blocks
@@ -127,6 +161,9 @@ class PinnedBlockStore:
         else:
             blocks = self.storage[rows.cpu(), block_ids.cpu()].to(self.device, non_blocking=self.pin)
         return blocks[:, 0], blocks[:, 1], blocks.numel() * blocks.element_size()
+
+    key_max = property(lambda self: self.bounds.key_max)
+    key_min = property(lambda self: self.bounds.key_min)
 
     @property
     def keys(self) -> torch.Tensor:
