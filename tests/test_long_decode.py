@@ -120,3 +120,27 @@ def test_the_accounting_reaches_traces_info_and_the_report(where, tmp_path):
         row = table.iloc[0].to_dict()
         assert row["stopped by token limit"].endswith("(1/4)") and row["accuracy, finished"].startswith("67% [")
         assert row["accuracy, all"].endswith("(2/4)")
+
+
+def test_a_frozen_heap_is_frozen_inside_and_released_after_also_when_nested():
+    """`thoughtkv trace` decodes in `frozen_heap` (the collector then skips the model's objects): frozen inside,
+    nothing left frozen after (else every later cycle of the process would leak), an inner use keeps the
+    outer freeze, and an error inside still releases it."""
+    import gc
+
+    from tracer.decode import frozen_heap
+
+    assert gc.get_freeze_count() == 0
+    with frozen_heap():
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000  # torch's and transformers' objects at least
+        with frozen_heap():
+            pass
+        assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() == 0
+    try:
+        with frozen_heap():
+            raise KeyError("inside")
+    except KeyError:
+        pass
+    assert gc.get_freeze_count() == 0

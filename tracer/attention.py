@@ -16,6 +16,8 @@ forward pends a list of layers (one per row of `TieredCache.active`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -30,7 +32,7 @@ def set_pending(layer) -> None:
 
 def attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, key_positions: torch.Tensor,
-    query_start: int, hidden_keys: torch.Tensor | None = None,
+    query_start: int, hidden_keys: torch.Tensor | None = None, valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax attention with GQA over the slots of a paged cache layer, for a batch of rows.
 
@@ -41,7 +43,8 @@ def attend(
     stays finite: its output is never used), and each attends the slots holding a position up to its own
     (causal, in any slot order). `hidden_keys` ([rows, Hkv, n_keys]
     bool, decode only): key columns a KV head's queries must not attend (the per-head recall rule's blocks
-    picked by other heads). Blocked slots get weight exactly 0.
+    picked by other heads). `valid` (decode only, optional): `key_positions >= 0`, when the caller has it already.
+Blocked slots get weight exactly 0.
 
     Returns the output [rows, lq, Hq, d] and the weights [rows, lq, n_keys] reduced over query heads (mean,
     max), float32.
@@ -54,8 +57,11 @@ def attend(
     flat_keys = key.reshape(rows * n_kv_heads, n_keys, head_dim)
     unused = torch.empty(rows * n_kv_heads, group * lq, n_keys, dtype=query.dtype, device=query.device)  # beta=0
     logits = torch.baddbmm(unused, grouped_query, flat_keys.transpose(1, 2), beta=0, alpha=scaling)
-    if lq == 1:
-        blocked = (key_positions < 0)[:, None, None, None, :]  # every stored position precedes the one query
+    if lq == 1:  # every stored position precedes the one query: only the empty slots are blocked
+        if valid is None:
+            valid = key_positions >= 0
+        logits = torch.where(valid[:, None, None, None, :], logits.view(rows, n_kv_heads, group, lq, n_keys),
+                             _negative_infinity(logits))
     else:
         offsets = torch.arange(lq, device=query.device)
         if isinstance(query_start, torch.Tensor):  # per row, left-padded: a pad (negative) reads position 0
@@ -64,7 +70,7 @@ def attend(
             query_positions = (offsets + query_start)[None]
         blocked = (key_positions[:, None, :] > query_positions[:, :, None]) | (key_positions < 0)[:, None, :]
         blocked = blocked[:, None, None]  # [rows, 1, 1, lq, n_keys]
-    logits = logits.view(rows, n_kv_heads, group, lq, n_keys).masked_fill(blocked, float("-inf"))
+        logits = logits.view(rows, n_kv_heads, group, lq, n_keys).masked_fill(blocked, float("-inf"))
     if hidden_keys is not None:
         logits = logits.masked_fill(hidden_keys[:, :, None, None, :], float("-inf"))
     weights = torch.softmax(logits.view(rows, n_kv_heads, group * lq, n_keys), dim=-1, dtype=torch.float32)
@@ -72,6 +78,17 @@ def attend(
     output = output.view(rows, n_heads, lq, head_dim).transpose(1, 2)
     per_head = weights.view(rows, n_heads, lq, n_keys)
     return output, per_head.mean(1), per_head.amax(1)
+
+
+@functools.cache
+def _negative_infinity_of(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(float("-inf"), dtype=dtype, device=device)
+
+
+def _negative_infinity(like: torch.Tensor) -> torch.Tensor:
+    """-inf as a 0-dim tensor of `like`'s dtype and device, made once (a Python float would be made into one
+    at every call: a kernel per layer and step)."""
+    return _negative_infinity_of(like.dtype, like.device)
 
 
 def tiered_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -41,8 +41,9 @@ Correct by construction:
 Recall rules (`PolicySpec.recall_rule`, traces/policy.py), at each decode step, per layer, for the *current*
 query; the number of blocks is `recall_blocks(spec, logical_len)` (`recall_k`, or `--recall-budget`):
 - "quest": every DDR block gets the upper bound `max over query heads of sum_d max(q_d * kmin_d, q_d * kmax_d)`
-  of its attention logit (kmin/kmax: elementwise key bounds of the block, kept on the device); the top blocks
-  are copied to HBM staging pages and every head attends them.
+  of its attention logit (kmin/kmax: elementwise key bounds of the block, kept on the device; the sum is one
+  GEMM, [max(q, 0), min(q, 0)] . [kmax, kmin], `tracer.transfer.KeyBounds`); the top blocks are copied to HBM
+  staging pages and every head attends them.
 - "quest-per-head": each KV head ranks the DDR blocks by the same bound maximised over its own query group
   only and picks its own top blocks. A block is copied once when any head picks it (the union is what moves,
   and what bytes_h2d / recalled_block_ids record), and each KV head attends only the recalled blocks *it*
@@ -422,9 +423,10 @@ class PagedLayer:
         keys, values = self.keys[selected][:, :, used], self.values[selected][:, :, used]
         slot_pos = self.slot_pos[selected][:, used]
         query_start = states[0].query_start if self.pads is None else self.query_starts  # per row when padded
+        valid = slot_pos >= 0  # the slots holding an entry: attention's mask, then the scorers'
         output, weights_mean, weights_max = attend(query, keys, values, scaling, slot_pos, query_start,
-                                                   None if hidden is None else hidden[:, :, used])
-        self._after_attention(rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos)
+                                                   None if hidden is None else hidden[:, :, used], valid)
+        self._after_attention(rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos, valid)
         return output
 
     def _rows_tensor(self, rows: list[int]) -> torch.Tensor:
@@ -501,6 +503,8 @@ class PagedLayer:
         # A row's j-th recalled block goes to staging page S - width + j (the last `width` staging pages, next
         # to the main pages, so that attention reads one range of slots), whole pages at a time.
         self.staged_pages, first_page = width, self.n_staging_pages - width
+        if uneven_picks or not every_row:  # pages this recall leaves unfilled are attended: empty them first
+            self._pages("slot_pos")[self._select(rows), first_page : first_page + width] = -1
         staging = _staging_pages(tuple(per_row), width, first_page, str(self.device)) \
             if uneven_picks or spec.recall_rule != "quest" or not isinstance(selected, slice) else None
         if staging is None:  # consecutive rows, `width` blocks each: one strided copy per tensor, no index
@@ -532,11 +536,10 @@ class PagedLayer:
         hidden.view(len(rows), self.n_kv_heads, -1, bs)[batch_of, :, staging] = ~flat_picks[:, :, None]
         return hidden
 
-    def _after_attention(self, rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos):
+    def _after_attention(self, rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos, valid):
         n_attended = slot_pos.shape[1]
         lengths = self.lengths  # [rows]: each row's logical length (made by `update`, which just ran for these rows)
         # Empty slots (weight 0) point at each row's scratch position, one past its last token.
-        valid = slot_pos >= 0
         positions = torch.where(valid, slot_pos, lengths[:, None])
         self._score(rows, states, rows_t, lengths, positions, weights_mean, weights_max, keys, values, valid)
         placing = [i for i, s in enumerate(states) if not s.defer_placement]
@@ -563,9 +566,8 @@ class PagedLayer:
         if recording:
             masses, host = self._occupancy(states, recording, weights_mean[:, -1], positions)
         moves = self._place(rows, states, placing)
-        if self.staged_pages:  # the staging pages are refilled at the next recall
-            bs = self.block_size
-            self.slot_pos[self._select(rows), (self.n_staging_pages - self.staged_pages) * bs : self.n_staging_pages * bs] = -1
+        # (This step's staging pages keep their entries: attention reads only the staging pages its own step's
+        # recall filled, `staged_pages`, reset by `update`, so a stale page is never attended nor cleared.)
         errors = self._quant_errors(rows, moves)
         if recording:
             recorded = [states[i] for i in recording]
@@ -632,7 +634,8 @@ class PagedLayer:
             scores = scorer.score(observation, previous)
             if scores is not previous or not isinstance(selected, slice):
                 self.token_scores[selected] = scores[:, :width]
-            self.token_scores[score_rows, score_lengths] = 0.0  # the scratch positions
+            if not scorer.adds_weights_only:  # the scratch positions (weight 0 added leaves them at 0)
+                self.token_scores[score_rows, score_lengths] = 0.0
 
     def _occupancy(self, states, recording: list[int], last_weights: torch.Tensor,
                    positions: torch.Tensor) -> tuple[Deferred, dict[str, list]]:
@@ -875,16 +878,24 @@ def _device_columns(masses: Deferred, index: list[int], blocks: list[int], recal
     this step)."""
     mass = masses.value()[index]  # [rows, blocks + 1]
     columns = {"block_mass": [row[:n] for row, n in zip(mass, blocks, strict=True)]}
-    fetched: dict[int, list] = {}  # every row's recalled ids of the layer, fetched together: one list
-    recalled_ids = []
-    for entry in recalled:
-        if entry is None:
-            recalled_ids.append([])
-            continue
-        ids = fetched.get(id(entry[1]))
-        if ids is None:
-            ids = fetched[id(entry[1])] = entry[1].value().tolist()
-        recalled_ids.append(sorted(ids[entry[2] : entry[2] + entry[3]]))  # staged by bound; recorded by id
+    # Staged by bound, recorded by id. Every row's recalled ids of the layer come in one fetched array; when
+    # the rows recall alike (each its k ids, in order: the usual step), one sort orders them all.
+    first = next((entry for entry in recalled if entry is not None), None)
+    k = 0 if first is None else first[3]
+    if first is not None and all(entry is not None and entry[1] is first[1] and entry[2] == i * k and entry[3] == k
+                                 for i, entry in enumerate(recalled)):
+        recalled_ids = np.sort(first[1].value()[: len(recalled) * k].reshape(len(recalled), k), axis=1).tolist()
+    else:
+        fetched: dict[int, list] = {}  # by fetched array
+        recalled_ids = []
+        for entry in recalled:
+            if entry is None:
+                recalled_ids.append([])
+                continue
+            ids = fetched.get(id(entry[1]))
+            if ids is None:
+                ids = fetched[id(entry[1])] = entry[1].value().tolist()
+            recalled_ids.append(sorted(ids[entry[2] : entry[2] + entry[3]]))
     columns["recalled_block_ids"] = recalled_ids
     counts = [len(ids) for ids in recalled_ids]
     mass_ddr = np.zeros(len(recalled_ids))

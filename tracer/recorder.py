@@ -3,8 +3,8 @@
 Each tiered layer hands every recording row of a step one `LayerRows` (the layer's columns for all its rows:
 host-known ones as lists, the device-derived ones — block masses reduced on the device, moved and recalled ids
 — resolved for all rows at once from the step's one copy, tracer.cache.DeferredCopies); each row's recorder
-keeps (LayerRows, its index) and appends its values in bulk, column by column, when a table is read (or every
-`_RESOLVE_EVERY_ROWS` rows, which bounds the fetched copies they hold). No dict per row and layer: at a batch of B
+keeps (LayerRows, its index) and appends its values at `end_step`, column by column (one tuple per row, built
+once per LayerRows, transposed). No dict per row and layer: at a batch of B
 that is B x layers of them per step, Python time a GPU step cannot hide. The decode loop sets `step`, the
 step's wall time and (tracer.decode.LayerTimer) each decoder layer's time. Nothing here touches torch.
 """
@@ -23,7 +23,7 @@ STEP_COLUMNS = (
 )
 OPTIONAL_STEP_COLUMNS = ("quant_max_rel_err", "quant_rms_rel_err")  # quantized DDR tier; None when not measured
 _ROW_COLUMNS = STEP_COLUMNS[1:]  # what a layer records per row (the recorder adds the step)
-_RESOLVE_EVERY_ROWS = 2048  # pending rows appended in bulk (each holds its step's fetched copy until then)
+_RECORDED = _ROW_COLUMNS + OPTIONAL_STEP_COLUMNS + ("block_mass",)  # a row's values, as `LayerRows.rows` holds them
 
 
 class Deferred:
@@ -47,19 +47,27 @@ class LayerRows:
     lists over the same rows, called once (after the step's copy) for all of them."""
 
     def __init__(self, host: dict[str, list], device=None):
-        self.host, self._device, self._columns = host, device, None
+        self.host, self._device, self._columns, self._rows = host, device, None, None
 
     def columns(self) -> dict[str, list]:
         if self._columns is None:
             self._columns = self.host if self._device is None else {**self.host, **self._device()}
         return self._columns
 
+    def rows(self) -> list[tuple]:
+        """Each row's values as one tuple in `_RECORDED` order (None for an optional column not measured), built
+        once for all rows: a recorder then appends its rows by transposing tuples, not by looking up columns."""
+        if self._rows is None:
+            columns = self.columns()
+            n = len(columns["layer"])
+            self._rows = list(zip(*[columns.get(name) or [None] * n for name in _RECORDED], strict=True))
+        return self._rows
+
 
 @dataclass
 class Recorder:
-    """One sample's recorded rows. A step's rows are kept as (LayerRows, index, step) until a table (or
-    `columns`) is read, then appended column by column for every pending row at once: a decode step adds only
-    its references (at a batch of B that is B x layers of them), not B x layers x 20 appends."""
+    """One sample's recorded rows. A step's rows arrive as (LayerRows, index, step), one per layer, and are
+    appended column by column when the step ends (or `columns` / a table is read first)."""
 
     record_access: bool = True
     step: int = 0
@@ -91,20 +99,18 @@ class Recorder:
         if not pending:
             return
         columns = self._columns
-        values = [rows.columns() for rows, _, _ in pending]  # each LayerRows resolves once, for all its rows
-        index = [i for _, i, _ in pending]
         columns["step"].extend([step for _, _, step in pending])
-        for name in _ROW_COLUMNS:
-            columns[name].extend([v[name][i] for v, i in zip(values, index, strict=True)])
-        for name in OPTIONAL_STEP_COLUMNS:
-            columns[name].extend([None if v.get(name) is None else v[name][i]
-                                  for v, i in zip(values, index, strict=True)])
-        if self.record_access:
-            self._block_mass.extend([v["block_mass"][i] for v, i in zip(values, index, strict=True)])
+        values = zip(*[rows.rows()[index] for rows, index, _ in pending], strict=True)  # column by column
+        for name, column in zip(_RECORDED, values, strict=True):
+            if name != "block_mass":
+                columns[name].extend(column)
+            elif self.record_access:
+                self._block_mass.extend(column)
 
     def end_step(self, wall_us: float, layer_us: list[float] | None = None) -> None:
-        if len(self.pending) >= _RESOLVE_EVERY_ROWS:  # bounded: pending rows keep their steps' fetched copies
-            self._resolve()
+        # Resolved now, not when a table is read: a step's LayerRows then die with it (thousands of them alive
+        # until the sample ends made Python's garbage collector walk them: 10-30% of a batch-32 micro step).
+        self._resolve()
         self.step_us.append(wall_us)
         self.layer_us.append(layer_us)
         self.step += 1

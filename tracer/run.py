@@ -237,7 +237,7 @@ def run_trace(config: TraceConfig, progress: bool = True, loaded=None) -> Path:
     """Trace `config.n_samples` samples into `config.out`; samples already committed there are skipped."""
     from tqdm.auto import tqdm
 
-    from tracer.decode import encode_prompt
+    from tracer.decode import encode_prompt, frozen_heap
     from tracer.models import load_model
     from tracer.preflight import apply_threads, resolve_device, resolve_threads
     from tracer.tasks import get_task, prompt_manifest
@@ -292,10 +292,11 @@ def run_trace(config: TraceConfig, progress: bool = True, loaded=None) -> Path:
                           "samples_already_done": len(samples) - len(todo)})
     bar = tqdm(samples, desc=f"trace {config.policy}", unit="sample", disable=not progress,
                initial=len(samples) - len(todo), total=len(samples))
-    for row, steps, tokens, access in trace_samples(loaded, task, todo, config, progress=progress):
-        writer.write_sample(row, steps, tokens, access)  # each sample commits as it finishes (resume-safe)
-        bar.update(1)
-        bar.set_postfix(tokens=row["generated_tokens"], stop=row["stop_reason"])
+    with frozen_heap():  # the collector's full passes skip the model's objects (tracer.decode.frozen_heap)
+        for row, steps, tokens, access in trace_samples(loaded, task, todo, config, progress=progress):
+            writer.write_sample(row, steps, tokens, access)  # each sample commits as it finishes (resume-safe)
+            bar.update(1)
+            bar.set_postfix(tokens=row["generated_tokens"], stop=row["stop_reason"])
     bar.close()
     writer.end_session({"load_avg_1m_end": load_average(), "samples_traced": len(todo)})
     return Path(config.out)

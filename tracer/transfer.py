@@ -104,8 +104,8 @@ class PinnedBlockStore:
     `mapped_view` (on a CPU the host tensor itself; on CUDA the mapped pinned pages, a kernel that reads or
     writes host memory over the link), so neither reads an id back and a decode step never waits for the host;
     one call moves every row's blocks of the layer. Where CUDA refuses the mapping, both read the ids back and
-    copy through the host (one synchronisation per call). Per-block key bounds (elementwise min/max over the
-    block's tokens, Quest-style) stay on the compute device, as the cache expects.
+    copy through the host (one synchronisation per call). Per-block key bounds (`KeyBounds`: elementwise
+    min/max over the block's tokens, Quest-style) stay on the compute device, as the cache expects.
     """
 
     def __init__(self, n_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device):

@@ -1,7 +1,8 @@
 """Collection throughput: tokens/s of the traced decode (hierarchy 30% + recording, `thoughtkv trace`'s loop,
 tracer.decode.decode_batch) at batch sizes 1, 8, 32 against HF `generate` with a plain DynamicCache + sdpa at
 the same batch and tokens, on `random:tiny` and the bundled micro model; one torch thread, same process,
-variants interleaved over rounds (the median of each is kept, so background load hits all alike).
+variants interleaved over rounds (the median of each is kept, so background load hits all alike), in a frozen
+heap as `thoughtkv trace` decodes (tracer.decode.frozen_heap; both sides).
 
 Printed per model and B: untraced and traced tok/s, traced/untraced (goal >= 0.8), beside the same for the
 decode steps alone (the time of a run of `--steps` tokens less that of a 1-token run, prefill included in both:
@@ -30,7 +31,7 @@ from transformers import DynamicCache
 
 from tracer.cache import TieredCache
 from tracer.calibrate.launches import NO_KERNEL_OPS
-from tracer.decode import DecodeJob, decode_batch, greedy_decode, use_tiered_attention
+from tracer.decode import DecodeJob, decode_batch, frozen_heap, greedy_decode, use_tiered_attention
 from tracer.models import load_model
 from tracer.recorder import Recorder
 from tracer.run import TraceConfig, make_settings
@@ -131,7 +132,8 @@ def main() -> None:
     print(f"prompt {args.prompt} tokens, {args.steps} new tokens per sample, {args.rounds} rounds (median), "
           f"torch threads {torch.get_num_threads()}; traced = hierarchy 0.3, recall_k 4, block 16, recording on")
     for spec in args.models.split(","):
-        r = measure(spec, args)
+        with frozen_heap():  # as `thoughtkv trace` decodes (both sides measured in it)
+            r = measure(spec, args)
         print(f"\n{spec} ({r['params_m']:.1f}M params)")
         print(f"{'B':>4} {'untraced tok/s':>15} {'traced tok/s':>13} {'traced/untraced':>16}  (goal >= 0.8)"
               f"   decode steps only: {'untraced':>9} {'traced':>8} {'ratio':>6}")

@@ -33,7 +33,7 @@ import torch
 from transformers import DynamicCache
 
 from tracer.cache import TieredCache
-from tracer.decode import DecodeJob, HostSyncCounter, decode_batch, use_tiered_attention
+from tracer.decode import DecodeJob, HostSyncCounter, decode_batch, frozen_heap, use_tiered_attention
 from tracer.models import load_model
 from tracer.recorder import Recorder
 from tracer.run import TraceConfig, make_settings
@@ -127,40 +127,41 @@ def main() -> int:
                      "ddr_mapped_view": ddr_mapped_view_check(device)}
     say(f"DDR pool addressed through the mapped pinned view (no id read back): {results['ddr_mapped_view']}")
     layer_rows = []
-    for batch in batches:
-        base, tiered = [], []
-        for _ in range(args.rounds):
-            base.append(untraced(batch))
-            tok_s, recorders = traced(batch, "hierarchy")
-            tiered.append(tok_s)
-        entry = {"untraced_tok_s": statistics.median(base), "traced_hierarchy_tok_s": statistics.median(tiered)}
-        entry["traced_over_untraced"] = entry["traced_hierarchy_tok_s"] / entry["untraced_tok_s"]
-        if batch == 1:
-            entry["traced_full_tok_s"] = statistics.median(traced(1, "full")[0] for _ in range(args.rounds))
-        counter, forwards = HostSyncCounter(), [0]  # forwards: the batch's prefill(s), then its decode steps
-        hook = model.register_forward_pre_hook(lambda *_, seen=forwards: seen.__setitem__(0, seen[0] + 1))
-        try:
-            traced(batch, "hierarchy", counter)
-        finally:
-            hook.remove()
-        entry["host_syncs_per_step"] = counter.count / forwards[0]
-        entry["host_syncs_by_op"] = counter.by_op
-        table = recorders[0].steps_table()
-        per_layer: dict[int, list[float]] = {}
-        for step, layer, us, step_us in zip(table["step"], table["layer"], table["measured_layer_us"],
-                                            table["measured_step_us"], strict=True):
-            layer_rows.append(f"{batch},{step},{layer},{us:.1f},{step_us:.1f}")
-            if step > 0:
-                per_layer.setdefault(layer, []).append(us)
-        entry["decode_layer_us_median"] = [statistics.median(per_layer[k]) for k in sorted(per_layer)]
-        entry["decode_step_us_median"] = statistics.median(
-            us for s, us in zip(table["step"], table["measured_step_us"], strict=True) if s > 0)
-        results["by_batch"][str(batch)] = entry
-        goal = 0.9 if batch == 1 else 0.95
-        say(f"B={batch}: untraced {entry['untraced_tok_s']:.1f} tok/s, traced hierarchy "
-            f"{entry['traced_hierarchy_tok_s']:.1f} tok/s, ratio {entry['traced_over_untraced']:.3f} (goal >= {goal}); "
-            f"host syncs/step {entry['host_syncs_per_step']:.1f} (goal <= 1); decode layer us median "
-            f"{statistics.median(entry['decode_layer_us_median']):.0f}, step {entry['decode_step_us_median']:.0f}")
+    with frozen_heap():  # as `thoughtkv trace` decodes (both sides measured in it)
+        for batch in batches:
+            base, tiered = [], []
+            for _ in range(args.rounds):
+                base.append(untraced(batch))
+                tok_s, recorders = traced(batch, "hierarchy")
+                tiered.append(tok_s)
+            entry = {"untraced_tok_s": statistics.median(base), "traced_hierarchy_tok_s": statistics.median(tiered)}
+            entry["traced_over_untraced"] = entry["traced_hierarchy_tok_s"] / entry["untraced_tok_s"]
+            if batch == 1:
+                entry["traced_full_tok_s"] = statistics.median(traced(1, "full")[0] for _ in range(args.rounds))
+            counter, forwards = HostSyncCounter(), [0]  # forwards: the batch's prefill(s), then its decode steps
+            hook = model.register_forward_pre_hook(lambda *_, seen=forwards: seen.__setitem__(0, seen[0] + 1))
+            try:
+                traced(batch, "hierarchy", counter)
+            finally:
+                hook.remove()
+            entry["host_syncs_per_step"] = counter.count / forwards[0]
+            entry["host_syncs_by_op"] = counter.by_op
+            table = recorders[0].steps_table()
+            per_layer: dict[int, list[float]] = {}
+            for step, layer, us, step_us in zip(table["step"], table["layer"], table["measured_layer_us"],
+                                                table["measured_step_us"], strict=True):
+                layer_rows.append(f"{batch},{step},{layer},{us:.1f},{step_us:.1f}")
+                if step > 0:
+                    per_layer.setdefault(layer, []).append(us)
+            entry["decode_layer_us_median"] = [statistics.median(per_layer[k]) for k in sorted(per_layer)]
+            entry["decode_step_us_median"] = statistics.median(
+                us for s, us in zip(table["step"], table["measured_step_us"], strict=True) if s > 0)
+            results["by_batch"][str(batch)] = entry
+            goal = 0.9 if batch == 1 else 0.95
+            say(f"B={batch}: untraced {entry['untraced_tok_s']:.1f} tok/s, traced hierarchy "
+                f"{entry['traced_hierarchy_tok_s']:.1f} tok/s, ratio {entry['traced_over_untraced']:.3f} (goal >= {goal}); "
+                f"host syncs/step {entry['host_syncs_per_step']:.1f} (goal <= 1); decode layer us median "
+                f"{statistics.median(entry['decode_layer_us_median']):.0f}, step {entry['decode_step_us_median']:.0f}")
     (out / "throughput.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "layer_us.csv").write_text("batch,step,layer,measured_layer_us,measured_step_us\n" + "\n".join(layer_rows) + "\n")
     say(f"done in {time.perf_counter() - started:.0f}s")

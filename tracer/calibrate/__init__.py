@@ -157,7 +157,15 @@ def measure(
     geometry: dict | None = None,
 ) -> Calibration:
     """Run the plan's benchmarks; the tiered overhead decoders use `geometry` (`cache_geometry`: block size,
-    sinks, window; default the policy contract's)."""
+    sinks, window; default the policy contract's). In a frozen heap, as `thoughtkv trace` decodes
+    (tracer.decode.frozen_heap), so the overheads it fits are timed as the traces' steps run."""
+    from tracer.decode import frozen_heap
+
+    with frozen_heap():
+        return _measure(device_type, architecture, plan, threads, overhead_decoder, statistic, progress, geometry)
+
+
+def _measure(device_type, architecture, plan, threads, overhead_decoder, statistic, progress, geometry) -> Calibration:
     import numpy as np
     import torch
 

@@ -63,6 +63,9 @@ class Scorer:
     # rows whose scorers have the same settings share one call. Per-sample state (oracle, gradient, AlsoScore)
     # is scored one row at a time.
     batchable: bool = True
+    # Whether the scores only ever add the weights given: an empty slot (weight exactly 0) then leaves its
+    # scratch position at 0, and the cache skips resetting it after each call.
+    adds_weights_only: bool = False
 
     def score(self, obs: Observation, previous: torch.Tensor) -> torch.Tensor:
         """Return the scores [rows, >= obs.logical_len] of every position (float32); entries beyond are 0."""

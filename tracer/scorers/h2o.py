@@ -12,7 +12,10 @@ class H2OScorer(Scorer):
     """H2O: cumulative attention received, summed over every query seen so far (prefill: all prompt queries)."""
 
     name: str = "h2o"
+    adds_weights_only = True
 
     def score(self, obs, previous):
         scores = _extended(previous, obs.logical_len)
-        return scores.scatter_add_(1, obs.positions, obs.weights_mean.sum(1))
+        weights = obs.weights_mean
+        received = weights[:, 0] if weights.shape[1] == 1 else weights.sum(1)  # a decode step's one query: as is
+        return scores.scatter_add_(1, obs.positions, received)
