@@ -154,3 +154,20 @@ def test_the_recall_bound_is_quests_elementwise_bound(dtype):
     tolerance = 1e-5 if dtype == torch.float32 else 0.1  # bf16 rounds the products the GEMM accumulates
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
     assert torch.equal(store.key_min[rows, ids], keys.amin(2)) and torch.equal(store.key_max[rows, ids], keys.amax(2))
+
+
+@pytest.mark.parametrize("ddr_dtype", ["same", "int8"])
+def test_a_get_told_its_one_row_returns_what_the_general_get_does(ddr_dtype):
+    """The cache names the row when one row recalls (no row offsets to add on the device): the same blocks,
+    bytes and order as the general (row, id) gather."""
+    from tracer.quant import make_block_store
+
+    store = make_block_store(ddr_dtype, HEADS, BLOCK, DIM, torch.float32, torch.device("cpu"))
+    store.reserve(3, 40)
+    g = torch.Generator().manual_seed(4)
+    rows, ids = torch.tensor([0, 2, 2, 2, 1]), torch.tensor([5, 5, 39, 7, 0])
+    store.put(rows, ids, torch.randn(5, HEADS, BLOCK, DIM, generator=g), torch.randn(5, HEADS, BLOCK, DIM, generator=g))
+    wanted = torch.tensor([39, 5, 7])
+    general = store.get(torch.full((3,), 2), wanted)
+    told = store.get(torch.full((3,), 2), wanted, 2)
+    assert torch.equal(general[0], told[0]) and torch.equal(general[1], told[1]) and general[2] == told[2]

@@ -498,7 +498,8 @@ class PagedLayer:
         if uneven_picks:
             select = host_to_device(select, self.device)
             flat_rows, flat_ids = flat_rows[select], flat_ids[select]
-        keys, values, n_bytes = self.ddr.get(flat_rows, flat_ids)
+        one_row = rows[batch_index[0]] if len(batch_index) == 1 else None  # (host-known: no row offsets to add)
+        keys, values, n_bytes = self.ddr.get(flat_rows, flat_ids, one_row)
         n_flat = flat_ids.shape[0]
         # A row's j-th recalled block goes to staging page S - width + j (the last `width` staging pages, next
         # to the main pages, so that attention reads one range of slots), whole pages at a time.
@@ -511,7 +512,10 @@ class PagedLayer:
             pages, shape = slice(first_page, first_page + width), (len(batch_index), width, *keys.shape[1:])
             self._pages("keys")[selected, :, pages] = keys.view(shape).transpose(1, 2)
             self._pages("values")[selected, :, pages] = values.view(shape).transpose(1, 2)
-            self._pages("slot_pos")[selected, pages] = self.block_positions[ids]
+            if one_row is None:
+                self._pages("slot_pos")[selected, pages] = self.block_positions[ids]
+            else:  # one row's staging positions are contiguous: gathered in place
+                torch.index_select(self.block_positions, 0, flat_ids, out=self._pages("slot_pos")[one_row, pages])
         else:
             self._pages("keys")[flat_rows, :, staging] = keys
             self._pages("values")[flat_rows, :, staging] = values

@@ -175,8 +175,10 @@ class QuantizedBlockStore:
         self._errors.append(torch.stack([both.abs().amax(1), both.square().mean(1)], dim=1))
         return moved
 
-    def get(self, rows: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Copy blocks' codes and grids to the device and dequantize: (keys, values, bytes copied H2D)."""
+    def get(self, rows: torch.Tensor, block_ids: torch.Tensor, row: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Copy blocks' codes and grids to the device and dequantize: (keys, values, bytes copied H2D). (`row`, the
+        one row every block is known to be from, is not needed here: each gather is by (row, id) already.)"""
         out, moved = [], 0
         for prefix in "kv":
             parts = [self._gather(f"{prefix}_{part}", rows, block_ids) for part in ("codes", "scale", "zero")]

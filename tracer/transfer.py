@@ -151,9 +151,13 @@ class PinnedBlockStore:
             self.storage[rows.cpu(), block_ids.cpu()] = blocks.cpu()
         return blocks.numel() * blocks.element_size()
 
-    def get(self, rows: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Copy blocks (`rows`, `block_ids`) to the compute device: ([n, H, block, d] keys, values, bytes H2D)."""
-        if self.view is not None:  # one flat index: a contiguous block copy per id, not a 2-D advanced index
+    def get(self, rows: torch.Tensor, block_ids: torch.Tensor, row: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Copy blocks (`rows`, `block_ids`) to the compute device: ([n, H, block, d] keys, values, bytes H2D).
+        `row`: when the caller knows every block is that one row's (then no row offset is added on the device)."""
+        if self.view is not None and row is not None:
+            blocks = self.view[row].index_select(0, block_ids)
+        elif self.view is not None:  # one flat index: a contiguous block copy per id, not a 2-D advanced index
             capacity = self.view.shape[1]
             if self._row_base[0] is not rows or self._row_base[1] != capacity:  # the cache passes the same rows
                 self._row_base = (rows, capacity, rows * capacity)
