@@ -303,11 +303,17 @@ def test_synth_refuses_an_endless_sample_count(tmp_path, capsys):
 def test_ctrl_c_inside_one_long_torch_op_ends_within_seconds():
     """A single matmul that runs for far longer than the grace: Python cannot raise KeyboardInterrupt inside
     it, the watchdog must end the process."""
+    # One matmul sized to last ~8 s on this machine (a fixed 6000 x 6000 took 1.3 s on a fast day: it ended
+    # before the grace did, and Python's own KeyboardInterrupt ended the process instead of the watchdog).
     script = (
-        "import sys, torch\n"
+        "import sys, time, torch\n"
         "from thoughtkv.cli import hard_interrupt\n"
         "torch.set_num_threads(1)\n"
-        "a = torch.randn(6000, 6000)\n"
+        "b = torch.randn(1500, 1500)\n"
+        "for _ in range(2):\n"
+        "    started = time.perf_counter(); b @ b; per_op = time.perf_counter() - started\n"
+        "n = min(16000, int(1500 * (8.0 / per_op) ** (1 / 3)))\n"
+        "a = torch.randn(n, n)\n"
         "print('ready', flush=True)\n"
         "with hard_interrupt('test'):\n"
         "    for _ in range(100):\n"
@@ -316,12 +322,15 @@ def test_ctrl_c_inside_one_long_torch_op_ends_within_seconds():
     )
     process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
-    assert process.stdout.readline().strip() == "ready"
-    time.sleep(1.0)  # well inside the first matmul (~4 s on one core)
-    sent = time.perf_counter()
-    process.send_signal(signal.SIGINT)
-    rc = process.wait(timeout=30)
-    elapsed = time.perf_counter() - sent
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        time.sleep(1.0)  # well inside the first matmul
+        sent = time.perf_counter()
+        process.send_signal(signal.SIGINT)
+        rc = process.wait(timeout=30)
+        elapsed = time.perf_counter() - sent
+    finally:
+        process.kill()  # (a no-op once it has ended; else no orphan keeps multiplying)
     assert rc == 130 and elapsed < 4.0, (rc, elapsed)
     assert "interrupted; finished work is kept" in process.stderr.read()
 
