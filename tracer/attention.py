@@ -61,7 +61,7 @@ Blocked slots get weight exactly 0.
         if valid is None:
             valid = key_positions >= 0
         logits = torch.where(valid[:, None, None, None, :], logits.view(rows, n_kv_heads, group, lq, n_keys),
-                             _negative_infinity(logits))
+                             _negative_infinity(logits.dtype, logits.device))
     else:
         offsets = torch.arange(lq, device=query.device)
         if isinstance(query_start, torch.Tensor):  # per row, left-padded: a pad (negative) reads position 0
@@ -81,14 +81,10 @@ Blocked slots get weight exactly 0.
 
 
 @functools.cache
-def _negative_infinity_of(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _negative_infinity(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """-inf as a 0-dim tensor, made once per dtype and device (a Python float would be made into one at every
+    call: a kernel per layer and step)."""
     return torch.tensor(float("-inf"), dtype=dtype, device=device)
-
-
-def _negative_infinity(like: torch.Tensor) -> torch.Tensor:
-    """-inf as a 0-dim tensor of `like`'s dtype and device, made once (a Python float would be made into one
-    at every call: a kernel per layer and step)."""
-    return _negative_infinity_of(like.dtype, like.device)
 
 
 def tiered_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -134,9 +134,6 @@ class RowState:
     head_picks: torch.Tensor | None = None  # quest-per-head: [recalled, Hkv] bool
     bytes_h2d: int = 0
 
-    def __post_init__(self) -> None:
-        self.block_size = self.settings.spec.block_size
-
     @property
     def spec(self) -> PolicySpec:
         return self.settings.spec
@@ -150,7 +147,7 @@ class RowState:
         return ids[start : start + n]
 
     def blocks(self) -> int:
-        return -(-self.logical_len // self.block_size)  # n_blocks(spec, logical_len), asked many times a step
+        return n_blocks(self.spec, self.logical_len)
 
     def hbm_blocks(self) -> int:
         return self.blocks() - self.n_ddr_blocks - self.n_evicted_blocks
