@@ -133,8 +133,10 @@ def test_the_unmapped_fallback_moves_the_same_blocks(ddr_dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_recall_bound_is_quests_elementwise_bound(dtype):
-    """`KeyBounds.logit_bounds` (one GEMM over [q+, q-] and [kmax, kmin], what recall ranks blocks by) equals
-    Quest's bound written out, sum_d max(q_d * kmin_d, q_d * kmax_d), over the keys each block was stored with."""
+    """`KeyBounds.logit_bounds` (one GEMM over [q+, q-, 1] and [kmax, kmin, mask], what recall ranks blocks by)
+    equals Quest's bound written out, sum_d max(q_d * kmin_d, q_d * kmax_d), over the keys each block was stored
+    with, for the blocks marked in DDR; every other block (stored but not marked, or never stored) ranks below
+    every DDR block, at the dtype's lowest value, until a refilled row clears its marks."""
     from tracer.transfer import PinnedBlockStore
 
     g = torch.Generator().manual_seed(5)
@@ -145,14 +147,25 @@ def test_the_recall_bound_is_quests_elementwise_bound(dtype):
     ids = torch.arange(n_blocks).repeat(n_rows)
     keys = torch.randn(len(ids), HEADS, BLOCK, DIM, generator=g).to(dtype)
     store.put(rows, ids, keys, torch.randn(keys.shape, generator=g).to(dtype))
+    in_ddr = torch.rand(n_rows, n_blocks, generator=g) < 0.6
+    in_ddr[:, 0], in_ddr[:, 1] = True, False
+    store.bounds.mark(torch.arange(n_rows), in_ddr[:, :-1])  # the last block: stored, never marked
+    in_ddr[:, -1] = False
     query = torch.randn(n_rows, HEADS, group, DIM, generator=g).to(dtype)
-    got = store.bounds.logit_bounds(query, slice(0, n_rows), n_blocks).float()  # [rows, Hkv, group, blocks]
+    got = store.bounds.logit_bounds(query, slice(0, n_rows), n_blocks + 3).float()  # [rows, Hkv, group, blocks]
     stored = keys.float().view(n_rows, n_blocks, HEADS, BLOCK, DIM)
     kmin, kmax = stored.amin(3), stored.amax(3)  # [rows, blocks, Hkv, d]
     q = query.float()[:, None]  # [rows, 1, Hkv, group, d]
     want = torch.maximum(q * kmin[:, :, :, None], q * kmax[:, :, :, None]).sum(-1).permute(0, 2, 3, 1)
     tolerance = 1e-5 if dtype == torch.float32 else 0.1  # bf16 rounds the products the GEMM accumulates
-    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+    marked = in_ddr[:, None, None, :].expand_as(want)
+    torch.testing.assert_close(got[..., :n_blocks][marked], want[marked], rtol=tolerance, atol=tolerance)
+    outside = torch.cat([~marked, torch.ones(*marked.shape[:3], 3, dtype=torch.bool)], -1)  # + 3 never stored
+    assert got[outside].max() < got[..., :n_blocks][marked].min()
+    assert torch.equal(store.bounds.in_ddr(slice(0, n_rows), n_blocks + 3), torch.cat(
+        [in_ddr, torch.zeros(n_rows, 3, dtype=torch.bool)], 1))
+    store.bounds.clear(1)
+    assert not store.bounds.in_ddr(slice(1, 2), n_blocks).any() and store.bounds.in_ddr(0, n_blocks).any()
     assert torch.equal(store.key_min[rows, ids], keys.amin(2)) and torch.equal(store.key_max[rows, ids], keys.amax(2))
 
 

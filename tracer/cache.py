@@ -42,8 +42,9 @@ Recall rules (`PolicySpec.recall_rule`, traces/policy.py), at each decode step, 
 query; the number of blocks is `recall_blocks(spec, logical_len)` (`recall_k`, or `--recall-budget`):
 - "quest": every DDR block gets the upper bound `max over query heads of sum_d max(q_d * kmin_d, q_d * kmax_d)`
   of its attention logit (kmin/kmax: elementwise key bounds of the block, kept on the device; the sum is one
-  GEMM, [max(q, 0), min(q, 0)] . [kmax, kmin], `tracer.transfer.KeyBounds`); the top blocks are copied to HBM
-  staging pages and every head attends them.
+  GEMM, [max(q, 0), min(q, 0), 1] . [kmax, kmin, mask], `tracer.transfer.KeyBounds`, whose mask row puts every
+  block outside DDR at the dtype's lowest value); the top blocks are copied to HBM staging pages and every head
+  attends them.
 - "quest-per-head": each KV head ranks the DDR blocks by the same bound maximised over its own query group
   only and picks its own top blocks. A block is copied once when any head picks it (the union is what moves,
   and what bytes_h2d / recalled_block_ids record), and each KV head attends only the recalled blocks *it*
@@ -207,12 +208,11 @@ class PagedLayer:
         self.next_slot = torch.full((0,), -1, dtype=torch.long, device=self.device)  # per row: the next token's slot
         self.block_page = torch.full((0, 0), -1, dtype=torch.long, device=self.device)
         self.block_tier = torch.zeros((0, 0), dtype=torch.int8, device=self.device)
-        # True where a block's home is not DDR (what recall skips), kept with the tiers (they change at placement)
-        self.off_ddr = torch.ones((0, 0), dtype=torch.bool, device=self.device)
         self.block_positions = torch.zeros((0, self.block_size), dtype=torch.long, device=self.device)  # b -> its positions
         self.token_scores = torch.zeros((0, 0), dtype=torch.float32, device=self.device)
-        self.importance = torch.zeros((0, 0), dtype=torch.float32, device=self.device)
-        self.importance_max = torch.zeros((0, 0), dtype=torch.float32, device=self.device)
+        # Attention received over decode steps per position, [rows, 2, positions]: mean over query heads, then max
+        # (one tensor: a decode step scatters both at once); `importance` / `importance_max` are its views.
+        self.received = torch.zeros((0, 2, 0), dtype=torch.float32, device=self.device)
         self.ddr = make_block_store(self.spec.ddr_dtype, self.n_kv_heads, self.block_size, self.head_dim, self.dtype,
                                     self.device)
         self.token_bytes = 2 * self.n_kv_heads * self.head_dim * self.keys.element_size()  # K+V of one token
@@ -236,17 +236,16 @@ class PagedLayer:
             grown(self.block_page, -1)
         self.next_slot = grown(self.next_slot, -1)
         self.block_tier = grown(self.block_tier, TIER_HBM)
-        self.off_ddr = grown(self.off_ddr, True)
-        self.token_scores, self.importance, self.importance_max = (grown(t, 0) for t in (
-            self.token_scores, self.importance, self.importance_max))
+        self.token_scores, self.received = grown(self.token_scores, 0), grown(self.received, 0)
         self.n_rows = n_rows
         self.ddr.reserve(n_rows, max(1, self.block_capacity))
 
     def _clear_row(self, row: int) -> None:
         """A refilled row starts empty (its previous sample's pages, tiers and scores are gone)."""
         self.slot_pos[row], self.page_block[row], self.block_page[row] = -1, -1, -1
-        self.block_tier[row], self.off_ddr[row] = TIER_HBM, True
-        self.token_scores[row], self.importance[row], self.importance_max[row] = 0, 0, 0
+        self.block_tier[row] = TIER_HBM
+        self.ddr.bounds.clear(row)  # no block of the row is in DDR (recall's mask)
+        self.token_scores[row], self.received[row] = 0, 0
 
     def _resize_pages(self, pages: int, staging_pages: int) -> None:
         """At least `pages` main and `staging_pages` staging pages per row; what the pages hold is kept (the
@@ -287,13 +286,16 @@ class PagedLayer:
             return torch.cat([tensor, more], dim=1)
 
         self.block_tier = widened(self.block_tier, extra, TIER_HBM)
-        self.off_ddr = widened(self.off_ddr, extra, True)
         self.block_positions = torch.arange(capacity * self.block_size, device=self.device).view(capacity, -1)
         self.block_page = widened(self.block_page, extra, -1)
-        for name in ("token_scores", "importance", "importance_max"):
-            setattr(self, name, widened(getattr(self, name), extra * self.block_size, 0))
+        self.token_scores = widened(self.token_scores, extra * self.block_size, 0)
+        self.received = torch.cat([self.received, self.received.new_zeros(
+            (self.n_rows, 2, extra * self.block_size))], dim=2)
         self.block_capacity = capacity
         self.ddr.reserve(self.n_rows, capacity)
+
+    importance = property(lambda self: self.received[:, 0], doc="[rows, positions]: attention received, mean over heads")
+    importance_max = property(lambda self: self.received[:, 1], doc="[rows, positions]: the same, max over heads")
 
     @property
     def scratch_page(self) -> int:
@@ -421,9 +423,9 @@ class PagedLayer:
         slot_pos = self.slot_pos[selected][:, used]
         query_start = states[0].query_start if self.pads is None else self.query_starts  # per row when padded
         valid = slot_pos >= 0  # the slots holding an entry: attention's mask, then the scorers'
-        output, weights_mean, weights_max = attend(query, keys, values, scaling, slot_pos, query_start,
-                                                   None if hidden is None else hidden[:, :, used], valid)
-        self._after_attention(rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos, valid)
+        output, weights = attend(query, keys, values, scaling, slot_pos, query_start,
+                                 None if hidden is None else hidden[:, :, used], valid)
+        self._after_attention(rows, states, rows_t, weights, keys, values, slot_pos, valid)
         return output
 
     def _rows_tensor(self, rows: list[int]) -> torch.Tensor:
@@ -465,15 +467,15 @@ class PagedLayer:
             counts_t = host_to_device([wanted[i] for i in batch_index], self.device)
         head_picks = None
         if spec.recall_rule == "quest":
-            # (a mask, not an added -inf: the bounds of a block never offloaded are unwritten memory, maybe NaN)
-            best = bounds.flatten(1, 2).amax(1).masked_fill(self.off_ddr[selected, :n_blocks_max], float("-inf"))
+            # (every block outside DDR is bounded at the dtype's lowest value: below any DDR block, never picked)
+            best = bounds.flatten(1, 2).amax(1)
             # By bound, highest first: a row's first `wanted` are its picks (the selection below keeps them), in
             # that order (the trace records them sorted; attention reads them as a set).
             ids = best.topk(k_max, dim=1).indices
             per_row = [wanted[i] for i in batch_index]
         else:  # quest-per-head: each KV head its own top blocks; the union is copied
-            not_ddr = self.off_ddr[selected, :n_blocks_max]
-            per_head = bounds.amax(2).transpose(1, 2).masked_fill(not_ddr[:, :, None], float("-inf"))  # [m, blocks, Hkv]
+            not_ddr = ~self.ddr.bounds.in_ddr(selected, n_blocks_max)
+            per_head = bounds.amax(2).transpose(1, 2)  # [m, blocks, Hkv] (outside DDR: the lowest value)
             top = per_head.topk(k_max, dim=1).indices  # [m, k_max, Hkv]
             picks = torch.zeros_like(per_head, dtype=torch.bool)
             picks.scatter_(1, top, (ranks < counts_t[:, None])[:, :, None].expand_as(top))
@@ -537,8 +539,9 @@ class PagedLayer:
         hidden.view(len(rows), self.n_kv_heads, -1, bs)[batch_of, :, staging] = ~flat_picks[:, :, None]
         return hidden
 
-    def _after_attention(self, rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos, valid):
+    def _after_attention(self, rows, states, rows_t, weights, keys, values, slot_pos, valid):
         n_attended = slot_pos.shape[1]
+        weights_mean, weights_max = weights[:, 0], weights[:, 1]  # [rows, lq, slots] each
         lengths = self.lengths  # [rows]: each row's logical length (made by `update`, which just ran for these rows)
         # Empty slots (weight 0) point at each row's scratch position, one past its last token.
         positions = torch.where(valid, slot_pos, lengths[:, None])
@@ -554,8 +557,8 @@ class PagedLayer:
         if decoding:
             selected = self._select(rows)
             if len(decoding) == len(rows) and isinstance(selected, slice):  # the rows' slice: in place
-                self.importance[selected].scatter_add_(1, positions, weights_mean[:, -1])
-                self.importance_max[selected].scatter_add_(1, positions, weights_max[:, -1])
+                index = positions[:, None].expand(-1, 2, -1)  # mean and max: one scatter
+                self.received[selected].scatter_add_(2, index, weights[:, :, -1])
             else:
                 index = host_to_device(decoding, self.device)
                 target_rows = rows_t[index].repeat_interleave(n_attended)
@@ -743,7 +746,7 @@ class PagedLayer:
                     self._resize_pages(kept + c[1], self.n_staging_pages)
                     self._promote(rows[plan[0]], state, promoted[index], c[1], self.n_staging_pages + kept)
         self.block_tier[place_rows, :end] = tier
-        self.off_ddr[place_rows, :end] = tier != TIER_DDR
+        self.ddr.bounds.mark(place_rows, tier == TIER_DDR)  # recall's mask, kept with the tiers
         # What happened to each movable block, recorded through the step's one deferred copy.
         moves = (offloaded.to(torch.int8) + 2 * promoted.to(torch.int8) + 3 * evicted_from_hbm.to(torch.int8)
                  + 4 * evicted_from_ddr.to(torch.int8))
@@ -877,7 +880,9 @@ def _device_columns(masses: Deferred, index: list[int], blocks: list[int], recal
     the recalled blocks; HBM + recalled mass is 1), the recalled ids, the block moves (codes 1 offloaded,
     2 promoted, 3-4 evicted from HBM / DDR) and the quantized tier's errors (None where a row offloaded nothing
     this step)."""
-    mass = masses.value()[index]  # [rows, blocks + 1]
+    mass = masses.value()  # [batch rows, blocks + 1]
+    if len(index) < len(mass):  # (`index` is ascending: every row of the batch when as long)
+        mass = mass[index]
     columns = {"block_mass": [row[:n] for row, n in zip(mass, blocks, strict=True)]}
     # Staged by bound, recorded by id. Every row's recalled ids of the layer come in one fetched array; when
     # the rows recall alike (each its k ids, in order: the usual step), one sort orders them all.
@@ -1098,12 +1103,16 @@ class DeferredCopies:
         if self._batch.fetched:  # the previous batch reached the host: start a new one
             self._batch = _CopyBatch()
         batch = self._batch
-        flat = tensor.detach().reshape(-1)
-        if flat.dtype not in _HOST_DTYPES:  # e.g. bfloat16, which NumPy has not
-            flat = flat.float()
-        raw = flat.contiguous().view(torch.uint8)  # (a reshape(-1) of a strided 1-D tensor may be a strided view)
+        dtype = _HOST_DTYPES.get(tensor.dtype)
+        if dtype is not None and tensor.is_contiguous() and not tensor.requires_grad:  # bytes by two views
+            raw = tensor.view(-1).view(torch.uint8)
+        else:
+            flat = tensor.detach().reshape(-1)
+            if dtype is None:  # e.g. bfloat16, which NumPy has not
+                flat, dtype = flat.float(), np.float32
+            raw = flat.contiguous().view(torch.uint8)  # (a reshape(-1) of a strided tensor may be a strided view)
         batch.tensors.append(raw)
-        batch.dtypes.append(_HOST_DTYPES[flat.dtype])
+        batch.dtypes.append(dtype)
         batch.offsets.append(batch.offsets[-1] + raw.shape[0])
         index = len(batch.tensors) - 1
         return Deferred(lambda: transform(batch.host(index)))

@@ -1,6 +1,6 @@
 """The recall rule's block bound, Quest's sum_d max(q_d * kmin_d, q_d * kmax_d), two ways, side by side in one
 run: written out elementwise (v2 before this change: an [m, blocks, Hkv, group, d] intermediate per layer and
-step) and as the one GEMM `tracer.transfer.KeyBounds.logit_bounds` computes ([q+, q-] . [kmax, kmin]), on
+step) and as the one GEMM `tracer.transfer.KeyBounds.logit_bounds` computes ([q+, q-, 1] . [kmax, kmin, mask]), on
 R1-Distill-Qwen-7B's attention geometry (28 query heads, 4 KV heads x 128) and on the bundled micro model's
 (6 / 3 x 32), for B rows and a context of `blocks` x 16 tokens; one torch thread.
 
@@ -55,6 +55,7 @@ def main() -> None:
             bounds.reserve(rows, blocks)
             keys = torch.randn(rows * blocks, n_kv_heads, 16, head_dim, generator=generator)
             bounds.put(torch.arange(rows).repeat_interleave(blocks), torch.arange(blocks).repeat(rows), keys)
+            bounds.mark(torch.arange(rows), torch.ones(rows, blocks, dtype=torch.bool))  # every block in DDR
             query = torch.randn(rows, n_kv_heads, n_heads // n_kv_heads, head_dim, generator=generator)
             # contiguous [rows, blocks, Hkv, d], as the stores held them before
             key_min, key_max = bounds.key_min[:, :blocks].contiguous(), bounds.key_max[:, :blocks].contiguous()
