@@ -268,8 +268,8 @@ def test_attend_hides_keys_per_kv_head_like_a_softmax_over_the_visible_ones():
     key, value = torch.randn(1, 2, 10, 8, generator=generator), torch.randn(1, 2, 10, 8, generator=generator)
     hidden = torch.zeros(2, 10, dtype=torch.bool)
     hidden[0, 6:8], hidden[1, 8:10] = True, True
-    output, reduced = attend(query, key, value, 0.5, torch.arange(10)[None], 9, hidden[None])
-    mean = reduced[0, 0]  # [lq, keys]: the mean over query heads (then the max)
+    output, mean, _ = attend(query, key, value, 0.5, torch.arange(10)[None], 9, hidden[None])
+    mean = mean[0]
     for head in range(4):
         kv = head // 2
         visible = ~hidden[kv]

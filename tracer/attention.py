@@ -5,8 +5,7 @@ The model calls `cache.update(k, v)` and then its attention function, which rece
 function takes it, asks it to recall DDR blocks for the *current* query (the recall rule therefore decides
 from this layer's query: prefetching a layer's blocks before its query exists is a prediction, not this
 rule), computes softmax attention over the layer's HBM pages + recalled entries (equal to sdpa: GQA, and the causal
-mask among the new tokens at prefill; empty slots of the paged pool get weight 0), hands the new queries'
-weights (mean and max over heads) back to the layer, which
+mask among the new tokens at prefill; empty slots of the paged pool get weight 0), hands the new queries' weights (mean and max over heads) back to the layer, which
 then scores and places blocks (offload/evict/promote) after attention. Without a pending tiered layer (e.g.
 a plain DynamicCache) it is exactly sdpa.
 
@@ -47,8 +46,8 @@ def attend(
     picked by other heads). `valid` (decode only, optional): `key_positions >= 0`, when the caller has it already.
 Blocked slots get weight exactly 0.
 
-    Returns the output [rows, lq, Hq, d] and the weights reduced over query heads, [rows, 2, lq, n_keys]
-    float32: their mean, then their max (one tensor, so that a caller accumulating both scatters them at once).
+    Returns the output [rows, lq, Hq, d] and the weights [rows, lq, n_keys] reduced over query heads (mean,
+    max), float32.
     """
     rows, n_heads, lq, head_dim = query.shape
     n_kv_heads, n_keys = key.shape[1], key.shape[2]
@@ -78,10 +77,7 @@ Blocked slots get weight exactly 0.
     output = torch.matmul(weights.to(value.dtype), value)
     output = output.view(rows, n_heads, lq, head_dim).transpose(1, 2)
     per_head = weights.view(rows, n_heads, lq, n_keys)
-    reduced = torch.empty((rows, 2, lq, n_keys), dtype=torch.float32, device=query.device)
-    torch.mean(per_head, 1, out=reduced[:, 0])
-    torch.amax(per_head, 1, out=reduced[:, 1])
-    return output, reduced
+    return output, per_head.mean(1), per_head.amax(1)
 
 
 @functools.cache

@@ -165,10 +165,12 @@ class PagedLayer:
     `[rows, pages]` (-1: free), `block_page` / `block_tier` `[rows, blocks]`, `token_scores` `[rows, positions]`.
     """
 
-    def __init__(self, layer_idx: int, copies: DeferredCopies, positions: list | None = None):
+    def __init__(self, layer_idx: int, copies: DeferredCopies, positions: list | None = None,
+                 targets: _TargetsByLength | None = None):
         self.layer_idx, self.copies = layer_idx, copies
         # [(rows, lengths), (positions, lengths) on the device] of the last decode append, shared by the layers
         self.positions = positions if positions is not None else [None, None]
+        self.targets = targets if targets is not None else _TargetsByLength()  # shared by the layers too
         self.rows: list[RowState | None] = []
         self._rows_cache: tuple = ((), None)
         self._flat_rows: tuple = (None, None)  # (recalling rows and picks per row, the rows repeated per pick)
@@ -188,8 +190,9 @@ class PagedLayer:
             raise UnsupportedBatch("the rows of a batch share one placement policy (only the scorer state is per "
                                    "sample); decode runs with different policies separately")
         self.rows[row] = RowState(settings, recorder)
-        if getattr(self, "spec", None) != settings.spec:
-            self._targets_by_length: dict[int, tuple | None] = {}  # length -> `_targets(spec, length)`
+        if self.targets.spec != settings.spec:
+            self.targets.clear()
+            self.targets.spec = settings.spec
         self.spec = settings.spec
         if self.initialized:
             self._grow_rows(len(self.rows))
@@ -210,9 +213,8 @@ class PagedLayer:
         self.block_tier = torch.zeros((0, 0), dtype=torch.int8, device=self.device)
         self.block_positions = torch.zeros((0, self.block_size), dtype=torch.long, device=self.device)  # b -> its positions
         self.token_scores = torch.zeros((0, 0), dtype=torch.float32, device=self.device)
-        # Attention received over decode steps per position, [rows, 2, positions]: mean over query heads, then max
-        # (one tensor: a decode step scatters both at once); `importance` / `importance_max` are its views.
-        self.received = torch.zeros((0, 2, 0), dtype=torch.float32, device=self.device)
+        self.importance = torch.zeros((0, 0), dtype=torch.float32, device=self.device)
+        self.importance_max = torch.zeros((0, 0), dtype=torch.float32, device=self.device)
         self.ddr = make_block_store(self.spec.ddr_dtype, self.n_kv_heads, self.block_size, self.head_dim, self.dtype,
                                     self.device)
         self.token_bytes = 2 * self.n_kv_heads * self.head_dim * self.keys.element_size()  # K+V of one token
@@ -236,7 +238,8 @@ class PagedLayer:
             grown(self.block_page, -1)
         self.next_slot = grown(self.next_slot, -1)
         self.block_tier = grown(self.block_tier, TIER_HBM)
-        self.token_scores, self.received = grown(self.token_scores, 0), grown(self.received, 0)
+        self.token_scores, self.importance, self.importance_max = (grown(t, 0) for t in (
+            self.token_scores, self.importance, self.importance_max))
         self.n_rows = n_rows
         self.ddr.reserve(n_rows, max(1, self.block_capacity))
 
@@ -245,7 +248,7 @@ class PagedLayer:
         self.slot_pos[row], self.page_block[row], self.block_page[row] = -1, -1, -1
         self.block_tier[row] = TIER_HBM
         self.ddr.bounds.clear(row)  # no block of the row is in DDR (recall's mask)
-        self.token_scores[row], self.received[row] = 0, 0
+        self.token_scores[row], self.importance[row], self.importance_max[row] = 0, 0, 0
 
     def _resize_pages(self, pages: int, staging_pages: int) -> None:
         """At least `pages` main and `staging_pages` staging pages per row; what the pages hold is kept (the
@@ -288,14 +291,10 @@ class PagedLayer:
         self.block_tier = widened(self.block_tier, extra, TIER_HBM)
         self.block_positions = torch.arange(capacity * self.block_size, device=self.device).view(capacity, -1)
         self.block_page = widened(self.block_page, extra, -1)
-        self.token_scores = widened(self.token_scores, extra * self.block_size, 0)
-        self.received = torch.cat([self.received, self.received.new_zeros(
-            (self.n_rows, 2, extra * self.block_size))], dim=2)
+        for name in ("token_scores", "importance", "importance_max"):
+            setattr(self, name, widened(getattr(self, name), extra * self.block_size, 0))
         self.block_capacity = capacity
         self.ddr.reserve(self.n_rows, capacity)
-
-    importance = property(lambda self: self.received[:, 0], doc="[rows, positions]: attention received, mean over heads")
-    importance_max = property(lambda self: self.received[:, 1], doc="[rows, positions]: the same, max over heads")
 
     @property
     def scratch_page(self) -> int:
@@ -423,9 +422,9 @@ class PagedLayer:
         slot_pos = self.slot_pos[selected][:, used]
         query_start = states[0].query_start if self.pads is None else self.query_starts  # per row when padded
         valid = slot_pos >= 0  # the slots holding an entry: attention's mask, then the scorers'
-        output, weights = attend(query, keys, values, scaling, slot_pos, query_start,
-                                 None if hidden is None else hidden[:, :, used], valid)
-        self._after_attention(rows, states, rows_t, weights, keys, values, slot_pos, valid)
+        output, weights_mean, weights_max = attend(query, keys, values, scaling, slot_pos, query_start,
+                                                   None if hidden is None else hidden[:, :, used], valid)
+        self._after_attention(rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos, valid)
         return output
 
     def _rows_tensor(self, rows: list[int]) -> torch.Tensor:
@@ -539,9 +538,8 @@ class PagedLayer:
         hidden.view(len(rows), self.n_kv_heads, -1, bs)[batch_of, :, staging] = ~flat_picks[:, :, None]
         return hidden
 
-    def _after_attention(self, rows, states, rows_t, weights, keys, values, slot_pos, valid):
+    def _after_attention(self, rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos, valid):
         n_attended = slot_pos.shape[1]
-        weights_mean, weights_max = weights[:, 0], weights[:, 1]  # [rows, lq, slots] each
         lengths = self.lengths  # [rows]: each row's logical length (made by `update`, which just ran for these rows)
         # Empty slots (weight 0) point at each row's scratch position, one past its last token.
         positions = torch.where(valid, slot_pos, lengths[:, None])
@@ -557,8 +555,8 @@ class PagedLayer:
         if decoding:
             selected = self._select(rows)
             if len(decoding) == len(rows) and isinstance(selected, slice):  # the rows' slice: in place
-                index = positions[:, None].expand(-1, 2, -1)  # mean and max: one scatter
-                self.received[selected].scatter_add_(2, index, weights[:, :, -1])
+                self.importance[selected].scatter_add_(1, positions, weights_mean[:, -1])
+                self.importance_max[selected].scatter_add_(1, positions, weights_max[:, -1])
             else:
                 index = host_to_device(decoding, self.device)
                 target_rows = rows_t[index].repeat_interleave(n_attended)
@@ -674,7 +672,7 @@ class PagedLayer:
         (promoted, offloaded, evicted) block ids (`Deferred` lists fetched at step end) and bytes copied D2H."""
         spec, bs = self.spec, self.block_size
         plans = []  # (batch index, sink blocks, movable end, room, victims)
-        targets = self._targets_by_length
+        targets = self.targets
         for i in placing:
             state = states[i]
             key = targets.get(state.logical_len)
@@ -860,10 +858,16 @@ class PagedLayer:
         return self.block_tier[row, : state.blocks()].repeat_interleave(self.block_size)[: state.logical_len]
 
 
+class _TargetsByLength(dict):
+    """length -> `_targets(spec, length)` for one placement policy (`spec`; cleared when it changes)."""
+
+    spec: PolicySpec | None = None
+
+
 def _targets(spec: PolicySpec, length: int) -> tuple[int, int, int | None, int] | None:
     """(sink blocks, movable end, room, eviction target) at this length, or None when nothing can move: the
-    policy contract's targets (traces/policy.py), which depend on the length alone (each layer keeps them by
-    length, `PagedLayer._targets_by_length`: every row asks at every step)."""
+    policy contract's targets (traces/policy.py), which depend on the length alone (a cache's layers keep them
+    by length, `_TargetsByLength`: every row of every layer asks at every step)."""
     evict_target = evict_target_blocks(spec, length)
     if hbm_target_tokens(spec, length) is None and evict_target == 0:
         return None
@@ -1151,7 +1155,8 @@ class TieredCache(Cache):
     def __init__(self, n_layers: int, settings: TierSettings, recorder=None):
         self.copies = DeferredCopies()
         positions = [None, None]  # one per cache: its layers share each decode step's position tensors
-        self.paged = [PagedLayer(i, self.copies, positions) for i in range(n_layers)]
+        targets = _TargetsByLength()  # and the policy's targets by length
+        self.paged = [PagedLayer(i, self.copies, positions, targets) for i in range(n_layers)]
         for layer in self.paged:
             layer.reset_row(0, settings, recorder)
         super().__init__(layers=[TieredLayer(layer, 0) for layer in self.paged])

@@ -14,6 +14,8 @@ False), which the cross-check's measured profile takes into account. Bytes are c
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -208,4 +210,5 @@ class PinnedBlockStore:
         return self.storage[:, :, 1]
 
     def block_bytes(self) -> int:
-        return self.storage[0, 0].numel() * self.storage.element_size()
+        """Bytes of one stored block: its K and V."""
+        return 2 * math.prod(self.shape) * self.storage.element_size()
