@@ -25,8 +25,8 @@ def host_to_device(values, device: torch.device) -> torch.Tensor:
     the copy has run). `torch.tensor(values, device=cuda)` would copy from pageable memory, which synchronises
     the stream: the host would wait for every kernel queued before it. On a CPU: the tensor itself."""
     tensor = torch.as_tensor(values)
-    if torch.device(device).type != "cuda":
-        return tensor
+    if (device.type if isinstance(device, torch.device) else torch.device(device).type) != "cuda":
+        return tensor  # (the cache passes a torch.device: making one per call showed in a step's profile)
     return tensor.pin_memory().to(device, non_blocking=True)
 
 

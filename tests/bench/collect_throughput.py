@@ -15,8 +15,8 @@ counts them (the launch-bound regime of an eager GPU step, where time follows la
     OMP_NUM_THREADS=1 .venv/bin/python tests/bench/collect_throughput.py [--steps 64] [--prompt 128] [--rounds 3]
         [--batches 1,8,32]
 
-The tracer before issue 15's v2 (per-row, compacting) is measured the same way by running this script from a
-checkout of that commit (it only uses `decode_batch` / `greedy_decode`), alternating the two.
+The tracer before issue 15's v2 (per-row, compacting) against this one at B = 1: tests/bench/tracer_v1_v2.py
+(run from another checkout, a script would import this checkout's `tracer`, the venv's editable install).
 """
 
 from __future__ import annotations

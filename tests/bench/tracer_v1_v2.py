@@ -85,7 +85,10 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="thoughtkv-v1-") as parent:
         v1 = Path(parent) / "v1"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(v1), args.rev], check=True)
+        added = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(v1), args.rev],
+                               capture_output=True, text=True, check=False)
+        if added.returncode != 0:  # e.g. a shallow clone without that commit
+            sys.exit(f"cannot check out {args.rev} (git: {added.stderr.strip()}); fetch it or pass --rev")
         try:
             print(f"v1 = {args.rev}, v2 = this checkout; decode_batch B = 1, hierarchy 0.3, recall_k 4, recording on; "
                   f"prompt {args.prompt}, {args.steps} tokens; {args.rounds} alternating rounds")
