@@ -83,8 +83,9 @@ Blocked slots get weight exactly 0.
 @functools.cache
 def _negative_infinity(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """-inf as a 0-dim tensor, made once per dtype and device (a Python float would be made into one at every
-    call: a kernel per layer and step)."""
-    return torch.tensor(float("-inf"), dtype=dtype, device=device)
+    call: a kernel per layer and step). Filled on the device: `torch.tensor(-inf, device=cuda)` would be a blocking
+    copy from pageable memory, at whichever step first asks."""
+    return torch.full((), float("-inf"), dtype=dtype, device=device)
 
 
 def tiered_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
