@@ -646,15 +646,14 @@ class PagedLayer:
         reach the host in the step's one copy (`DeferredCopies`). Empty slots carry weight 0, so where their
         scratch position lands adds nothing."""
         bs = self.block_size
-        n_blocks_max = max(states[i].blocks() for i in recording) + 1
-        block_mass = torch.zeros(last_weights.shape[0], n_blocks_max, dtype=torch.float32, device=self.device)
+        rows = [states[i] for i in recording]
+        blocks = [s.blocks() for s in rows]
+        block_mass = torch.zeros(last_weights.shape[0], max(blocks) + 1, dtype=torch.float32, device=self.device)
         # (a scratch position, the row's length, falls in its block count's column: within n_blocks_max). A
         # recalled block is in DDR, so its mass is that of its staged slots: the DDR mass is theirs, on the host.
         block_mass.scatter_add_(1, positions // bs, last_weights)
         masses = self.copies.add(block_mass, lambda a: a.reshape(last_weights.shape[0], -1))
         ddr_block_bytes, token_bytes = self.ddr.block_bytes(), self.token_bytes
-        rows = [states[i] for i in recording]
-        blocks = [s.blocks() for s in rows]
         ddr, evicted = [s.n_ddr_blocks for s in rows], [s.n_evicted_blocks for s in rows]
         hbm_tokens = [s.logical_len - (d + e) * bs for s, d, e in zip(rows, ddr, evicted, strict=True)]
         recalled_tokens = [s.recalled_blocks * bs for s in rows]
@@ -915,17 +914,14 @@ def _device_columns(masses: Deferred, index: list[int], blocks: list[int], recal
         mass_ddr = np.bincount(which, weights=picked.astype(np.float64), minlength=len(recalled_ids))
     columns["mass_ddr"] = mass_ddr.tolist()
     columns["mass_hbm"] = (mass.sum(1, dtype=np.float64) - mass_ddr).tolist()
-    moves = {"promoted_block_ids": [], "offloaded_block_ids": [], "evicted_block_ids": []}
-    for entry in moved:
-        if entry is None:
-            for ids in moves.values():
-                ids.append([])
-            continue
-        codes = entry[0].value()[entry[1]]
-        moves["promoted_block_ids"].append(_as_ids(np.flatnonzero(codes == 2)))
-        moves["offloaded_block_ids"].append(_as_ids(np.flatnonzero(codes == 1)))
-        moves["evicted_block_ids"].append(_as_ids(np.flatnonzero(codes >= 3)))
-    columns.update(moves)
+    promoted, offloaded, evicted = ([[] for _ in moved] for _ in range(3))  # most rows move nothing this step
+    for i, entry in enumerate(moved):
+        if entry is not None:
+            codes = entry[0].value()[entry[1]]
+            promoted[i] = _as_ids(np.flatnonzero(codes == 2))
+            offloaded[i] = _as_ids(np.flatnonzero(codes == 1))
+            evicted[i] = _as_ids(np.flatnonzero(codes >= 3))
+    columns.update(promoted_block_ids=promoted, offloaded_block_ids=offloaded, evicted_block_ids=evicted)
     if any(e is not None for e in errors):
         largest, rms = [], []
         for entry in errors:
