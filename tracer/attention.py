@@ -70,9 +70,10 @@ Blocked slots get weight exactly 0.
             query_positions = (offsets + query_start)[None]
         blocked = (key_positions[:, None, :] > query_positions[:, :, None]) | (key_positions < 0)[:, None, :]
         blocked = blocked[:, None, None]  # [rows, 1, 1, lq, n_keys]
-        logits = logits.view(rows, n_kv_heads, group, lq, n_keys).masked_fill(blocked, float("-inf"))
+        # In place: the logits are this call's own, and a prefill's are rows x Hq x lq x keys (no second copy).
+        logits = logits.view(rows, n_kv_heads, group, lq, n_keys).masked_fill_(blocked, float("-inf"))
     if hidden_keys is not None:
-        logits = logits.masked_fill(hidden_keys[:, :, None, None, :], float("-inf"))
+        logits = logits.masked_fill_(hidden_keys[:, :, None, None, :], float("-inf"))
     weights = torch.softmax(logits.view(rows, n_kv_heads, group * lq, n_keys), dim=-1, dtype=torch.float32)
     output = torch.matmul(weights.to(value.dtype), value)
     output = output.view(rows, n_heads, lq, head_dim).transpose(1, 2)

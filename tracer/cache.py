@@ -623,7 +623,8 @@ class PagedLayer:
                                           weights_mean, weights_max, keys, values=values, valid=valid)
                 selected, score_rows, score_lengths = self._select(rows), rows_t, lengths
             else:
-                index = host_to_device(group, self.device)
+                # (one row, as a padded prefill scores them: views of it, not gathers)
+                index = slice(group[0], group[0] + 1) if len(group) == 1 else host_to_device(group, self.device)
                 pad = 0 if pads is None else pads[group[0]]
                 observation = Observation(
                     self.layer_idx, self._step(states[group[0]]), width, positions[index],
