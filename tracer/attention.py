@@ -43,8 +43,8 @@ def attend(
     stays finite: its output is never used), and each attends the slots holding a position up to its own
     (causal, in any slot order). `hidden_keys` ([rows, Hkv, n_keys]
     bool, decode only): key columns a KV head's queries must not attend (the per-head recall rule's blocks
-    picked by other heads). `valid` (decode only, optional): `key_positions >= 0`, when the caller has it already.
-Blocked slots get weight exactly 0.
+    picked by other heads). `valid` (decode only, optional): `key_positions >= 0`, when the caller has it
+    already. Blocked slots get weight exactly 0.
 
     Returns the output [rows, lq, Hq, d] and the weights [rows, lq, n_keys] reduced over query heads (mean,
     max), float32.

@@ -473,12 +473,12 @@ class PagedLayer:
             ids = best.topk(k_max, dim=1).indices
             per_row = [wanted[i] for i in batch_index]
         else:  # quest-per-head: each KV head its own top blocks; the union is copied
-            not_ddr = ~self.ddr.bounds.in_ddr(selected, n_blocks_max)
+            in_ddr = self.ddr.bounds.in_ddr(selected, n_blocks_max)
             per_head = bounds.amax(2).transpose(1, 2)  # [m, blocks, Hkv] (outside DDR: the lowest value)
             top = per_head.topk(k_max, dim=1).indices  # [m, k_max, Hkv]
             picks = torch.zeros_like(per_head, dtype=torch.bool)
             picks.scatter_(1, top, (ranks < counts_t[:, None])[:, :, None].expand_as(top))
-            picks &= ~not_ddr[:, :, None]
+            picks &= in_ddr[:, :, None]
             union = picks.any(2)
             per_row = union.sum(1).tolist()  # the union's size is data-dependent: one read-back per layer
             ids = torch.argsort((~union).to(torch.int8), dim=1, stable=True)[:, : max(per_row)]
