@@ -179,10 +179,23 @@ def test_bytes_equal_blocks_moved_and_ddr_holds_the_true_kv():
     assert recalled > 0 and offloaded > 0
     assert sum(rows["bytes_h2d"]) == recalled * block_bytes
     assert sum(rows["bytes_d2h"]) == offloaded * block_bytes
+    # The tier counts, against the tiers replayed from the recorded moves (a row's counts are at attention time:
+    # what the earlier steps' moves left), and the byte columns from them.
+    in_ddr, evicted = [set(), set()], [set(), set()]
     for row in range(len(rows["step"])):
+        layer = rows["layer"][row]
         assert rows["recalled_tokens"][row] == len(rows["recalled_block_ids"][row]) * block_size
         assert rows["hbm_tokens"][row] + rows["ddr_tokens"][row] + rows["evicted_tokens"][row] == rows["logical_len"][row]
         assert abs(rows["mass_hbm"][row] + rows["mass_ddr"][row] - 1.0) < 1e-4
+        assert (rows["ddr_blocks"][row], rows["evicted_blocks"][row]) == (len(in_ddr[layer]), len(evicted[layer]))
+        assert rows["ddr_tokens"][row] == len(in_ddr[layer]) * block_size
+        assert rows["hbm_blocks"][row] == -(-rows["logical_len"][row] // block_size) - len(in_ddr[layer] | evicted[layer])
+        assert rows["ddr_kv_bytes"][row] == len(in_ddr[layer]) * block_bytes
+        assert rows["hbm_kv_bytes"][row] == (rows["hbm_tokens"][row] + rows["recalled_tokens"][row]) * block_bytes // block_size
+        gone = set(rows["evicted_block_ids"][row])
+        in_ddr[layer] = (in_ddr[layer] | set(rows["offloaded_block_ids"][row])) - set(rows["promoted_block_ids"][row]) - gone
+        evicted[layer] |= gone
+    assert any(evicted) and rows["layer"][:4] == [0, 1, 0, 1]
     # What sits in DDR is the K/V the full cache computed at those positions (the real tensors moved). Layer 0
     # keys depend only on the token and its position, so they must match for every block; deeper layers only
     # for prompt blocks (later ones saw a partial cache).

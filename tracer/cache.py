@@ -66,7 +66,6 @@ eviction target moves) or a recalled block may be promoted; otherwise the last p
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import operator
 from dataclasses import dataclass, field
@@ -78,7 +77,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from thoughtkv_base import UserError
 from tracer.attention import attend, set_pending
 from tracer.quant import make_block_store
-from tracer.recorder import Deferred, LayerRows
+from tracer.recorder import Deferred, LayerEntry, StepRecording
 from tracer.scorers import Observation, Scorer
 from tracer.transfer import host_to_device
 from traces.policy import (
@@ -166,8 +165,9 @@ class PagedLayer:
     """
 
     def __init__(self, layer_idx: int, copies: DeferredCopies, positions: list | None = None,
-                 targets: _TargetsByLength | None = None):
+                 targets: _TargetsByLength | None = None, recording: StepRecording | None = None):
         self.layer_idx, self.copies = layer_idx, copies
+        self.recording = recording if recording is not None else StepRecording()  # the cache's, shared too
         # [(rows, lengths), (positions, lengths) on the device] of the last decode append, shared by the layers
         self.positions = positions if positions is not None else [None, None]
         self.targets = targets if targets is not None else _TargetsByLength()  # shared by the layers too
@@ -566,27 +566,22 @@ class PagedLayer:
                                                accumulate=True)
         recording = [i for i in placing if states[i].recorder is not None]
         if recording:
-            masses, host = self._occupancy(states, recording, weights_mean[:, -1], positions)
+            recorded = [states[i] for i in recording]
+            masses, host = self._occupancy(recorded, weights_mean[:, -1], positions)
         moves = self._place(rows, states, placing)
         # (This step's staging pages keep their entries: attention reads only the staging pages its own step's
         # recall filled, `staged_pages`, reset by `update`, so a stale page is never attended nor cleared.)
         errors = self._quant_errors(rows, moves)
         if recording:
-            recorded = [states[i] for i in recording]
-            moved = [moves.get(rows[i]) for i in recording]
-            host.update(
-                layer=[self.layer_idx] * len(recording),
-                query_tokens=[s.logical_len - s.query_start + s.deferred_query_tokens for s in recorded],
-                logical_len=[s.logical_len for s in recorded], bytes_h2d=[s.bytes_h2d for s in recorded],
-                bytes_d2h=[0 if m is None else m[2] for m in moved],
-            )
-            # The rows' device values (masses, moved and recalled ids, quantization errors), resolved together
-            # from the step's one copy.
-            layer_rows = LayerRows(host, functools.partial(
-                _device_columns, masses, recording, host.pop("blocks"), [s.recalled for s in recorded], moved,
-                [errors.get(rows[i]) for i in recording]))
-            for index, state in enumerate(recorded):
-                state.recorder.add_layer_rows(layer_rows, index)
+            # The rows' host counts and device values (masses, moved and recalled ids, quantization errors),
+            # resolved with every other layer's at step end (tracer.recorder.StepRows).
+            moved = [moves.get(rows[i]) for i in recording] if moves else [None] * len(recording)
+            entry = LayerEntry(
+                (self.layer_idx, self.block_size, self.token_bytes, self.ddr.block_bytes()), host,
+                [0 if m is None else m[2] for m in moved], masses,
+                None if len(recording) == len(rows) else recording, [s.recalled for s in recorded], moved,
+                [errors.get(rows[i]) for i in recording] if errors else [None] * len(recording))
+            self.recording.add(tuple(rows[i] for i in recording), recorded, entry)
         for i in placing:
             state = states[i]
             state.deferred_query_tokens = 0
@@ -640,32 +635,20 @@ class PagedLayer:
             if not scorer.adds_weights_only:  # the scratch positions (weight 0 added leaves them at 0)
                 self.token_scores[score_rows, score_lengths] = 0.0
 
-    def _occupancy(self, states, recording: list[int], last_weights: torch.Tensor,
-                   positions: torch.Tensor) -> tuple[Deferred, dict[str, list]]:
-        """The recording rows' tier sizes (host columns, a list over the rows each, plus their block counts) and
-        attention masses at attention time (after recall, before placement). The block masses of every row
-        reach the host in the step's one copy (`DeferredCopies`). Empty slots carry weight 0, so where their
-        scratch position lands adds nothing."""
-        bs = self.block_size
-        rows = [states[i] for i in recording]
-        blocks = [s.blocks() for s in rows]
-        block_mass = torch.zeros(last_weights.shape[0], max(blocks) + 1, dtype=torch.float32, device=self.device)
+    def _occupancy(self, recorded: list[RowState], last_weights: torch.Tensor,
+                   positions: torch.Tensor) -> tuple[Deferred, list[tuple]]:
+        """The recording rows' host counts at attention time (after recall, before placement: a tuple of
+        `tracer.recorder.HOST_FIELDS` each) and the attention masses of every batch entry's blocks, which reach
+        the host in the step's one copy (`DeferredCopies`). Empty slots carry weight 0, so where their scratch
+        position lands adds nothing."""
+        host = [(s.logical_len - s.query_start + s.deferred_query_tokens, s.logical_len, s.blocks(),
+                 s.n_ddr_blocks, s.n_evicted_blocks, s.recalled_blocks, s.bytes_h2d) for s in recorded]
+        block_mass = torch.zeros(last_weights.shape[0], max(h[2] for h in host) + 1, dtype=torch.float32,
+                                 device=self.device)
         # (a scratch position, the row's length, falls in its block count's column: within n_blocks_max). A
         # recalled block is in DDR, so its mass is that of its staged slots: the DDR mass is theirs, on the host.
-        block_mass.scatter_add_(1, positions // bs, last_weights)
-        masses = self.copies.add(block_mass, lambda a: a.reshape(last_weights.shape[0], -1))
-        ddr_block_bytes, token_bytes = self.ddr.block_bytes(), self.token_bytes
-        ddr, evicted = [s.n_ddr_blocks for s in rows], [s.n_evicted_blocks for s in rows]
-        hbm_tokens = [s.logical_len - (d + e) * bs for s, d, e in zip(rows, ddr, evicted, strict=True)]
-        recalled_tokens = [s.recalled_blocks * bs for s in rows]
-        return masses, {
-            "blocks": blocks, "hbm_tokens": hbm_tokens, "ddr_tokens": [d * bs for d in ddr],
-            "evicted_tokens": [e * bs for e in evicted], "recalled_tokens": recalled_tokens,
-            "hbm_blocks": [b - d - e for b, d, e in zip(blocks, ddr, evicted, strict=True)], "ddr_blocks": ddr,
-            "evicted_blocks": evicted,
-            "hbm_kv_bytes": [(h + r) * token_bytes for h, r in zip(hbm_tokens, recalled_tokens, strict=True)],
-            "ddr_kv_bytes": [d * ddr_block_bytes for d in ddr],
-        }
+        block_mass.scatter_add_(1, positions // self.block_size, last_weights)
+        return self.copies.add(block_mass, lambda a: a.reshape(last_weights.shape[0], -1)), host
 
     def _place(self, rows: list[int], states: list[RowState], placing: list[int]) -> dict:
         """Apply each row's targets (rows whose targets moved, or that may promote); returns per row id
@@ -877,62 +860,6 @@ def _targets(spec: PolicySpec, length: int) -> tuple[int, int, int | None, int] 
     return sink_blocks, movable_end, room_blocks(spec, length), evict_target
 
 
-def _device_columns(masses: Deferred, index: list[int], blocks: list[int], recalled: list, moved: list,
-                    errors: list) -> dict[str, list]:
-    """The recorded rows' device-derived columns (lists over the rows; `index`: each one's place in the layer's
-    batch), from the step's fetched copy: the attention masses (block masses; the recalled = DDR mass, that of
-    the recalled blocks; HBM + recalled mass is 1), the recalled ids, the block moves (codes 1 offloaded,
-    2 promoted, 3-4 evicted from HBM / DDR) and the quantized tier's errors (None where a row offloaded nothing
-    this step)."""
-    mass = masses.value()  # [batch rows, blocks + 1]
-    if len(index) < len(mass):  # (`index` is ascending: every row of the batch when as long)
-        mass = mass[index]
-    columns = {"block_mass": [row[:n] for row, n in zip(mass, blocks, strict=True)]}
-    # Staged by bound, recorded by id. Every row's recalled ids of the layer come in one fetched array; when
-    # the rows recall alike (each its k ids, in order: the usual step), one sort orders them all.
-    first = next((entry for entry in recalled if entry is not None), None)
-    k = 0 if first is None else first[3]
-    if first is not None and all(entry is not None and entry[1] is first[1] and entry[2] == i * k and entry[3] == k
-                                 for i, entry in enumerate(recalled)):
-        recalled_ids = np.sort(first[1].value()[: len(recalled) * k].reshape(len(recalled), k), axis=1).tolist()
-    else:
-        fetched: dict[int, list] = {}  # by fetched array
-        recalled_ids = []
-        for entry in recalled:
-            if entry is None:
-                recalled_ids.append([])
-                continue
-            ids = fetched.get(id(entry[1]))
-            if ids is None:
-                ids = fetched[id(entry[1])] = entry[1].value().tolist()
-            recalled_ids.append(sorted(ids[entry[2] : entry[2] + entry[3]]))
-    columns["recalled_block_ids"] = recalled_ids
-    counts = [len(ids) for ids in recalled_ids]
-    mass_ddr = np.zeros(len(recalled_ids))
-    if any(counts):  # every row's recalled masses in one gather and one per-row sum, in id order
-        which = np.repeat(np.arange(len(recalled_ids)), counts)
-        picked = mass[which, np.fromiter(itertools.chain.from_iterable(recalled_ids), np.int64, len(which))]
-        mass_ddr = np.bincount(which, weights=picked.astype(np.float64), minlength=len(recalled_ids))
-    columns["mass_ddr"] = mass_ddr.tolist()
-    columns["mass_hbm"] = (mass.sum(1, dtype=np.float64) - mass_ddr).tolist()
-    promoted, offloaded, evicted = ([[] for _ in moved] for _ in range(3))  # most rows move nothing this step
-    for i, entry in enumerate(moved):
-        if entry is not None:
-            codes = entry[0].value()[entry[1]]
-            promoted[i] = _as_ids(np.flatnonzero(codes == 2))
-            offloaded[i] = _as_ids(np.flatnonzero(codes == 1))
-            evicted[i] = _as_ids(np.flatnonzero(codes >= 3))
-    columns.update(promoted_block_ids=promoted, offloaded_block_ids=offloaded, evicted_block_ids=evicted)
-    if any(e is not None for e in errors):
-        largest, rms = [], []
-        for entry in errors:
-            part = None if entry is None else entry[0].value()[entry[1] : entry[1] + entry[2]]
-            largest.append(None if part is None else float(part[:, 0].max()))
-            rms.append(None if part is None else float(np.sqrt(part[:, 1].mean())))
-        columns.update(quant_max_rel_err=largest, quant_rms_rel_err=rms)
-    return columns
-
-
 @functools.lru_cache(maxsize=4096)
 def _staging_pages(counts: tuple[int, ...], width: int, first_page: int, device: str) -> torch.Tensor:
     """The staging page of each recalled block (`_flat_selection`'s order): `first_page` + its index within its
@@ -1081,10 +1008,6 @@ def _first_true(mask: torch.Tensor, n: int) -> torch.Tensor:
     return torch.argsort((~mask).to(torch.int8), stable=True)[:n]
 
 
-def _as_ids(values: np.ndarray) -> list[int]:
-    return values.astype(np.int64).tolist()
-
-
 # dtypes a recorded value travels in as its own bytes (the others are converted to float32 first)
 _HOST_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64, torch.int32: np.int32,
                 torch.int8: np.int8, torch.uint8: np.uint8, torch.bool: np.bool_}
@@ -1150,10 +1073,10 @@ class TieredCache(Cache):
     """
 
     def __init__(self, n_layers: int, settings: TierSettings, recorder=None):
-        self.copies = DeferredCopies()
+        self.copies, self.recording = DeferredCopies(), StepRecording()
         positions = [None, None]  # one per cache: its layers share each decode step's position tensors
         targets = _TargetsByLength()  # and the policy's targets by length
-        self.paged = [PagedLayer(i, self.copies, positions, targets) for i in range(n_layers)]
+        self.paged = [PagedLayer(i, self.copies, positions, targets, self.recording) for i in range(n_layers)]
         for layer in self.paged:
             layer.reset_row(0, settings, recorder)
         super().__init__(layers=[TieredLayer(layer, 0) for layer in self.paged])

@@ -1,16 +1,24 @@
-"""Per-sample recording buffers -> the columns of trace v1 (traces/schema.py).
+"""Step-columnar recording buffers -> the columns of trace v1 (traces/schema.py).
 
-Each tiered layer hands every recording row of a step one `LayerRows` (the layer's columns for all its rows:
-host-known ones as lists, the device-derived ones — block masses reduced on the device, moved and recalled ids
-— resolved for all rows at once from the step's one copy, tracer.cache.DeferredCopies); each row's recorder
-keeps (LayerRows, its index), and at `end_step` that row's tuple of values (built once per LayerRows), transposed
-into columns when a table is read. No dict per row and layer: at a batch of B
-that is B x layers of them per step, Python time a GPU step cannot hide. The decode loop sets `step`, the
-step's wall time and (tracer.decode.LayerTimer) each decoder layer's time. Nothing here touches torch.
+Each tiered layer hands a step's recording rows to the cache's one `StepRecording`: a `StepRows` per step
+gathers, layer by layer, the rows' host-known counts (a tuple per row) and their device values still on the
+device (`Deferred`: block masses, recalled and moved ids, quantization errors, fetched in the step's one copy,
+tracer.cache.DeferredCopies). When the step ends, its first recorder resolves the StepRows into arrays over
+[layers, rows] with one set of NumPy operations for every layer and row (the derived columns, the sorted
+recalled ids, the DDR and HBM masses), and each row's recorder keeps its place in it (one per step,
+not one per layer); a recorder's columns are concatenated from its places when read. What is left per
+row and layer is a tuple of counts and a look at its recall: the rest of a step's recording is a fixed set
+of array operations, where it was about twenty list entries per row and layer and a dozen NumPy calls per
+layer (at B = 16 on a 28-layer model, 448 row-layers a step: host time a GPU step cannot hide). The decode
+loop sets each step's wall time and (tracer.decode.LayerTimer) each decoder layer's time. Nothing here
+touches torch.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,8 +30,14 @@ STEP_COLUMNS = (
     "mass_hbm", "mass_ddr",
 )
 OPTIONAL_STEP_COLUMNS = ("quant_max_rel_err", "quant_rms_rel_err")  # quantized DDR tier; None when not measured
-_ROW_COLUMNS = STEP_COLUMNS[1:]  # what a layer records per row (the recorder adds the step)
-_ROW_VALUES = _ROW_COLUMNS + OPTIONAL_STEP_COLUMNS  # a row's values, as `LayerRows.rows` holds them
+# The integer columns, in the order of a `StepRows.ints` row.
+INT_COLUMNS = ("layer", "query_tokens", "logical_len", "hbm_tokens", "ddr_tokens", "evicted_tokens",
+               "recalled_tokens", "hbm_blocks", "ddr_blocks", "evicted_blocks", "bytes_h2d", "bytes_d2h",
+               "hbm_kv_bytes", "ddr_kv_bytes")
+MOVED_COLUMNS = ("promoted_block_ids", "offloaded_block_ids", "evicted_block_ids")
+# What a layer knows on the host for each recording row, before placement (`LayerEntry.host`).
+HOST_FIELDS = ("query_tokens", "logical_len", "blocks", "ddr_blocks", "evicted_blocks", "recalled_blocks",
+               "bytes_h2d")
 
 
 class Deferred:
@@ -41,78 +55,242 @@ class Deferred:
         return self._value
 
 
-class LayerRows:
-    """One decoder layer's rows of one step for every recording row of a batch (index i: the i-th of them):
-    `host` columns as lists over the rows, and `device`, a callable returning the device-derived columns as
-    lists over the same rows, called once (after the step's copy) for all of them."""
+@dataclass
+class LayerEntry:
+    """One decoder layer's recording rows of one step (lists over the rows, in the `StepRows`' order)."""
 
-    def __init__(self, host: dict[str, list], device=None):
-        self.host, self._device, self._columns, self._rows = host, device, None, None
+    constants: tuple[int, int, int, int]  # layer, block size, KV bytes of an HBM token, bytes of a DDR block
+    host: list[tuple]  # per row: `HOST_FIELDS`, as the layer saw them at attention time (before placement)
+    bytes_d2h: list[int]  # per row: bytes this step's placement offloaded
+    masses: Deferred  # [batch entries, blocks + 1] float32: attention mass per block (last column: scratch)
+    index: list[int] | None  # the rows' batch entries in `masses` (None: all of them, in order)
+    recalled: list  # per row: None or (ids on the device, their Deferred, first, count): sorted when recorded
+    moved: list  # per row: None or (Deferred codes [placed rows, blocks], its row, bytes): codes 1-4
+    errors: list  # per row: None or (Deferred [blocks, 2] max / mean-square relative error, first, count)
 
-    def columns(self) -> dict[str, list]:
-        if self._columns is None:
-            self._columns = self.host if self._device is None else {**self.host, **self._device()}
-        return self._columns
 
-    def rows(self) -> list[tuple]:
-        """Each row's values as one tuple in `_ROW_VALUES` order (None for an optional column not measured), built
-        once for all rows: a recorder keeps its rows' tuples and transposes them when read."""
-        if self._rows is None:
-            columns = self.columns()
-            n = len(columns["layer"])
-            self._rows = list(zip(*[columns.get(name) or [None] * n for name in _ROW_VALUES], strict=True))
-        return self._rows
+class StepRows:
+    """One step's recording rows (`row_ids`, in order) over the layers that recorded them (`entries`, E of
+    them), resolved for all rows and layers at once by the first of its recorders to end the step (`build`):
+    `ints` [E, rows, len(INT_COLUMNS)] int64, `masses` [E, rows, 2] float64 (mass_hbm, mass_ddr), `recalled`
+    [E, rows, k] sorted ids (or E lists of row lists), `moved` per row the (entry, promoted, offloaded,
+    evicted) ids of the entries that moved blocks, `quant` [E, rows, 2] (NaN: not measured; None: no entry
+    measured), `block_mass` [E, rows, width] float32 (a row's first `blocks` count)."""
+
+    def __init__(self, row_ids: tuple):
+        self.row_ids, self.entries = row_ids, []
+        self.ints = None
+
+    @property
+    def resolved(self) -> bool:
+        return self.ints is not None
+
+    def build(self) -> None:
+        if self.ints is not None:
+            return
+        entries, n_rows = self.entries, len(self.row_ids)
+        self.entries = []  # (their device values are fetched here: nothing else to keep)
+        host = np.array([[h + (d2h,) for h, d2h in zip(e.host, e.bytes_d2h, strict=True)] for e in entries],
+                        dtype=np.int64).reshape(len(entries), n_rows, len(HOST_FIELDS) + 1)
+        weights, bias = _derivations(tuple(entry.constants for entry in entries))
+        self.ints = np.matmul(host, weights) + bias
+        mass = _stack_rows([_row_masses(entry) for entry in entries])  # [E, rows, width]
+        # Recalled ids, staged by bound, recorded sorted by id. When every layer's rows recall alike (each its k
+        # ids, in order: the usual step), one sort and one gather serve every row and layer.
+        uniform = [_uniform_ids(entry.recalled) for entry in entries]
+        if all(ids is not None for ids in uniform) and len({ids.shape[1] for ids in uniform}) == 1:
+            recalled = np.sort(np.stack(uniform), axis=-1)  # [E, rows, k]
+            picked = mass[np.arange(len(entries))[:, None, None], np.arange(n_rows)[None, :, None], recalled]
+            mass_ddr = picked.sum(-1, dtype=np.float64)
+        else:
+            recalled = [_ragged_ids(entry.recalled) for entry in entries]  # E lists of row lists
+            mass_ddr = np.array([[mass[e, i, ids].sum(dtype=np.float64) for i, ids in enumerate(rows)]
+                                 for e, rows in enumerate(recalled)]).reshape(len(entries), n_rows)
+        self.masses = np.stack([mass.sum(-1, dtype=np.float64) - mass_ddr, mass_ddr], axis=-1)
+        self.recalled, self.block_mass = recalled, mass
+        self.moved: list[list] = [[] for _ in range(n_rows)]
+        self.quant = None
+        for e, entry in enumerate(entries):
+            for i, move in enumerate(entry.moved):
+                if move is not None:
+                    codes = move[0].value()[move[1]]
+                    self.moved[i].append((e, _as_ids(codes == 2), _as_ids(codes == 1), _as_ids(codes >= 3)))
+            for i, error in enumerate(entry.errors):
+                if error is not None:
+                    if self.quant is None:
+                        self.quant = np.full((len(entries), n_rows, 2), np.nan)
+                    part = error[0].value()[error[1] : error[1] + error[2]]
+                    self.quant[e, i] = part[:, 0].max(), np.sqrt(part[:, 1].mean())
+
+
+@functools.lru_cache(maxsize=64)
+def _derivations(constants: tuple[tuple[int, int, int, int], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Each integer column is linear in a row's host counts (`HOST_FIELDS` + bytes_d2h) with coefficients from its
+    layer's constants: ([E, fields, columns] weights, [E, 1, columns] bias), so one matmul derives every row and
+    layer of a step (cached: a cache's layers keep their constants)."""
+    q, length, blocks, ddr, evicted, recalled, h2d, d2h = range(len(HOST_FIELDS) + 1)
+    weights = np.zeros((len(constants), len(HOST_FIELDS) + 1, len(INT_COLUMNS)), dtype=np.int64)
+    bias = np.zeros((len(constants), 1, len(INT_COLUMNS)), dtype=np.int64)
+    for e, (layer, bs, token_bytes, ddr_block_bytes) in enumerate(constants):
+        terms = {  # column -> {field: coefficient}
+            "query_tokens": {q: 1}, "logical_len": {length: 1},
+            "hbm_tokens": {length: 1, ddr: -bs, evicted: -bs}, "ddr_tokens": {ddr: bs},
+            "evicted_tokens": {evicted: bs}, "recalled_tokens": {recalled: bs},
+            "hbm_blocks": {blocks: 1, ddr: -1, evicted: -1}, "ddr_blocks": {ddr: 1}, "evicted_blocks": {evicted: 1},
+            "bytes_h2d": {h2d: 1}, "bytes_d2h": {d2h: 1},
+            # HBM bytes: resident tokens plus this step's recalled ones (staged)
+            "hbm_kv_bytes": {length: token_bytes, ddr: -bs * token_bytes, evicted: -bs * token_bytes,
+                             recalled: bs * token_bytes},
+            "ddr_kv_bytes": {ddr: ddr_block_bytes},
+        }
+        for name, coefficients in terms.items():
+            for field_index, coefficient in coefficients.items():
+                weights[e, field_index, INT_COLUMNS.index(name)] = coefficient
+        bias[e, 0, INT_COLUMNS.index("layer")] = layer
+    weights.flags.writeable = bias.flags.writeable = False
+    return weights, bias
+
+
+def _row_masses(entry: LayerEntry) -> np.ndarray:
+    mass = entry.masses.value()
+    return mass if entry.index is None else mass[entry.index]
+
+
+def _stack_rows(arrays: list[np.ndarray]) -> np.ndarray:
+    """[rows, width_e] arrays -> [E, rows, max width], zero-padded (a step's layers share one width)."""
+    width = max(a.shape[1] for a in arrays)
+    if all(a.shape[1] == width for a in arrays):
+        return np.stack(arrays)
+    out = np.zeros((len(arrays), arrays[0].shape[0], width), dtype=arrays[0].dtype)
+    for e, a in enumerate(arrays):
+        out[e, :, : a.shape[1]] = a
+    return out
+
+
+def _uniform_ids(recalled: list) -> np.ndarray | None:
+    """[rows, k] ids (staging order) when each row recalled k ids laid end to end in one fetched array (k = 0
+    when none recalled); None otherwise."""
+    first = next((entry for entry in recalled if entry is not None), None)
+    if first is None:
+        return np.zeros((len(recalled), 0), dtype=np.int64)
+    k = first[3]
+    if not all(entry is not None and entry[1] is first[1] and entry[2] == i * k and entry[3] == k
+               for i, entry in enumerate(recalled)):
+        return None
+    return first[1].value()[: len(recalled) * k].reshape(len(recalled), k)
+
+
+def _ragged_ids(recalled: list) -> list[list[int]]:
+    fetched: dict[int, list] = {}  # by fetched array
+    out = []
+    for entry in recalled:
+        if entry is None:
+            out.append([])
+            continue
+        ids = fetched.get(id(entry[1]))
+        if ids is None:
+            ids = fetched[id(entry[1])] = entry[1].value().tolist()
+        out.append(sorted(ids[entry[2] : entry[2] + entry[3]]))
+    return out
+
+
+def _as_ids(mask: np.ndarray) -> list[int]:
+    return np.flatnonzero(mask).tolist()
+
+
+class StepRecording:
+    """A cache's recording of the current step, shared by its layers: each recording layer adds its
+    `LayerEntry` for the rows `row_ids`; the first layer of a step (or of a new set of rows) opens a `StepRows`
+    and hands each row's recorder its place in it."""
+
+    def __init__(self):
+        self._current: StepRows | None = None
+
+    def add(self, row_ids: tuple, states: list, entry: LayerEntry) -> None:
+        group = self._current
+        if group is None or group.resolved or group.row_ids != row_ids:
+            group = self._current = StepRows(row_ids)
+            for index, state in enumerate(states):
+                state.recorder.add_step_rows(group, index)
+        group.entries.append(entry)
 
 
 @dataclass
 class Recorder:
-    """One sample's recorded rows. A step's rows arrive as (LayerRows, index, step), one per layer; when the step
-    ends each becomes one tuple (and its block masses, when recorded), and the tuples are transposed into
-    columns when `columns` or a table is read: a step costs a sample two appends per layer, not 20."""
+    """One sample's recorded rows: per step, the `StepRows` it is part of, its index there and the step
+    (pending until the step ends, then built), concatenated into columns when `columns` or a table is read."""
 
     record_access: bool = True
     step: int = 0
     _columns: dict[str, list] = field(default_factory=lambda: {name: [] for name in STEP_COLUMNS + OPTIONAL_STEP_COLUMNS})
     _block_mass: list[np.ndarray] = field(default_factory=list)
     step_us: list[float] = field(default_factory=list)
-    pending: list[tuple] = field(default_factory=list)  # this step's rows: (LayerRows, index, step)
-    _row_tuples: list[tuple] = field(default_factory=list)  # ended steps' rows, not yet in `_columns`
-    _row_steps: list[int] = field(default_factory=list)
+    pending: list[tuple] = field(default_factory=list)  # (StepRows, index, step)
+    _parts: list[tuple] = field(default_factory=list)  # ended steps' (StepRows, index, step), not yet in `_columns`
     layer_us: list[list[float] | None] = field(default_factory=list)  # per step: each decoder layer's time
+
+    def add_step_rows(self, rows: StepRows, index: int) -> None:
+        """This sample is row `index` of the step's `rows` (every layer of the step that records it)."""
+        self.pending.append((rows, index, self.step))
+
+    def _resolve(self) -> None:
+        """Build the pending steps' rows (their device values fetched: one copy per step for every row and
+        layer; the first recorder of a step builds it for all)."""
+        pending, self.pending = self.pending, []
+        for rows, _, _ in pending:
+            rows.build()
+        self._parts.extend(pending)
 
     @property
     def columns(self) -> dict[str, list]:
         """The step columns so far (`STEP_COLUMNS` + `OPTIONAL_STEP_COLUMNS`), one entry per (step, layer) row."""
         self._resolve()
-        if self._row_tuples:
-            columns = self._columns
-            columns["step"].extend(self._row_steps)
-            for name, values in zip(_ROW_VALUES, zip(*self._row_tuples, strict=True), strict=True):
-                columns[name].extend(values)
-            self._row_tuples, self._row_steps = [], []
+        parts, self._parts = self._parts, []
+        if parts:
+            self._extend(parts)
         return self._columns
+
+    def _extend(self, parts: list[tuple]) -> None:
+        """Append the parts' rows to the columns: each array column concatenated over the parts at once."""
+        columns = self._columns
+        ints = np.concatenate([rows.ints[:, i] for rows, i, _ in parts])
+        for j, name in enumerate(INT_COLUMNS):
+            columns[name].extend(ints[:, j].tolist())
+        masses = np.concatenate([rows.masses[:, i] for rows, i, _ in parts])
+        columns["mass_hbm"].extend(masses[:, 0].tolist())
+        columns["mass_ddr"].extend(masses[:, 1].tolist())
+        counts = [rows.ints.shape[0] for rows, _, _ in parts]  # each step's layers
+        columns["step"].extend(np.repeat([step for _, _, step in parts], counts).tolist())
+        if all(isinstance(rows.recalled, np.ndarray) for rows, _, _ in parts) \
+                and len({rows.recalled.shape[2] for rows, _, _ in parts}) == 1:
+            columns["recalled_block_ids"].extend(np.concatenate([rows.recalled[:, i] for rows, i, _ in parts]).tolist())
+        else:
+            for rows, i, _ in parts:
+                recalled = rows.recalled
+                columns["recalled_block_ids"].extend(recalled[:, i].tolist() if isinstance(recalled, np.ndarray)
+                                                     else [layer_rows[i] for layer_rows in recalled])
+        moved = [[[] for _ in range(len(ints))] for _ in MOVED_COLUMNS]  # most rows move nothing
+        quant = [[None] * len(ints) for _ in OPTIONAL_STEP_COLUMNS]
+        for start, (rows, i, _) in zip(itertools.accumulate(counts, initial=0), parts):
+            for e, *ids in rows.moved[i]:
+                for column, values in zip(moved, ids, strict=True):
+                    column[start + e] = values
+            if rows.quant is not None:
+                for e, values in enumerate(rows.quant[:, i].tolist()):
+                    if not math.isnan(values[0]):
+                        quant[0][start + e], quant[1][start + e] = values
+        for name, column in zip(MOVED_COLUMNS + OPTIONAL_STEP_COLUMNS, moved + quant, strict=True):
+            columns[name].extend(column)
+        if self.record_access:
+            n_blocks = ints[:, INT_COLUMNS.index("hbm_blocks")] + ints[:, INT_COLUMNS.index("ddr_blocks")] \
+                + ints[:, INT_COLUMNS.index("evicted_blocks")]
+            masses = itertools.chain.from_iterable(rows.block_mass[:, i] for rows, i, _ in parts)
+            self._block_mass.extend(map(_first, masses, n_blocks.tolist()))
 
     @property
     def block_mass(self) -> list[np.ndarray]:
-        self._resolve()
+        self.columns  # noqa: B018  (resolves and extends)
         return self._block_mass
-
-    def add_layer_rows(self, rows: LayerRows, index: int) -> None:
-        """This sample's (step, layer) row: row `index` of a layer's `rows` (`_ROW_COLUMNS`, `block_mass`, and
-        the optional columns where measured)."""
-        self.pending.append((rows, index, self.step))
-
-    def _resolve(self) -> None:
-        """Keep the pending rows as tuples, their device values fetched (one copy per step for every row and
-        layer), so that their LayerRows die with the step (thousands of them alive until the sample ends made
-        Python's garbage collector walk them: 10-30% of a batch-32 micro step)."""
-        pending, self.pending = self.pending, []
-        if not pending:
-            return
-        self._row_steps.extend([step for _, _, step in pending])
-        self._row_tuples.extend([rows.rows()[index] for rows, index, _ in pending])
-        if self.record_access:
-            self._block_mass.extend([rows.columns()["block_mass"][index] for rows, index, _ in pending])
 
     def end_step(self, wall_us: float, layer_us: list[float] | None = None) -> None:
         self._resolve()
@@ -134,3 +312,7 @@ class Recorder:
         if not self.record_access:
             return None
         return {"step": columns["step"], "layer": columns["layer"], "block_mass": self._block_mass}
+
+
+def _first(values: np.ndarray, n: int) -> np.ndarray:
+    return values[:n]
