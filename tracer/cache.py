@@ -165,9 +165,11 @@ class PagedLayer:
     """
 
     def __init__(self, layer_idx: int, copies: DeferredCopies, positions: list | None = None,
-                 targets: _TargetsByLength | None = None, recording: StepRecording | None = None):
+                 targets: _TargetsByLength | None = None, recording: StepRecording | None = None,
+                 step_masses: _StepMasses | None = None):
         self.layer_idx, self.copies = layer_idx, copies
         self.recording = recording if recording is not None else StepRecording()  # the cache's, shared too
+        self.step_masses = step_masses if step_masses is not None else _StepMasses(layer_idx + 1)  # and this
         # [(rows, lengths), (positions, lengths) on the device] of the last decode append, shared by the layers
         self.positions = positions if positions is not None else [None, None]
         self.targets = targets if targets is not None else _TargetsByLength()  # shared by the layers too
@@ -567,7 +569,7 @@ class PagedLayer:
         recording = [i for i in placing if states[i].recorder is not None]
         if recording:
             recorded = [states[i] for i in recording]
-            masses, host = self._occupancy(recorded, weights_mean[:, -1], positions)
+            masses, host = self._occupancy(rows, recorded, weights_mean[:, -1], positions)
         moves = self._place(rows, states, placing)
         # (This step's staging pages keep their entries: attention reads only the staging pages its own step's
         # recall filled, `staged_pages`, reset by `update`, so a stale page is never attended nor cleared.)
@@ -578,7 +580,7 @@ class PagedLayer:
             moved = [moves.get(rows[i]) for i in recording] if moves else [None] * len(recording)
             entry = LayerEntry(
                 (self.layer_idx, self.block_size, self.token_bytes, self.ddr.block_bytes()), host,
-                [0 if m is None else m[2] for m in moved], masses,
+                [0 if m is None else m[2] for m in moved], masses, self.layer_idx,
                 None if len(recording) == len(rows) else recording, [s.recalled for s in recorded], moved,
                 [errors.get(rows[i]) for i in recording] if errors else [None] * len(recording))
             self.recording.add(tuple(rows[i] for i in recording), recorded, entry)
@@ -635,20 +637,21 @@ class PagedLayer:
             if not scorer.adds_weights_only:  # the scratch positions (weight 0 added leaves them at 0)
                 self.token_scores[score_rows, score_lengths] = 0.0
 
-    def _occupancy(self, recorded: list[RowState], last_weights: torch.Tensor,
+    def _occupancy(self, rows: list[int], recorded: list[RowState], last_weights: torch.Tensor,
                    positions: torch.Tensor) -> tuple[Deferred, list[tuple]]:
         """The recording rows' host counts at attention time (after recall, before placement: a tuple of
-        `tracer.recorder.HOST_FIELDS` each) and the attention masses of every batch entry's blocks, which reach
-        the host in the step's one copy (`DeferredCopies`). Empty slots carry weight 0, so where their scratch
-        position lands adds nothing."""
+        `tracer.recorder.HOST_FIELDS` each) and the attention masses of every batch entry's blocks, in this
+        layer's slice of the step's one tensor for every layer (`_StepMasses`), which reaches the host in the
+        step's one copy (`DeferredCopies`). Empty slots carry weight 0, so where their scratch position lands
+        adds nothing."""
         host = [(s.logical_len - s.query_start + s.deferred_query_tokens, s.logical_len, s.blocks(),
                  s.n_ddr_blocks, s.n_evicted_blocks, s.recalled_blocks, s.bytes_h2d) for s in recorded]
-        block_mass = torch.zeros(last_weights.shape[0], max(h[2] for h in host) + 1, dtype=torch.float32,
-                                 device=self.device)
         # (a scratch position, the row's length, falls in its block count's column: within n_blocks_max). A
         # recalled block is in DDR, so its mass is that of its staged slots: the DDR mass is theirs, on the host.
+        key = (tuple(rows), tuple(h[1] for h in host), last_weights.shape[0], max(h[2] for h in host) + 1)
+        block_mass, masses = self.step_masses.layer(self.copies, key, self.layer_idx, self.device)
         block_mass.scatter_add_(1, positions // self.block_size, last_weights)
-        return self.copies.add(block_mass, lambda a: a.reshape(last_weights.shape[0], -1)), host
+        return masses, host
 
     def _place(self, rows: list[int], states: list[RowState], placing: list[int]) -> dict:
         """Apply each row's targets (rows whose targets moved, or that may promote); returns per row id
@@ -841,6 +844,24 @@ class PagedLayer:
         return self.block_tier[row, : state.blocks()].repeat_interleave(self.block_size)[: state.logical_len]
 
 
+class _StepMasses:
+    """A step's block masses for every layer of a cache: one zeroed [layers, batch entries, blocks + 1] float32
+    tensor, added to the step's copy once, into whose slice each recording layer scatters its attention (not a
+    tensor and a copy per layer). A new one per forward: `key` (the rows' lengths, the batch, the width)
+    changes with every forward, as each appends."""
+
+    def __init__(self, n_layers: int):
+        self.n_layers, self.key, self.tensor, self.deferred = n_layers, None, None, None
+
+    def layer(self, copies: DeferredCopies, key: tuple, layer_idx: int, device) -> tuple[torch.Tensor, Deferred]:
+        if key != self.key or copies.fetched_since(self.deferred):
+            *_, batch, width = key
+            self.tensor = torch.zeros((self.n_layers, batch, width), dtype=torch.float32, device=device)
+            self.deferred = copies.add(self.tensor, lambda a, shape=self.tensor.shape: a.reshape(shape))
+            self.key = key
+        return self.tensor[layer_idx], self.deferred
+
+
 class _TargetsByLength(dict):
     """length -> `_targets(spec, length)` for one placement policy (`spec`; cleared when it changes)."""
 
@@ -1023,6 +1044,10 @@ class DeferredCopies:
     def __init__(self):
         self._batch = _CopyBatch()
 
+    def fetched_since(self, deferred: Deferred | None) -> bool:
+        """Whether the copy `deferred` was added to has reached the host (a value added now would be in the next)."""
+        return deferred is None or deferred.source is not self._batch or self._batch.fetched
+
     def add(self, tensor: torch.Tensor, transform) -> Deferred:
         if self._batch.fetched:  # the previous batch reached the host: start a new one
             self._batch = _CopyBatch()
@@ -1039,7 +1064,7 @@ class DeferredCopies:
         batch.dtypes.append(dtype)
         batch.offsets.append(batch.offsets[-1] + raw.shape[0])
         index = len(batch.tensors) - 1
-        return Deferred(lambda: transform(batch.host(index)))
+        return Deferred(lambda: transform(batch.host(index)), source=batch)
 
 
 class _CopyBatch:
@@ -1073,10 +1098,11 @@ class TieredCache(Cache):
     """
 
     def __init__(self, n_layers: int, settings: TierSettings, recorder=None):
-        self.copies, self.recording = DeferredCopies(), StepRecording()
+        self.copies, self.recording, step_masses = DeferredCopies(), StepRecording(), _StepMasses(n_layers)
         positions = [None, None]  # one per cache: its layers share each decode step's position tensors
         targets = _TargetsByLength()  # and the policy's targets by length
-        self.paged = [PagedLayer(i, self.copies, positions, targets, self.recording) for i in range(n_layers)]
+        self.paged = [PagedLayer(i, self.copies, positions, targets, self.recording, step_masses)
+                      for i in range(n_layers)]
         for layer in self.paged:
             layer.reset_row(0, settings, recorder)
         super().__init__(layers=[TieredLayer(layer, 0) for layer in self.paged])

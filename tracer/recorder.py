@@ -42,12 +42,12 @@ HOST_FIELDS = ("query_tokens", "logical_len", "blocks", "ddr_blocks", "evicted_b
 
 class Deferred:
     """A recorded value still on the device (tracer.cache.DeferredCopies): `value()` fetches it (once: the value
-    is kept)."""
+    is kept); `source`: the copy it travels in."""
 
     _unset = object()
 
-    def __init__(self, fetch):
-        self._fetch, self._value = fetch, Deferred._unset
+    def __init__(self, fetch, source=None):
+        self._fetch, self._value, self.source = fetch, Deferred._unset, source
 
     def value(self):
         if self._value is Deferred._unset:
@@ -62,7 +62,8 @@ class LayerEntry:
     constants: tuple[int, int, int, int]  # layer, block size, KV bytes of an HBM token, bytes of a DDR block
     host: list[tuple]  # per row: `HOST_FIELDS`, as the layer saw them at attention time (before placement)
     bytes_d2h: list[int]  # per row: bytes this step's placement offloaded
-    masses: Deferred  # [batch entries, blocks + 1] float32: attention mass per block (last column: scratch)
+    masses: Deferred  # [layers, batch entries, blocks + 1] float32: attention mass per block (last: scratch),
+    mass_layer: int  # shared by the step's layers: this layer's is masses[mass_layer]
     index: list[int] | None  # the rows' batch entries in `masses` (None: all of them, in order)
     recalled: list  # per row: None or (ids on the device, their Deferred, first, count): sorted when recorded
     moved: list  # per row: None or (Deferred codes [placed rows, blocks], its row, bytes): codes 1-4
@@ -94,7 +95,7 @@ class StepRows:
                         dtype=np.int64).reshape(len(entries), n_rows, len(HOST_FIELDS) + 1)
         weights, bias = _derivations(tuple(entry.constants for entry in entries))
         self.ints = np.matmul(host, weights) + bias
-        mass = _stack_rows([_row_masses(entry) for entry in entries])  # [E, rows, width]
+        mass = _step_masses(entries)  # [E, rows, width]
         # Recalled ids, staged by bound, recorded sorted by id. When every layer's rows recall alike (each its k
         # ids, in order: the usual step), one sort and one gather serve every row and layer.
         uniform = [_uniform_ids(entry.recalled) for entry in entries]
@@ -151,17 +152,16 @@ def _derivations(constants: tuple[tuple[int, int, int, int], ...]) -> tuple[np.n
     return weights, bias
 
 
-def _row_masses(entry: LayerEntry) -> np.ndarray:
-    mass = entry.masses.value()
-    return mass if entry.index is None else mass[entry.index]
-
-
-def _stack_rows(arrays: list[np.ndarray]) -> np.ndarray:
-    """[rows, width_e] arrays -> [E, rows, max width], zero-padded (a step's layers share one width)."""
-    width = max(a.shape[1] for a in arrays)
-    if all(a.shape[1] == width for a in arrays):
-        return np.stack(arrays)
-    out = np.zeros((len(arrays), arrays[0].shape[0], width), dtype=arrays[0].dtype)
+def _step_masses(entries: list[LayerEntry]) -> np.ndarray:
+    """The entries' block masses [E, rows, width]: one gather when they share the step's tensor (as a step's
+    layers do), else each entry's slice, zero-padded to the widest."""
+    first = entries[0]
+    if all(entry.masses is first.masses and entry.index == first.index for entry in entries):
+        mass = first.masses.value()[[entry.mass_layer for entry in entries]]
+        return mass if first.index is None else mass[:, first.index]
+    arrays = [entry.masses.value()[entry.mass_layer] for entry in entries]
+    arrays = [a if entry.index is None else a[entry.index] for a, entry in zip(arrays, entries, strict=True)]
+    out = np.zeros((len(arrays), arrays[0].shape[0], max(a.shape[1] for a in arrays)), dtype=np.float32)
     for e, a in enumerate(arrays):
         out[e, :, : a.shape[1]] = a
     return out
