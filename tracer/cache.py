@@ -648,8 +648,8 @@ class PagedLayer:
                  s.n_ddr_blocks, s.n_evicted_blocks, s.recalled_blocks, s.bytes_h2d) for s in recorded]
         # (a scratch position, the row's length, falls in its block count's column: within n_blocks_max). A
         # recalled block is in DDR, so its mass is that of its staged slots: the DDR mass is theirs, on the host.
-        key = (tuple(rows), tuple(h[1] for h in host), last_weights.shape[0], max(h[2] for h in host) + 1)
-        block_mass, masses = self.step_masses.layer(self.copies, key, self.layer_idx, self.device)
+        block_mass, masses = self.step_masses.layer(self.copies, (tuple(rows), tuple(h[1] for h in host)),
+                                                    max(h[2] for h in host) + 1, self.layer_idx, self.device)
         block_mass.scatter_add_(1, positions // self.block_size, last_weights)
         return masses, host
 
@@ -847,17 +847,18 @@ class PagedLayer:
 class _StepMasses:
     """A step's block masses for every layer of a cache: one zeroed [layers, batch entries, blocks + 1] float32
     tensor, added to the step's copy once, into whose slice each recording layer scatters its attention (not a
-    tensor and a copy per layer). A new one per forward: `key` (the rows' lengths, the batch, the width)
-    changes with every forward, as each appends."""
+    tensor and a copy per layer). A new one per forward: `key` (the rows and their lengths) changes with every
+    forward, as each appends; `width` (blocks + 1) follows from the lengths."""
 
     def __init__(self, n_layers: int):
         self.n_layers, self.key, self.tensor, self.deferred = n_layers, None, None, None
 
-    def layer(self, copies: DeferredCopies, key: tuple, layer_idx: int, device) -> tuple[torch.Tensor, Deferred]:
+    def layer(self, copies: DeferredCopies, key: tuple, width: int, layer_idx: int, device
+              ) -> tuple[torch.Tensor, Deferred]:
         if key != self.key or copies.fetched_since(self.deferred):
-            *_, batch, width = key
-            self.tensor = torch.zeros((self.n_layers, batch, width), dtype=torch.float32, device=device)
-            self.deferred = copies.add(self.tensor, lambda a, shape=self.tensor.shape: a.reshape(shape))
+            shape = (self.n_layers, len(key[0]), width)  # [layers, batch entries, blocks + 1]
+            self.tensor = torch.zeros(shape, dtype=torch.float32, device=device)
+            self.deferred = copies.add(self.tensor, lambda a, shape=shape: a.reshape(shape))
             self.key = key
         return self.tensor[layer_idx], self.deferred
 

@@ -91,8 +91,9 @@ class StepRows:
             return
         entries, n_rows = self.entries, len(self.row_ids)
         self.entries = []  # (their device values are fetched here: nothing else to keep)
-        host = np.array([[h + (d2h,) for h, d2h in zip(e.host, e.bytes_d2h, strict=True)] for e in entries],
-                        dtype=np.int64).reshape(len(entries), n_rows, len(HOST_FIELDS) + 1)
+        host = np.concatenate([  # [E, rows, HOST_FIELDS + bytes_d2h]
+            np.array([entry.host for entry in entries], dtype=np.int64).reshape(len(entries), n_rows, -1),
+            np.array([entry.bytes_d2h for entry in entries], dtype=np.int64).reshape(len(entries), n_rows, 1)], -1)
         weights, bias = _derivations(tuple(entry.constants for entry in entries))
         self.ints = np.matmul(host, weights) + bias
         mass = _step_masses(entries)  # [E, rows, width]
