@@ -50,15 +50,19 @@ def syncs_per_step(spec: PolicySpec, batch_size: int, record: bool, steps: int =
     return counter.count / forwards[0], counter.by_op
 
 
-def test_the_counter_sees_every_kind_of_host_wait():
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+def test_the_counter_sees_every_kind_of_host_wait(grad_mode):
+    """Under both modes a decode may run in (tracer.decode.decode_grad_mode): inference_mode shows a dispatch mode
+    composite ops (`item`, `is_nonzero`, `where(cond)`) undecomposed."""
     x = torch.arange(10)
-    with HostSyncCounter() as counter:
+    with grad_mode(), HostSyncCounter() as counter:
         int(x.sum()), (x > 3).nonzero(), x[x > 2], x.tolist(), x.numpy(), x + 1, x[torch.tensor([1, 2])]
+        bool((x > 3).any()), x[0].item(), torch.where(x > 5)
         torch.arange(3).cpu().numpy()  # a fetch, then reading what it fetched: one wait
         # Uploads: blocking ones from pageable memory (on CUDA each waits for the stream), then the free ones.
         torch.tensor([1, 2], device="cpu"), torch.as_tensor([3], device=x.device), x.to(x.device)
         host_to_device([1, 2], x.device), x.to(torch.float64), x.to(x.device, non_blocking=True)
-    assert counter.by_op == {"aten._local_scalar_dense": 1, "aten.nonzero": 1, "boolean-mask index": 1,
+    assert counter.by_op == {"aten._local_scalar_dense": 3, "aten.nonzero": 2, "boolean-mask index": 1,
                              "Tensor.tolist": 1, "Tensor.numpy": 1, "Tensor.cpu": 1,
                              "blocking host->device copy": 3}
 

@@ -45,7 +45,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tracer.attention import ATTN_IMPLEMENTATION
-from tracer.cache import TieredCache
+from tracer.cache import TieredCache, UnsupportedBatch
 from tracer.recorder import Recorder
 from tracer.transfer import host_to_device
 
@@ -113,11 +113,27 @@ def frozen_heap():
             gc.unfreeze()
 
 
-@torch.no_grad()
+def decode_grad_mode(settings) -> type:
+    """The autograd mode a decode runs in: `torch.inference_mode` (no autograd bookkeeping and no version counter
+    per op, which is most of an eager CPU op's fixed cost: a traced micro-model step at B = 1 took 4.3 ms under
+    it against 5.0 under no_grad, tests/bench/collect_throughput.py), unless the scorer of `settings` (a
+    `TierSettings`, or None) runs a backward pass, whose saved tensors cannot be inference tensors: then
+    `torch.no_grad`. A cache decoded under inference_mode holds inference tensors: read freely afterwards, but
+    written again only under inference_mode (decode it again with these loops, not with `generate`)."""
+    scorer = getattr(settings, "scorer", None)
+    return torch.no_grad if scorer is not None and scorer.needs_autograd else torch.inference_mode
+
+
 def greedy_decode(
     model, prompt_ids: list[int], cache: TieredCache, max_new_tokens: int, eos_ids: set[int],
     recorder: Recorder | None = None, progress=None,
 ) -> DecodeResult:
+    """Greedy decode of one sample on `cache` (a TieredCache, or a DynamicCache as the untraced reference)."""
+    with decode_grad_mode(getattr(cache, "settings", None))():
+        return _greedy_decode(model, prompt_ids, cache, max_new_tokens, eos_ids, recorder, progress)
+
+
+def _greedy_decode(model, prompt_ids, cache, max_new_tokens, eos_ids, recorder, progress) -> DecodeResult:
     device = model.device
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     input_ids = torch.tensor([prompt_ids], device=device)
@@ -167,6 +183,9 @@ class HostSyncCounter(TorchDispatchMode):
     """
 
     SYNC_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique2", "aten._unique2"}
+    # Under inference_mode (how the decode loops run: `decode_grad_mode`) a dispatch mode sees composite ops
+    # before they decompose: `.item()`/`int()`/`bool()` arrive as these, not as `_local_scalar_dense`.
+    SCALAR_READS = {"aten.item", "aten.is_nonzero"}
 
     def __init__(self):
         super().__init__()
@@ -246,13 +265,20 @@ class HostSyncCounter(TorchDispatchMode):
             pass
         elif name in self.SYNC_OPS:
             self._add(name)
+        elif name in self.SCALAR_READS:
+            self._add("aten._local_scalar_dense")
+        elif name == "aten.where" and len(args) + len(kwargs) == 1:  # where(condition): nonzero, composite
+            self._add("aten.nonzero")
         elif name in ("aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_"):
             indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
             if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ()):
                 self._add("boolean-mask index")  # its result size needs the mask's count on the host
-        elif name in ("aten._to_copy", "aten.copy_"):
+        elif name in ("aten._to_copy", "aten.copy_", "aten.to"):  # (`to` itself under inference_mode)
             source = args[1] if name == "aten.copy_" else args[0]
             target_device = args[0].device if name == "aten.copy_" else kwargs.get("device")
+            if name == "aten.to" and target_device is None:  # to(device, ...) or to(other tensor, ...)
+                given = [a.device if isinstance(a, torch.Tensor) else a for a in args[1:2]]
+                target_device = next((d for d in given if isinstance(d, (torch.device, str))), None)
             if isinstance(source, torch.Tensor) and source.device.type != "cpu" and target_device is not None \
                     and torch.device(target_device).type == "cpu":
                 self._add("device->host copy")
@@ -368,7 +394,6 @@ def decode_step(model, cache: TieredCache, rows: list[int], input_ids: torch.Ten
     return logits, tokens, finite, wall_us, timer.read_us()
 
 
-@torch.no_grad()
 def decode_batch(
     model, jobs: Iterable[DecodeJob], cache: TieredCache, batch_size: int, max_new_tokens: int, eos_ids: set[int],
     progress=None, keep_logits: bool = False, prefill_chunk_tokens: int | None = None,
@@ -377,7 +402,15 @@ def decode_batch(
     order). Consume each result (e.g. `tokens_table`) before asking for the next: its row is then refilled.
     A prompt longer than `prefill_chunk_tokens` is prefilled in chunks of that many tokens (None: at once), which
     bounds the prefill's attention scores at chunk x prompt instead of prompt x prompt; the prompt is placed
-    and recorded after the last chunk, as one prefill step (`_prefill_front`)."""
+    and recorded after the last chunk, as one prefill step (`_prefill_front`). Runs under `decode_grad_mode` of
+    the cache's settings (each resumption of the generator: the caller's code between results runs outside)."""
+    mode = decode_grad_mode(cache.settings)
+    return mode()(_decode_batch)(model, jobs, cache, batch_size, max_new_tokens, eos_ids, progress, keep_logits,
+                                 prefill_chunk_tokens, mode is torch.no_grad)
+
+
+def _decode_batch(model, jobs, cache, batch_size, max_new_tokens, eos_ids, progress, keep_logits,
+                  prefill_chunk_tokens, autograd_allowed: bool) -> Iterator[tuple[DecodeJob, DecodeResult]]:
     device = model.device
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     pending = iter(jobs)
@@ -432,6 +465,9 @@ def decode_batch(
                     break
                 row_id = min(free)
                 free.remove(row_id)
+                if not autograd_allowed and decode_grad_mode(job.settings) is torch.no_grad:
+                    raise UnsupportedBatch("a batch's samples share one scorer kind: this one runs autograd, the "
+                                           "cache's first does not; decode them separately")
                 cache.reset_row(row_id, job.settings, job.recorder)
                 active[row_id] = _Row(job, time.perf_counter(), logits=[] if keep_logits else None)
                 prompt = job.prompt_ids

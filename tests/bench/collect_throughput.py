@@ -24,11 +24,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
+import tracer.decode
 from tracer.cache import TieredCache
 from tracer.calibrate.launches import NO_KERNEL_OPS
 from tracer.decode import DecodeJob, decode_batch, frozen_heap, greedy_decode, use_tiered_attention
@@ -92,12 +94,15 @@ def measure(spec: str, args) -> dict:
 
     def launches_per_layer(batch: int) -> tuple[float, float]:
         """(traced, untraced) kernels per decoder layer and decode step: the difference of two run lengths
-        divided by the extra steps, so prefills and the loops' set-up cancel out."""
+        divided by the extra steps, so prefills and the loops' set-up cancel out. Both under no_grad (as
+        `generate` runs): under inference_mode, as `thoughtkv trace` decodes (tracer.decode.decode_grad_mode), a
+        dispatch mode sees composite ops before they decompose (`to`, even when it copies nothing; `linear`)."""
         out = []
         for run in (traced, untraced):
             counts = []
             for steps in (args.steps // 2, args.steps):
-                with KernelCount() as counter:
+                with mock.patch.object(tracer.decode, "decode_grad_mode", lambda settings: torch.no_grad), \
+                        KernelCount() as counter:
                     run(batch, steps)
                 counts.append(counter.n)
             out.append((counts[1] - counts[0]) / (args.steps - args.steps // 2) / n_layers)

@@ -27,7 +27,7 @@ def tiered_decoder_factory(
 
     def make_decoder(model: torch.nn.Module, prompt_ids: torch.Tensor) -> Callable[[], None]:
         from tracer.cache import TieredCache
-        from tracer.decode import LayerTimer, decode_step, step_clock, use_tiered_attention
+        from tracer.decode import LayerTimer, decode_grad_mode, decode_step, step_clock, use_tiered_attention
         from tracer.recorder import Recorder
 
         use_tiered_attention(model)
@@ -44,7 +44,7 @@ def tiered_decoder_factory(
         def moved_so_far() -> int:  # blocks that ever left HBM (offloads, evictions), summed over layers
             return sum(layer.n_ddr_blocks + layer.n_evicted_blocks for layer in cache.rows[0])
 
-        @torch.no_grad()
+        @decode_grad_mode(settings)()  # as the trace decodes
         def step() -> tuple[bool, float, int]:
             before = moved_so_far()
             _, tokens, _finite, wall_us, layer_us = decode_step(model, cache, [0], state["ids"], state["positions"],

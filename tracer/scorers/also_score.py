@@ -31,6 +31,10 @@ class AlsoScore(Scorer):
     def name(self) -> str:  # type: ignore[override]
         return self.primary.name if self.primary is not None else "none"
 
+    @property
+    def needs_autograd(self) -> bool:  # type: ignore[override]
+        return any(s is not None and s.needs_autograd for s in [self.primary, *self.extras.values()])
+
     def score(self, obs: Observation, previous: torch.Tensor) -> torch.Tensor:
         for name, scorer in self.extras.items():
             layers = self.tables.setdefault(name, {})

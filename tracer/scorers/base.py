@@ -66,6 +66,9 @@ class Scorer:
     # Whether the scores only ever add the weights given: an empty slot (weight exactly 0) then leaves its
     # scratch position at 0, and the cache skips resetting it after each call.
     adds_weights_only: bool = False
+    # Whether scoring runs autograd (a backward pass): the decode loop then runs under no_grad, not
+    # inference_mode, whose tensors autograd cannot save (tracer.decode.decode_grad_mode).
+    needs_autograd: bool = False
 
     def score(self, obs: Observation, previous: torch.Tensor) -> torch.Tensor:
         """Return the scores [rows, >= obs.logical_len] of every position (float32); entries beyond are 0."""

@@ -71,6 +71,7 @@ class GradientScorer(Scorer):
 
     name: str = "gradient"
     batchable = False  # tables per sample
+    needs_autograd = True
     window: int = 1
     interval: int = 1
     tables: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
