@@ -121,6 +121,24 @@ def test_layer_times_are_recorded_per_step_and_layer():
     assert len(table["measured_layer_us"]) == 12  # 6 steps x 2 layers
     for step_us, layer_us in zip(table["measured_step_us"], table["measured_layer_us"], strict=True):
         assert 0 < layer_us < step_us  # each layer is part of its step
+    # The timer wraps each layer's forward for the decode only: the model is left as it was.
+    assert all("forward" not in vars(layer) for layer in model.model.layers)
+
+
+def test_nested_layer_timers_time_each_layer_and_leave_the_model_as_it_was():
+    from tracer.decode import LayerTimer
+
+    model = tiny_model("qwen2")
+    first, second = LayerTimer(model), LayerTimer(model)  # the second wraps the first
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([[5, 6, 7]]))
+    inner_us, outer_us = first.read_us(), second.read_us()
+    assert all(0 < a <= b for a, b in zip(inner_us, outer_us, strict=True)) and len(inner_us) == 2
+    first.close()  # beneath the second: it passes through until the second is closed, then goes with it
+    assert all("forward" in vars(layer) for layer in model.model.layers)
+    second.close()
+    assert all("forward" not in vars(layer) for layer in model.model.layers)
+    assert first.read_us() is None and second.read_us() is None
 
 
 def test_kv_buffers_are_sized_from_the_policy_and_a_batch_that_cannot_fit_is_refused(tmp_path):

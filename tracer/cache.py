@@ -338,9 +338,15 @@ class PagedLayer:
             self.pads = [n_new - n for n in counts]
         else:
             counts = [n_new] * len(rows)
-        self._ensure_blocks(max(s.logical_len + n for s, n in zip(states, counts, strict=True)))
-        opened = [n_blocks(s.spec, s.logical_len + n) - s.blocks() for s, n in zip(states, counts, strict=True)]
-        self._resize_pages(max(s.hbm_blocks() + o for s, o in zip(states, opened, strict=True)), self.n_staging_pages)
+        lengths = [s.logical_len for s in states]
+        self._ensure_blocks(max(lengths) + n_new if self.pads is None else max(map(operator.add, lengths, counts)))
+        if n_new == 1:  # a decode step (every row one token): a row opens a block where its length is a multiple
+            opened = [0 if length % bs else 1 for length in lengths]
+        else:
+            opened = [n_blocks(s.spec, s.logical_len + n) - s.blocks() for s, n in zip(states, counts, strict=True)]
+        if n_new > 1 or any(opened):  # (only an opened block grows a row's resident count; promotion sizes its own)
+            self._resize_pages(max(s.hbm_blocks() + o for s, o in zip(states, opened, strict=True)),
+                               self.n_staging_pages)
         rows_t = self._rows_tensor(rows)
         if n_new == 1:
             opening = [i for i, o in enumerate(opened) if o]
@@ -352,10 +358,13 @@ class PagedLayer:
                 self.page_block[open_rows, free_page] = new_blocks
                 self.block_page[open_rows, new_blocks] = free_page
                 self.next_slot[open_rows] = free_page * bs
-            lengths = tuple(s.logical_len for s in states)
-            key = (tuple(rows), lengths)
+            key = (tuple(rows), tuple(lengths))
             if self.positions[0] != key:  # the layers append in lockstep: the first one's tensors serve them all
-                positions = host_to_device(lengths, self.device)
+                last = self.positions[0]
+                if last is not None and last[0] == key[0] and tuple(n + 1 for n in last[1]) == key[1]:
+                    positions = self.positions[1][1]  # the same rows one token on: the last lengths tensor
+                else:
+                    positions = host_to_device(lengths, self.device)
                 self.positions[:] = key, (positions, positions + 1)
             positions, self.lengths = self.positions[1]
             selected = self._select(rows)
