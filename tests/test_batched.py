@@ -255,3 +255,24 @@ def test_a_left_padded_prefill_scores_each_row_as_it_would_alone(scorer):
         for want, got in zip(layers, together[key], strict=True):
             assert want.abs().sum() > 0
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_decode_runs_under_inference_mode_unless_its_scorer_runs_autograd():
+    """tracer.decode.decode_grad_mode: inference_mode (cheaper eager ops) for attention scorers; no_grad for the
+    gradient scorer, whose backward pass cannot save inference tensors; a batch mixing the two is refused."""
+    import dataclasses
+
+    from tracer.cache import UnsupportedBatch
+
+    model = tiny_model("qwen2")
+    plain = settings("hierarchy")
+    gradient = dataclasses.replace(plain, scorer=build_scorer("gradient"))
+    for tier_settings, inference in ((plain, True), (gradient, False)):
+        job = DecodeJob(0, prompts()[0], tier_settings, Recorder())
+        cache = TieredCache(2, job.settings)
+        [(_, result)] = list(decode_batch(model, [job], cache, 1, 4, set()))
+        assert len(result.generated_ids) == 4
+        assert cache.paged[0].keys.is_inference() is inference
+    mixed = [DecodeJob(i, prompts()[i], s, Recorder()) for i, s in enumerate((plain, gradient))]
+    with pytest.raises(UnsupportedBatch, match="runs autograd"):
+        list(decode_batch(model, mixed, TieredCache(2, plain), 2, 4, set()))

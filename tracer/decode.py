@@ -115,8 +115,8 @@ def frozen_heap():
 
 def decode_grad_mode(settings) -> type:
     """The autograd mode a decode runs in: `torch.inference_mode` (no autograd bookkeeping and no version counter
-    per op, which is most of an eager CPU op's fixed cost: a traced micro-model step at B = 1 took 4.3 ms under
-    it against 5.0 under no_grad, tests/bench/collect_throughput.py), unless the scorer of `settings` (a
+    per op, which is most of an eager CPU op's fixed cost: a traced micro-model step at B = 1 took 4.26 ms under
+    it against 5.04 under no_grad, interleaved in one process; README), unless the scorer of `settings` (a
     `TierSettings`, or None) runs a backward pass, whose saved tensors cannot be inference tensors: then
     `torch.no_grad`. A cache decoded under inference_mode holds inference tensors: read freely afterwards, but
     written again only under inference_mode (decode it again with these loops, not with `generate`)."""
