@@ -276,3 +276,18 @@ def test_a_decode_runs_under_inference_mode_unless_its_scorer_runs_autograd():
     mixed = [DecodeJob(i, prompts()[i], s, Recorder()) for i, s in enumerate((plain, gradient))]
     with pytest.raises(UnsupportedBatch, match="runs autograd"):
         list(decode_batch(model, mixed, TieredCache(2, plain), 2, 4, set()))
+
+
+def test_calibration_decoders_on_one_model_share_one_layer_timer():
+    """`token_cost_sweep` makes a decoder per prompt on one model: their layer timers must not stack (each later
+    prompt would pay the earlier ones' wrappers, biasing the per-token slope)."""
+    from tracer.calibrate.tiered import tiered_decoder_factory
+
+    model = tiny_model("qwen2")
+    make_decoder = tiered_decoder_factory("hierarchy")
+    for prompt in (8, 12):
+        step = make_decoder(model, torch.arange(prompt)[None] % 320)
+        step()
+    wrappers = [vars(layer)["forward"] for layer in model.model.layers]
+    assert all(getattr(w, "timer", None) is not None for w in wrappers)  # timed...
+    assert all(getattr(w.unwrapped, "timer", None) is None for w in wrappers)  # ...by one timer

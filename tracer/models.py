@@ -157,6 +157,6 @@ def _manifest(model, spec: str, dtype: str, revision, random_weights: bool) -> d
 
 
 def decoder_layers(model) -> list:
-    """The decoder layers of an HF causal LM (`model.model.layers`), for per-layer timers and hooks."""
+    """The decoder layers of an HF causal LM (`model.model.layers`), for per-layer timers."""
     base = getattr(model, "model", model)
     return list(getattr(base, "layers", []))

@@ -9,9 +9,14 @@ so that `tracer.calibrate.overhead.overhead_sweep` measures that bookkeeping as 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
+
+# One layer timer per model: `token_cost_sweep` makes a decoder per prompt on the same model, and a timer per
+# decoder would stack (each wraps every layer's forward), so later prompts would pay the earlier ones' timers.
+_TIMERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def tiered_decoder_factory(
@@ -35,9 +40,12 @@ def tiered_decoder_factory(
         settings = make_settings(config)
         cache = TieredCache(model.config.num_hidden_layers, settings)
         cache.reset_row(0, settings, recorder)  # as decode_batch admits a sample
-        # The trace's own step (decode_batch -> decode_step): layer-timer hooks, the one deferred copy, the
+        # The trace's own step (decode_batch -> decode_step): the layer timer, the one deferred copy, the
         # recorder's end of step; one row, as a batch-1 trace.
-        timer, clock = LayerTimer(model), step_clock(prompt_ids.device)[1]
+        timer = _TIMERS.get(model)
+        if timer is None:
+            timer = _TIMERS[model] = LayerTimer(model)
+        clock = step_clock(prompt_ids.device)[1]
         synchronize = torch.cuda.synchronize if prompt_ids.device.type == "cuda" else (lambda: None)
         state = {"ids": prompt_ids, "positions": torch.arange(prompt_ids.shape[1], device=prompt_ids.device)[None]}
 
