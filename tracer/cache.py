@@ -339,7 +339,7 @@ class PagedLayer:
         else:
             counts = [n_new] * len(rows)
         lengths = [s.logical_len for s in states]
-        self._ensure_blocks(max(lengths) + n_new if self.pads is None else max(map(operator.add, lengths, counts)))
+        self._ensure_blocks(max(map(operator.add, lengths, counts)))
         if n_new == 1:  # a decode step (every row one token): a row opens a block where its length is a multiple
             opened = [0 if length % bs else 1 for length in lengths]
         else:

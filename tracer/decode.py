@@ -276,9 +276,9 @@ class HostSyncCounter(TorchDispatchMode):
         elif name in ("aten._to_copy", "aten.copy_", "aten.to"):  # (`to` itself under inference_mode)
             source = args[1] if name == "aten.copy_" else args[0]
             target_device = args[0].device if name == "aten.copy_" else kwargs.get("device")
-            if name == "aten.to" and target_device is None:  # to(device, ...) or to(other tensor, ...)
-                given = [a.device if isinstance(a, torch.Tensor) else a for a in args[1:2]]
-                target_device = next((d for d in given if isinstance(d, (torch.device, str))), None)
+            if name == "aten.to" and target_device is None and len(args) > 1:  # to(device, ...) or to(tensor, ...)
+                target = args[1].device if isinstance(args[1], torch.Tensor) else args[1]
+                target_device = target if isinstance(target, (torch.device, str)) else None
             if isinstance(source, torch.Tensor) and source.device.type != "cpu" and target_device is not None \
                     and torch.device(target_device).type == "cpu":
                 self._add("device->host copy")
@@ -351,17 +351,18 @@ class LayerTimer:
         def timed_forward(*args, **kwargs):
             if not self.layers:  # closed while another timer's wrapper sat on top: pass through
                 return forward(*args, **kwargs)
-            if self.cuda:
-                self.events[index][0].record()
-                out = forward(*args, **kwargs)
-                self.events[index][1].record()
-                return out
-            self.begun[index] = self.clock()
+            self._mark(index, 0)
             out = forward(*args, **kwargs)
-            self.ended[index] = self.clock()
+            self._mark(index, 1)
             return out
         timed_forward.unwrapped, timed_forward.timer = forward, self
         return timed_forward
+
+    def _mark(self, index: int, end: int) -> None:
+        if self.cuda:
+            self.events[index][end].record()
+        else:
+            (self.ended if end else self.begun)[index] = self.clock()
 
     def read_us(self) -> list[float] | None:
         """The last forward's per-layer times (µs); call after the step has synchronised."""
