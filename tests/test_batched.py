@@ -291,3 +291,43 @@ def test_calibration_decoders_on_one_model_share_one_layer_timer():
     wrappers = [vars(layer)["forward"] for layer in model.model.layers]
     assert all(getattr(w, "timer", None) is not None for w in wrappers)  # timed...
     assert all(getattr(w.unwrapped, "timer", None) is None for w in wrappers)  # ...by one timer
+
+
+@pytest.mark.parametrize("policy", ["hierarchy", "per-head-promote", "hierarchy-int8"])
+def test_steps_resolved_together_record_what_each_step_alone_records(policy, monkeypatch):
+    """The recorder resolves a sample's ended steps together (tracer.recorder.build_steps: steps of the same rows,
+    layers, recall count and width as arrays with a step axis); resolving every step by itself with the general
+    path (`StepRows._build_alone`) must record exactly the same columns and block masses."""
+    import tracer.recorder as recorder_module
+
+    model = tiny_model("qwen2")
+    alone = []
+    build_alone = recorder_module.StepRows._build_alone
+
+    def counted(self):
+        alone.append(self)
+        build_alone(self)
+
+    def tables(batch_size: int) -> dict:
+        jobs = [DecodeJob(i, ids, settings(policy), Recorder()) for i, ids in enumerate(prompts())]
+        cache = TieredCache(model.config.num_hidden_layers, jobs[0].settings)
+        out = {}
+        for job, _ in decode_batch(model, jobs, cache, batch_size, MAX_NEW, set()):
+            table = {name: column for name, column in job.recorder.steps_table().items()
+                     if not name.startswith("measured_")}  # (timings: not the same twice)
+            out[job.key] = (table, [m.tolist() for m in job.recorder.block_mass])
+        return out
+
+    monkeypatch.setattr(recorder_module.StepRows, "_build_alone", counted)
+    together = tables(5)
+    steps = sum(len(set(table["step"])) for table, _ in together.values())
+    if policy != "per-head-promote":  # (its recall counts differ by row and layer: those steps go alone)
+        assert len(alone) < steps / 5, "the usual steps were not resolved together"
+
+    def each_alone(steps):
+        for step in dict.fromkeys(steps):
+            if not step.resolved:
+                build_alone(step)
+
+    monkeypatch.setattr(recorder_module, "build_steps", each_alone)
+    assert tables(5) == together

@@ -3,10 +3,11 @@
 Each tiered layer hands a step's recording rows to the cache's one `StepRecording`: a `StepRows` per step
 gathers, layer by layer, the rows' host-known counts (a tuple per row) and their device values still on the
 device (`Deferred`: block masses, recalled and moved ids, quantization errors, fetched in the step's one copy,
-tracer.cache.DeferredCopies). When the step ends, its first recorder resolves the StepRows into arrays over
-[layers, rows] with one set of NumPy operations for every layer and row (the derived columns, the sorted
-recalled ids, the DDR and HBM masses), and each row's recorder keeps its place in it (one per step,
-not one per layer); a recorder's columns are concatenated from its places when read. What is left per
+tracer.cache.DeferredCopies). When the step ends, each row's recorder keeps its place in its StepRows (one per
+step, not one per layer); a recorder resolves its ended steps together (`build_steps`, when it holds
+`RESOLVE_EVERY` of them or its columns are read) into arrays over [steps, layers, rows], with one set of NumPy
+operations for every step, layer and row (the derived columns, the sorted recalled ids, the DDR and HBM
+masses); its columns are concatenated from its places when read. What is left per
 row and layer is a tuple of counts and a look at its recall: the rest of a step's recording is a fixed set
 of array operations, where it was about twenty list entries per row and layer and a dozen NumPy calls per
 layer (at B = 16 on a 28-layer model, 448 row-layers a step: host time a GPU step cannot hide). The decode
@@ -72,44 +73,43 @@ class LayerEntry:
 
 class StepRows:
     """One step's recording rows (`row_ids`, in order) over the layers that recorded them (`entries`, E of
-    them), resolved for all rows and layers at once by the first of its recorders to end the step (`build`):
-    `ints` [E, rows, len(INT_COLUMNS)] int64, `masses` [E, rows, 2] float64 (mass_hbm, mass_ddr), `recalled`
-    [E, rows, k] sorted ids (or E lists of row lists), `moved` per row the (entry, promoted, offloaded,
-    evicted) ids of the entries that moved blocks, `quant` [E, rows, 2] (NaN: not measured; None: no entry
-    measured), `block_mass` [E, rows, width] float32 (a row's first `blocks` count)."""
+    them), resolved for all rows and layers at once (`build_steps`, with other steps when a recorder reads its
+    columns or holds `RESOLVE_EVERY` ended steps): `ints` [E, rows, len(INT_COLUMNS)] int64, `masses`
+    [E, rows, 2] float64 (mass_hbm, mass_ddr), `recalled` [E, rows, k] sorted ids (or E lists of row lists),
+    `moved` per row the (entry, promoted, offloaded, evicted) ids of the entries that moved blocks, `quant`
+    [E, rows, 2] (NaN: not measured; None: no entry measured), `block_mass` [E, rows, width] float32 (a row's
+    first `blocks` count). `closed`: its step ended (the next step's layers open a new one)."""
 
     def __init__(self, row_ids: tuple):
         self.row_ids, self.entries = row_ids, []
         self.ints = None
+        self.closed = False
 
     @property
     def resolved(self) -> bool:
         return self.ints is not None
 
     def build(self) -> None:
-        if self.ints is not None:
-            return
+        build_steps([self])
+
+    def _build_alone(self) -> None:
+        """The general case (layers whose rows recall unlike, masses in separate tensors): this step by itself."""
         entries, n_rows = self.entries, len(self.row_ids)
-        self.entries = []  # (their device values are fetched here: nothing else to keep)
         host = np.concatenate([  # [E, rows, HOST_FIELDS + bytes_d2h]
             np.array([entry.host for entry in entries], dtype=np.int64).reshape(len(entries), n_rows, -1),
             np.array([entry.bytes_d2h for entry in entries], dtype=np.int64).reshape(len(entries), n_rows, 1)], -1)
         weights, bias = _derivations(tuple(entry.constants for entry in entries))
-        self.ints = np.matmul(host, weights) + bias
         mass = _step_masses(entries)  # [E, rows, width]
-        # Recalled ids, staged by bound, recorded sorted by id. When every layer's rows recall alike (each its k
-        # ids, in order: the usual step), one sort and one gather serve every row and layer.
-        uniform = [_uniform_ids(entry.recalled) for entry in entries]
-        if all(ids is not None for ids in uniform) and len({ids.shape[1] for ids in uniform}) == 1:
-            recalled = np.sort(np.stack(uniform), axis=-1)  # [E, rows, k]
-            picked = mass[np.arange(len(entries))[:, None, None], np.arange(n_rows)[None, :, None], recalled]
-            mass_ddr = picked.sum(-1, dtype=np.float64)
-        else:
-            recalled = [_ragged_ids(entry.recalled) for entry in entries]  # E lists of row lists
-            mass_ddr = np.array([[mass[e, i, ids].sum(dtype=np.float64) for i, ids in enumerate(rows)]
-                                 for e, rows in enumerate(recalled)]).reshape(len(entries), n_rows)
-        self.masses = np.stack([mass.sum(-1, dtype=np.float64) - mass_ddr, mass_ddr], axis=-1)
-        self.recalled, self.block_mass = recalled, mass
+        recalled = [_ragged_ids(entry.recalled) for entry in entries]  # E lists of row lists
+        mass_ddr = np.array([[mass[e, i, ids].sum(dtype=np.float64) for i, ids in enumerate(rows)]
+                             for e, rows in enumerate(recalled)]).reshape(len(entries), n_rows)
+        self._set(np.matmul(host, weights) + bias,
+                  np.stack([mass.sum(-1, dtype=np.float64) - mass_ddr, mass_ddr], axis=-1), recalled, mass)
+
+    def _set(self, ints: np.ndarray, masses: np.ndarray, recalled, block_mass: np.ndarray) -> None:
+        entries, n_rows = self.entries, len(self.row_ids)
+        self.entries = []  # (their device values are fetched: nothing else to keep)
+        self.ints, self.masses, self.recalled, self.block_mass = ints, masses, recalled, block_mass
         self.moved: list[list] = [[] for _ in range(n_rows)]
         self.quant = None
         for e, entry in enumerate(entries):
@@ -123,6 +123,50 @@ class StepRows:
                         self.quant = np.full((len(entries), n_rows, 2), np.nan)
                     part = error[0].value()[error[1] : error[1] + error[2]]
                     self.quant[e, i] = part[:, 0].max(), np.sqrt(part[:, 1].mean())
+
+
+# A recorder resolves its ended steps at most this many at a time (and when its columns are read): together,
+# the steps' derived columns, sorted recalled ids and masses are one set of NumPy operations for the lot, where
+# one set per step was a dozen calls on arrays of a few rows (~0.1 ms of host time per decode step, a fixed
+# cost per step a small model's decode cannot hide); the bound keeps the fetched copies they hold bounded.
+RESOLVE_EVERY = 64
+
+
+def build_steps(steps: list[StepRows]) -> None:
+    """Resolve the unresolved `steps`. The usual step (every layer's rows recall alike, each its k ids, and the
+    layers' masses share the step's tensor) is built with the steps like it, i.e. of the same rows, layers, k
+    and mass width (a step's block count: the steps of one block share it), as arrays with a leading step axis;
+    each row's result is the same as its step alone would give (the reductions run per row, in the same order)."""
+    groups: dict[tuple, list] = {}
+    for step in dict.fromkeys(steps):
+        if step.resolved:
+            continue
+        entries, first = step.entries, step.entries[0]
+        uniform = None
+        if all(entry.masses is first.masses and entry.index == first.index for entry in entries):
+            uniform = [_uniform_ids(entry.recalled) for entry in entries]
+        if uniform is None or any(ids is None for ids in uniform) or len({ids.shape[1] for ids in uniform}) != 1:
+            step._build_alone()
+            continue
+        mass = _step_masses(entries)  # [E, rows, width]
+        key = (len(step.row_ids), tuple(entry.constants for entry in entries), uniform[0].shape[1], mass.shape[2])
+        groups.setdefault(key, []).append((step, np.stack(uniform), mass))
+    for (n_rows, constants, _, _), group in groups.items():
+        n_steps, n_entries = len(group), len(constants)
+        host = np.concatenate([  # [steps, E, rows, HOST_FIELDS + bytes_d2h]
+            np.array([[entry.host for entry in step.entries] for step, _, _ in group],
+                     dtype=np.int64).reshape(n_steps, n_entries, n_rows, -1),
+            np.array([[entry.bytes_d2h for entry in step.entries] for step, _, _ in group],
+                     dtype=np.int64).reshape(n_steps, n_entries, n_rows, 1)], -1)
+        weights, bias = _derivations(constants)
+        ints = np.matmul(host, weights) + bias
+        # Recalled ids, staged by bound, recorded sorted by id; their blocks' mass is the DDR mass.
+        recalled = np.sort(np.stack([ids for _, ids, _ in group]), axis=-1)  # [steps, E, rows, k]
+        mass = np.stack([m for _, _, m in group])  # [steps, E, rows, width]
+        mass_ddr = np.take_along_axis(mass, recalled, axis=-1).sum(-1, dtype=np.float64)
+        masses = np.stack([mass.sum(-1, dtype=np.float64) - mass_ddr, mass_ddr], axis=-1)
+        for s, (step, _, step_mass) in enumerate(group):
+            step._set(ints[s], masses[s], recalled[s], step_mass)
 
 
 @functools.lru_cache(maxsize=64)
@@ -209,7 +253,7 @@ class StepRecording:
 
     def add(self, row_ids: tuple, states: list, entry: LayerEntry) -> None:
         group = self._current
-        if group is None or group.resolved or group.row_ids != row_ids:
+        if group is None or group.closed or group.row_ids != row_ids:
             group = self._current = StepRows(row_ids)
             for index, state in enumerate(states):
                 state.recorder.add_step_rows(group, index)
@@ -238,8 +282,7 @@ class Recorder:
         """Build the pending steps' rows (their device values fetched: one copy per step for every row and
         layer; the first recorder of a step builds it for all)."""
         pending, self.pending = self.pending, []
-        for rows, _, _ in pending:
-            rows.build()
+        build_steps([rows for rows, _, _ in pending])
         self._parts.extend(pending)
 
     @property
@@ -294,7 +337,12 @@ class Recorder:
         return self._block_mass
 
     def end_step(self, wall_us: float, layer_us: list[float] | None = None) -> None:
-        self._resolve()
+        for rows, _, step in reversed(self.pending):  # this step's rows are complete
+            if step != self.step:
+                break
+            rows.closed = True
+        if len(self.pending) >= RESOLVE_EVERY:
+            self._resolve()
         self.step_us.append(wall_us)
         self.layer_us.append(layer_us)
         self.step += 1

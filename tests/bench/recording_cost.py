@@ -6,7 +6,8 @@ per sample and without, interleaved over rounds (median); one torch thread, thre
 Printed per B: ms per decode step recorded and not, their difference per row and layer (what the README's
 GPU estimate charges a traced step for recording), and the recording's own functions per step: the layers'
 occupancy (block masses on the device, the rows' counts), the end of step (tracer.recorder.StepRows, built for
-every row and layer at once) and the tables a finished sample hands the writer. On a GPU the occupancy's three
+every row and layer at once, every `RESOLVE_EVERY` steps) and the tables a finished sample hands the writer (which
+build the steps left). On a GPU the occupancy's three
 device ops are launches, which the kernel counts of collect_throughput.py already charge: the per-row-layer
 figure here is an upper bound of the host's recording work there.
 
