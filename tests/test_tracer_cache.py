@@ -292,6 +292,31 @@ def test_attend_hides_keys_per_kv_head_like_a_softmax_over_the_visible_ones():
     assert (mean[0, 6:8] > 0).all() and (mean[0, 8:10] > 0).all()  # hidden for one KV head only
 
 
+@pytest.mark.parametrize("rows_per_chunk", [1, 2])
+def test_a_prefill_attended_in_chunks_of_rows_equals_it_attended_whole(rows_per_chunk, monkeypatch):
+    """On a CPU a large batched prefill is attended a few rows at a time (tracer.attention.CHUNK_LOGITS): left-
+    padded rows, empty slots, outputs and weights (mean, max) are those of one pass over every row."""
+    import tracer.attention as attention
+
+    generator = torch.Generator().manual_seed(5)
+    rows, lq, n_keys = 5, 6, 9
+    query = torch.randn(rows, 4, lq, 8, generator=generator)
+    key, value = torch.randn(rows, 2, n_keys, 8, generator=generator), torch.randn(rows, 2, n_keys, 8, generator=generator)
+    positions = torch.arange(n_keys).repeat(rows, 1)
+    positions[1, 7:], positions[3, 2] = -1, -1  # empty slots
+    query_start = torch.tensor([0, -2, 0, -5, -1])  # left-padded rows (a pad reads position 0)
+    monkeypatch.setattr(attention, "CHUNK_LOGITS", 1 << 30)
+    whole = attention.attend(query, key, value, 0.3, positions, query_start)
+    monkeypatch.setattr(attention, "CHUNK_LOGITS", rows_per_chunk * 4 * lq * n_keys)
+    calls = []
+    one_pass = attention._attend
+    monkeypatch.setattr(attention, "_attend", lambda *a: calls.append(a[0].shape[0]) or one_pass(*a))
+    chunked = attention.attend(query, key, value, 0.3, positions, query_start)
+    assert calls == [rows_per_chunk] * (rows // rows_per_chunk) + [rows % rows_per_chunk] * (rows % rows_per_chunk > 0)
+    for got, expected in zip(chunked, whole, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_quest_per_head_with_one_kv_head_is_quest_and_each_head_attends_its_own_k():
     config = Qwen2Config(**{**SHAPES, "num_key_value_heads": 1})
     torch.manual_seed(0)
