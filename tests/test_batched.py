@@ -331,3 +331,33 @@ def test_steps_resolved_together_record_what_each_step_alone_records(policy, mon
 
     monkeypatch.setattr(recorder_module, "build_steps", each_alone)
     assert tables(5) == together
+
+
+@pytest.mark.parametrize("policy", ["evict", "hierarchy-exact", "per-head-exact"])
+def test_layers_sharing_a_forwards_host_plans_decode_as_layers_making_their_own(policy, monkeypatch):
+    """Under a policy whose counts follow from the lengths, a decode step's first layer makes the host plans
+    (append, recall, placement, recording: tracer.cache.PagedLayer._plan) and the other layers reuse them; each
+    layer making its own must give the same logits, tokens, recorded rows and tiers, at B = 5 with refill."""
+    import tracer.cache as cache_module
+
+    specs = {"evict": POLICIES["evict"], "hierarchy-exact": dict(policy="hierarchy", hbm_budget=0.3, recall_k=2),
+             "per-head-exact": dict(policy="hierarchy", hbm_budget=0.3, recall_k=2, recall_rule="quest-per-head")}
+    monkeypatch.setitem(POLICIES, policy, specs[policy])
+    model = tiny_model("qwen2")
+    made = []
+    shared_plan = cache_module.PagedLayer._plan
+
+    def counting(self, name, n_new, make, reads_recall=False):
+        return shared_plan(self, name, n_new, lambda: made.append(name) or make(), reads_recall)
+
+    monkeypatch.setattr(cache_module.PagedLayer, "_plan", counting)
+    shared = run(model, policy, 5, set())
+    layers = model.config.num_hidden_layers
+    decode_steps = sum(len(out[0]) - 1 for out in shared.values()) / 5  # about: rows share steps
+    assert made.count("recall") < 0.75 * layers * decode_steps, "the layers did not share the recall plan"
+    monkeypatch.setattr(cache_module.PagedLayer, "_plan", lambda self, name, n_new, make, reads_recall=False: make())
+    alone = run(model, policy, 5, set())
+    assert shared.keys() == alone.keys()
+    for key, (tokens, stop, logits, rows, tiers) in shared.items():
+        assert (tokens, stop, rows, tiers) == alone[key][:2] + alone[key][3:]
+        torch.testing.assert_close(logits, alone[key][2], rtol=0, atol=0)
