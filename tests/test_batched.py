@@ -336,28 +336,49 @@ def test_steps_resolved_together_record_what_each_step_alone_records(policy, mon
 @pytest.mark.parametrize("policy", ["evict", "hierarchy-exact", "per-head-exact"])
 def test_layers_sharing_a_forwards_host_plans_decode_as_layers_making_their_own(policy, monkeypatch):
     """Under a policy whose counts follow from the lengths, a decode step's first layer makes the host plans
-    (append, recall, placement, recording: tracer.cache.PagedLayer._plan) and the other layers reuse them; each
-    layer making its own must give the same logits, tokens, recorded rows and tiers, at B = 5 with refill."""
+    (append, recall, placement, recording: tracer.cache.PagedLayer._plan) and the other layers reuse them, and
+    (H2O, the quest rule) every layer is scored, recorded and placed together after the last one has attended
+    (tracer.cache._after_attention_of_layers). Each layer making its own plans, and each layer scoring and
+    placing after its own attention, must give the same logits, tokens, recorded rows and tiers, at B = 5 with
+    refill."""
     import tracer.cache as cache_module
 
     specs = {"evict": POLICIES["evict"], "hierarchy-exact": dict(policy="hierarchy", hbm_budget=0.3, recall_k=2),
              "per-head-exact": dict(policy="hierarchy", hbm_budget=0.3, recall_k=2, recall_rule="quest-per-head")}
     monkeypatch.setitem(POLICIES, policy, specs[policy])
     model = tiny_model("qwen2")
-    made = []
-    shared_plan = cache_module.PagedLayer._plan
+    made, together = [], []
+    shared_plan, of_layers = cache_module.PagedLayer._plan, cache_module._after_attention_of_layers
 
     def counting(self, name, n_new, make, reads_recall=False):
         return shared_plan(self, name, n_new, lambda: made.append(name) or make(), reads_recall)
 
+    def decoded() -> dict:
+        jobs = [DecodeJob(i, ids, settings(policy), Recorder()) for i, ids in enumerate(prompts())]
+        cache = TieredCache(model.config.num_hidden_layers, jobs[0].settings)
+        out = {}
+        for job, result in decode_batch(model, jobs, cache, 5, MAX_NEW, set(), keep_logits=True):
+            table = {name: column for name, column in job.recorder.steps_table().items()
+                     if not name.startswith("measured_")}  # (timings: not the same twice)
+            scores = [[getattr(layer, name)[: layer.logical_len + 1].tolist() for name in ("token_scores", "importance",
+                       "importance_max")] for layer in result.cache.layers]  # (read before the row is refilled)
+            out[job.key] = (result.generated_ids, result.stop_reason, torch.stack(result.logits), table,
+                            [m.tolist() for m in job.recorder.block_mass], scores,
+                            result.cache.layers[1].final_tiers().tolist())
+        return out
+
     monkeypatch.setattr(cache_module.PagedLayer, "_plan", counting)
-    shared = run(model, policy, 5, set())
+    monkeypatch.setattr(cache_module, "_after_attention_of_layers", lambda entries: together.append(1) or of_layers(entries))
+    shared = decoded()
     layers = model.config.num_hidden_layers
     decode_steps = sum(len(out[0]) - 1 for out in shared.values()) / 5  # about: rows share steps
     assert made.count("recall") < 0.75 * layers * decode_steps, "the layers did not share the recall plan"
+    if policy != "per-head-exact":  # (its recall counts differ by layer: each layer places after its attention)
+        assert len(together) > 0.5 * decode_steps, "the layers were not scored and placed together"
     monkeypatch.setattr(cache_module.PagedLayer, "_plan", lambda self, name, n_new, make, reads_recall=False: make())
-    alone = run(model, policy, 5, set())
+    monkeypatch.setattr(cache_module.PagedLayer, "_layers_alike", lambda self, rows, states: False)
+    alone = decoded()
     assert shared.keys() == alone.keys()
-    for key, (tokens, stop, logits, rows, tiers) in shared.items():
-        assert (tokens, stop, rows, tiers) == alone[key][:2] + alone[key][3:]
+    for key, (tokens, stop, logits, *recorded) in shared.items():
+        assert [tokens, stop, *recorded] == [*alone[key][:2], *alone[key][3:]]  # rows, block masses, scores, tiers
         torch.testing.assert_close(logits, alone[key][2], rtol=0, atol=0)

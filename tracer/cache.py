@@ -33,7 +33,11 @@ tier (eviction may take a DDR or an HBM block), `--promote`, and the per-head ru
 Host plans shared by layers: where the counts follow from the lengths as above, every layer's rows hold the same
 counts at a decode step, so what the host derives from them (which rows open a block, recall, place or record,
 each placement's targets and counts, the recording's host counts) is made once per forward, by its first layer,
-and reused by the others (`PagedLayer._plan`); the device work stays per layer.
+and reused by the others (`PagedLayer._plan`). Under the quest rule (or none) with H2O (or no scorer), such a
+step's scoring, importance and block masses then run for every layer at once after the last layer has attended
+(`_after_attention_of_layers`: the layers' score tables are one [layers, rows, positions] tensor, `_LayerTables`),
+and each layer places after that; its next step is the first to read what its placement moved, so the numbers
+are those of placing right after its own attention.
 
 Correct by construction:
 - `update` writes the new K/V into their pages and returns the pool; the attention function
@@ -171,7 +175,8 @@ class PagedLayer:
 
     def __init__(self, layer_idx: int, copies: DeferredCopies, positions: list | None = None,
                  targets: _TargetsByLength | None = None, recording: StepRecording | None = None,
-                 step_masses: _StepMasses | None = None, step_plans: dict | None = None):
+                 step_masses: _StepMasses | None = None, step_plans: dict | None = None,
+                 tables: _LayerTables | None = None):
         self.layer_idx, self.copies = layer_idx, copies
         self.recording = recording if recording is not None else StepRecording()  # the cache's, shared too
         self.step_masses = step_masses if step_masses is not None else _StepMasses(layer_idx + 1)  # and this
@@ -180,6 +185,10 @@ class PagedLayer:
         self.targets = targets if targets is not None else _TargetsByLength()  # shared by the layers too
         # This forward's host plans (`_plan`), shared by the layers: cleared by the cache as each forward begins.
         self.step_plans = step_plans if step_plans is not None else {}
+        # Every layer's token scores and importance, one tensor each (`_LayerTables`), and a decode step's
+        # attention of every layer, scored and placed after the last layer's (`_after_attention_of_layers`).
+        self.tables = tables if tables is not None else _LayerTables(layer_idx + 1)
+        self.tables.layers.append(self)
         self.rows: list[RowState | None] = []
         self._rows_cache: tuple = ((), None)
         self._flat_rows: tuple = (None, None)  # (recalling rows and picks per row, the rows repeated per pick)
@@ -221,9 +230,7 @@ class PagedLayer:
         self.block_page = torch.full((0, 0), -1, dtype=torch.long, device=self.device)
         self.block_tier = torch.zeros((0, 0), dtype=torch.int8, device=self.device)
         self.block_positions = torch.zeros((0, self.block_size), dtype=torch.long, device=self.device)  # b -> its positions
-        self.token_scores = torch.zeros((0, 0), dtype=torch.float32, device=self.device)
-        self.importance = torch.zeros((0, 0), dtype=torch.float32, device=self.device)
-        self.importance_max = torch.zeros((0, 0), dtype=torch.float32, device=self.device)
+        self.tables.reserve(0, 0, self.device)  # (binds this layer's token_scores, importance, importance_max)
         self.ddr = make_block_store(self.spec.ddr_dtype, self.n_kv_heads, self.block_size, self.head_dim, self.dtype,
                                     self.device)
         self.token_bytes = 2 * self.n_kv_heads * self.head_dim * self.keys.element_size()  # K+V of one token
@@ -247,8 +254,7 @@ class PagedLayer:
             grown(self.block_page, -1)
         self.next_slot = grown(self.next_slot, -1)
         self.block_tier = grown(self.block_tier, TIER_HBM)
-        self.token_scores, self.importance, self.importance_max = (grown(t, 0) for t in (
-            self.token_scores, self.importance, self.importance_max))
+        self.tables.reserve(n_rows, self.block_capacity * self.block_size, self.device)
         self.n_rows = n_rows
         self.ddr.reserve(n_rows, max(1, self.block_capacity))
 
@@ -300,8 +306,7 @@ class PagedLayer:
         self.block_tier = widened(self.block_tier, extra, TIER_HBM)
         self.block_positions = torch.arange(capacity * self.block_size, device=self.device).view(capacity, -1)
         self.block_page = widened(self.block_page, extra, -1)
-        for name in ("token_scores", "importance", "importance_max"):
-            setattr(self, name, widened(getattr(self, name), extra * self.block_size, 0))
+        self.tables.reserve(self.n_rows, capacity * self.block_size, self.device)
         self.block_capacity = capacity
         self.ddr.reserve(self.n_rows, capacity)
 
@@ -334,12 +339,15 @@ class PagedLayer:
         (this step's recalled blocks), the quest rule (the per-head rule's union differs by layer). Otherwise each
         layer makes its own. At B = 16 on a 28-layer model the per-row lists these are took ~60 us per layer and
         step."""
-        if n_new != 1 or not counts_are_exact(self.spec) or (reads_recall and self.spec.recall_rule != "quest"):
+        if not self._layers_share_plans(n_new, reads_recall):
             return make()
         plan = self.step_plans.get(name)
         if plan is None:
             plan = self.step_plans[name] = make()
         return plan
+
+    def _layers_share_plans(self, n_new: int, reads_recall: bool = False) -> bool:
+        return n_new == 1 and counts_are_exact(self.spec) and not (reads_recall and self.spec.recall_rule != "quest")
 
     # -- append (update) -----------------------------------------------------------------------------------
     def update(self, rows: list[int], key_states: torch.Tensor, value_states: torch.Tensor,
@@ -465,7 +473,15 @@ class PagedLayer:
         valid = slot_pos >= 0  # the slots holding an entry: attention's mask, then the scorers'
         output, weights_mean, weights_max = attend(query, keys, values, scaling, slot_pos, query_start,
                                                    None if hidden is None else hidden[:, :, used], valid)
-        self._after_attention(rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos, valid)
+        if self._layers_share_plans(query.shape[-2], reads_recall=True) and self._plan(
+                "layers", 1, lambda: self._layers_alike(rows, states), reads_recall=True):
+            pending = self.tables.pending
+            pending.append((self, rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos, valid))
+            if self.layer_idx == self.tables.n_layers - 1:  # the step's last layer has attended
+                entries, pending[:] = list(pending), []
+                _after_attention_of_layers(entries)
+        else:
+            self._after_attention(rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos, valid)
         return output
 
     def _rows_tensor(self, rows: list[int]) -> torch.Tensor:
@@ -588,7 +604,8 @@ class PagedLayer:
                 tuple(rows[i] for i in batch_index))
 
     def _after_attention(self, rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos, valid):
-        n_attended = slot_pos.shape[1]
+        """Score, record and place after this layer's attention (a decode step of layers alike does it for every
+        layer at once: `_after_attention_of_layers`)."""
         lengths = self.lengths  # [rows]: each row's logical length (made by `update`, which just ran for these rows)
         # Empty slots (weight 0) point at each row's scratch position, one past its last token.
         positions = torch.where(valid, slot_pos, lengths[:, None])
@@ -603,20 +620,25 @@ class PagedLayer:
         if not placing:
             return
         if decoding:
-            selected = self._select(rows)
-            if len(decoding) == len(rows) and isinstance(selected, slice):  # the rows' slice: in place
-                self.importance[selected].scatter_add_(1, positions, weights_mean[:, -1])
-                self.importance_max[selected].scatter_add_(1, positions, weights_max[:, -1])
-            else:
-                index = host_to_device(decoding, self.device)
-                target_rows = rows_t[index].repeat_interleave(n_attended)
-                at = positions[index].reshape(-1)
-                self.importance.index_put_((target_rows, at), weights_mean[index, -1].reshape(-1), accumulate=True)
-                self.importance_max.index_put_((target_rows, at), weights_max[index, -1].reshape(-1),
-                                               accumulate=True)
-        if recording:
-            recorded = [states[i] for i in recording]
-            masses = self._occupancy(mass_key, weights_mean[:, -1], positions)
+            self._add_importance(rows, rows_t, decoding, positions, weights_mean, weights_max)
+        masses = self._occupancy(mass_key, weights_mean[:, -1], positions) if recording else None
+        self._place_and_record(rows, states, placing, recording, host, masses, query_tokens)
+
+    def _add_importance(self, rows, rows_t, decoding: list[int], positions, weights_mean, weights_max) -> None:
+        """Add the last query's attention (mean and max over heads) of the batch entries `decoding` to their rows'
+        importance."""
+        selected = self._select(rows)
+        if len(decoding) == len(rows) and isinstance(selected, slice):  # the rows' slice: in place
+            self.importance[selected].scatter_add_(1, positions, weights_mean[:, -1])
+            self.importance_max[selected].scatter_add_(1, positions, weights_max[:, -1])
+        else:
+            index = host_to_device(decoding, self.device)
+            target_rows = rows_t[index].repeat_interleave(positions.shape[1])
+            at = positions[index].reshape(-1)
+            self.importance.index_put_((target_rows, at), weights_mean[index, -1].reshape(-1), accumulate=True)
+            self.importance_max.index_put_((target_rows, at), weights_max[index, -1].reshape(-1), accumulate=True)
+
+    def _place_and_record(self, rows, states, placing, recording, host, masses, query_tokens: int) -> None:
         moves = self._place(rows, states, placing, query_tokens)
         # (This step's staging pages keep their entries: attention reads only the staging pages its own step's
         # recall filled, `staged_pages`, reset by `update`, so a stale page is never attended nor cleared.)
@@ -624,6 +646,7 @@ class PagedLayer:
         if recording:
             # The rows' host counts and device values (masses, moved and recalled ids, quantization errors),
             # resolved with every other layer's at step end (tracer.recorder.StepRows).
+            recorded = [states[i] for i in recording]
             moved = [moves.get(rows[i]) for i in recording] if moves else [None] * len(recording)
             entry = LayerEntry(
                 (self.layer_idx, self.block_size, self.token_bytes, self.ddr.block_bytes()), host,
@@ -635,6 +658,18 @@ class PagedLayer:
             state = states[i]
             state.deferred_query_tokens = 0
             state.step = self._step(state) + 1
+
+    def _layers_alike(self, rows: list[int], states: list[RowState]) -> bool:
+        """Whether this decode step's layers (whose host plans are shared: `_plan`) are scored, recorded and placed
+        together after the last one has attended (`_after_attention_of_layers`): the rows are every row of the
+        tables (so that [layers, rows] flattens to one axis as a view), none defers its placement, and they are
+        scored by one scorer that only adds the weights (H2O) or by none."""
+        active, shared = self._scoring(states)
+        if active:
+            scorer = states[active[0]].settings.scorer
+            if not (shared and len(active) == len(rows) and scorer.adds_weights_only):
+                return False
+        return rows == list(range(self.tables.tensors[0].shape[1])) and not any(s.defer_placement for s in states)
 
     def _after_plan(self, rows: list[int], states: list[RowState], query_tokens: int) -> tuple:
         """(the batch entries that place (a prefill chunk before the last does not), those that add this step's
@@ -656,7 +691,8 @@ class PagedLayer:
     def _step(state: RowState) -> int:
         return state.recorder.step if state.recorder is not None else state.step
 
-    def _score(self, rows, states, rows_t, lengths, positions, weights_mean, weights_max, keys, values, valid):
+    def _scoring(self, states: list[RowState]) -> tuple[list[int], bool]:
+        """(the batch entries that score, whether they share one scorer call)."""
         cached_states, active, shared = self._score_plan
         if len(cached_states) != len(states) or not all(map(operator.is_, cached_states, states)):
             # Decided once per set of rows (the same states step after step): which rows score, and whether
@@ -670,6 +706,10 @@ class PagedLayer:
             shared = bool(active) and first.batchable and all(
                 type(scorers[i]) is type(first) and repr(scorers[i]) == repr(first) for i in active)
             self._score_plan = (list(states), active, shared)  # (kept alive here, so never a stale identity)
+        return active, shared
+
+    def _score(self, rows, states, rows_t, lengths, positions, weights_mean, weights_max, keys, values, valid):
+        active, shared = self._scoring(states)
         if not active:
             return
         width, pads = self.token_scores.shape[1], self.pads
@@ -913,6 +953,50 @@ class PagedLayer:
         return self.block_tier[row, : state.blocks()].repeat_interleave(self.block_size)[: state.logical_len]
 
 
+def _after_attention_of_layers(entries: list[tuple]) -> None:
+    """A decode step's scoring, importance and block masses for every layer at once, after its last layer has
+    attended (`PagedLayer._layers_alike`): the layers' attention results ([rows, 1, n] each, one n under the
+    policies this runs for) stacked on a layer axis and added into the layers' tables (`_LayerTables`,
+    [layers x rows, positions] views) and the step's mass tensor ([layers x batch entries, blocks + 1]) with one
+    kernel each, not one per layer; then each layer places and records, in order. The same numbers as each
+    layer's own `_after_attention`: a layer's scores, importance and masses are the sums of its own weights
+    either way, and its placement (after its scoring) changes only its own next step. On the micro model at
+    B = 1 this was ~4 % of a traced step; on a 28-layer model it removes ~6 of ~75 kernels per layer and step."""
+    first, rows, states = entries[0][:3]
+    if len(entries) != first.tables.n_layers or len({entry[8].shape[1] for entry in entries}) != 1:
+        for layer, *args in entries:  # (layers that attended unlike: each its own)
+            layer._after_attention(*args)
+        return
+    weights_mean, weights_max, slot_pos = (torch.stack([entry[k] for entry in entries]) for k in (4, 5, 8))
+    valid = slot_pos >= 0  # [layers, rows, n]
+    positions = torch.where(valid, slot_pos, first.lengths[None, :, None]).flatten(0, 1)
+    weights_mean, weights_max, valid = weights_mean.flatten(0, 1), weights_max.flatten(0, 1), valid.flatten(0, 1)
+    active, _ = first._scoring(states)
+    token_scores, importance, importance_max = (tensor.flatten(0, 1) for tensor in first.tables.tensors)
+    if active:  # one scorer that adds the weights: in place
+        scorer = states[active[0]].settings.scorer
+        observation = Observation(None, first._step(states[active[0]]), token_scores.shape[1], positions,
+                                  weights_mean, weights_max, None, valid=valid)
+        scores = scorer.score(observation, token_scores)
+        if scores is not token_scores:
+            token_scores.copy_(scores[:, : token_scores.shape[1]])
+    placing, decoding, recording, host, mass_key = first._plan(
+        "after", 1, lambda: first._after_plan(rows, states, 1), reads_recall=True)
+    if len(decoding) == len(rows):
+        importance.scatter_add_(1, positions, weights_mean[:, -1])
+        importance_max.scatter_add_(1, positions, weights_max[:, -1])
+    elif decoding:
+        for index, (layer, layer_rows, _, rows_t, *_) in enumerate(entries):
+            part = slice(index * len(rows), (index + 1) * len(rows))
+            layer._add_importance(layer_rows, rows_t, decoding, positions[part], weights_mean[part], weights_max[part])
+    masses = None
+    if recording:
+        _, masses = first.step_masses.layer(first.copies, *mass_key, 0, first.device)
+        first.step_masses.tensor.flatten(0, 1).scatter_add_(1, positions // first.block_size, weights_mean[:, -1])
+    for layer, layer_rows, layer_states, *_ in entries:
+        layer._place_and_record(layer_rows, layer_states, placing, recording, host, masses, 1)
+
+
 class _StepMasses:
     """A step's block masses for every layer of a cache: one zeroed [layers, batch entries, blocks + 1] float32
     tensor, added to the step's copy once, into whose slice each recording layer scatters its attention (not a
@@ -930,6 +1014,32 @@ class _StepMasses:
             self.deferred = copies.add(self.tensor, lambda a, shape=shape: a.reshape(shape))
             self.key = key
         return self.tensor[layer_idx], self.deferred
+
+
+class _LayerTables:
+    """Every layer's token scores, importance and max importance, one [layers, rows, positions] float32 tensor each
+    (a layer's `token_scores` etc. are its views, rebound when the tables grow), so that a decode step adds every
+    layer's attention with one kernel each (`PagedLayer._after_attention_of_layers`); and that step's per-layer
+    attention results (`pending`), held until the last layer has attended."""
+
+    NAMES = ("token_scores", "importance", "importance_max")
+
+    def __init__(self, n_layers: int):
+        self.n_layers, self.layers, self.tensors, self.pending = n_layers, [], None, []
+
+    def reserve(self, rows: int, width: int, device) -> None:
+        if self.tensors is not None and rows <= self.tensors[0].shape[1] and width <= self.tensors[0].shape[2]:
+            return
+        old = self.tensors
+        if old is not None:
+            rows, width = max(rows, old[0].shape[1]), max(width, old[0].shape[2])
+        self.tensors = [torch.zeros((self.n_layers, rows, width), dtype=torch.float32, device=device)
+                        for _ in self.NAMES]
+        for new, previous in zip(self.tensors, old or (), strict=False):
+            new[:, : previous.shape[1], : previous.shape[2]] = previous
+        for layer in self.layers:
+            for name, tensor in zip(self.NAMES, self.tensors, strict=True):
+                setattr(layer, name, tensor[layer.layer_idx])
 
 
 class _TargetsByLength(dict):
@@ -1173,8 +1283,9 @@ class TieredCache(Cache):
         targets = _TargetsByLength()  # and the policy's targets by length
         self.step_plans: dict = {}  # and each forward's host plans (cleared as a forward begins)
         self.last_layer = n_layers  # the layer that appended last
-        self.paged = [PagedLayer(i, self.copies, positions, targets, self.recording, step_masses, self.step_plans)
-                      for i in range(n_layers)]
+        tables = _LayerTables(n_layers)  # and their score tables
+        self.paged = [PagedLayer(i, self.copies, positions, targets, self.recording, step_masses, self.step_plans,
+                                 tables) for i in range(n_layers)]
         for layer in self.paged:
             layer.reset_row(0, settings, recorder)
         super().__init__(layers=[TieredLayer(layer, 0) for layer in self.paged])
@@ -1218,6 +1329,7 @@ class TieredCache(Cache):
             )
         if layer_idx <= self.last_layer:  # a forward begins (its layers append in order)
             self.step_plans.clear()
+            self.paged[0].tables.pending.clear()  # (what a forward that raised left)
         self.last_layer = layer_idx
         layer = self.paged[layer_idx]
         layer.update(self.active, key_states, value_states, self.new_tokens)

@@ -30,13 +30,16 @@ class Observation:
     call), so a score written there is harmless; a scorer that pools over the attended entries skips them.
     """
 
-    layer_idx: int
+    layer_idx: int | None  # None: a decode step's layers scored together, rows = layers x rows (see `keys`)
     step: int  # 0 = prefill (of the first row; rows of a decode batch are all past it)
     logical_len: int  # width of the score table: at least every row's logical length + 1 (the scratch position)
     positions: torch.Tensor  # [rows, n] long: logical position of each attended slot (HBM pages, then recalled)
     weights_mean: torch.Tensor  # [rows, q, n] float32: softmax of each new query, mean over query heads
     weights_max: torch.Tensor  # [rows, q, n] float32: same, max over query heads
-    keys: torch.Tensor  # [rows, n_kv_heads, n, head_dim]: the attended keys (post-RoPE)
+    # [rows, n_kv_heads, n, head_dim]: the attended keys (post-RoPE); None when the cache scores a decode step's
+    # layers in one call (tracer.cache._after_attention_of_layers), which it does only for a scorer that
+    # `adds_weights_only` (reads the weights and positions alone)
+    keys: torch.Tensor | None
     values: torch.Tensor | None = None  # [rows, n_kv_heads, n, head_dim]: the attended values (vatp)
     valid: torch.Tensor | None = None  # [rows, n] bool: slots that hold an entry (None: all of them)
 
@@ -63,8 +66,9 @@ class Scorer:
     # rows whose scorers have the same settings share one call. Per-sample state (oracle, gradient, AlsoScore)
     # is scored one row at a time.
     batchable: bool = True
-    # Whether the scores only ever add the weights given: an empty slot (weight exactly 0) then leaves its
-    # scratch position at 0, and the cache skips resetting it after each call.
+    # Whether the scores only ever add the weights given (reading nothing else but the positions): an empty slot
+    # (weight exactly 0) then leaves its scratch position at 0, and the cache skips resetting it after each call;
+    # and a decode step's layers may be scored in one call (rows: layers x rows; no keys, no layer index).
     adds_weights_only: bool = False
     # Whether scoring runs autograd (a backward pass): the decode loop then runs under no_grad, not
     # inference_mode, whose tensors autograd cannot save (tracer.decode.decode_grad_mode).
