@@ -82,8 +82,9 @@ def _attend(
     # One batched GEMM with the scaling folded in (a view of the pages: rows and KV heads collapse).
     grouped_query = query.reshape(rows * n_kv_heads, group * lq, head_dim)
     flat_keys = key.reshape(rows * n_kv_heads, n_keys, head_dim)
-    unused = torch.empty(rows * n_kv_heads, group * lq, n_keys, dtype=query.dtype, device=query.device)  # beta=0
-    logits = torch.baddbmm(unused, grouped_query, flat_keys.transpose(1, 2), beta=0, alpha=scaling)
+    # (beta=0: the input is never read, only broadcast to the product's shape: one cached element, no allocation)
+    logits = torch.baddbmm(_unread(query.dtype, query.device), grouped_query, flat_keys.transpose(1, 2), beta=0,
+                           alpha=scaling)
     if lq == 1:  # every stored position precedes the one query: only the empty slots are blocked
         if valid is None:
             valid = key_positions >= 0
@@ -110,6 +111,11 @@ def _attend(
     output = output.view(rows, n_heads, lq, head_dim).transpose(1, 2)
     per_head = weights.view(rows, n_heads, lq, n_keys)
     return output, per_head.mean(1), per_head.amax(1)
+
+
+@functools.cache
+def _unread(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros((1, 1, 1), dtype=dtype, device=device)
 
 
 @functools.cache

@@ -369,7 +369,8 @@ class PagedLayer:
         else:
             counts = [n_new] * len(rows)
         lengths, end, opened, pages = self._plan("append", n_new, lambda: self._append_plan(states, counts))
-        self._ensure_blocks(end)
+        if end >= self.block_capacity * bs:  # (the blocks for `end` positions + the scratch one do not fit)
+            self._ensure_blocks(end)
         if pages is not None:  # (only an opened block grows a row's resident count; promotion sizes its own)
             self._resize_pages(pages, self.n_staging_pages)
         rows_t = self._rows_tensor(rows)
@@ -461,7 +462,10 @@ class PagedLayer:
         place. Returns the attention output [rows, lq, Hq, d]."""
         states = [self.rows[r] for r in rows]
         rows_t = self._rows_tensor(rows)
-        hidden = self._recall(rows, states, rows_t, query) if query.shape[-2] == 1 else None
+        # Whether this step's layers are scored and placed together, after the last one (`_layers_alike`)
+        together = self._layers_share_plans(query.shape[-2], reads_recall=True) and self._plan(
+            "layers", 1, lambda: self._layers_alike(rows, states), reads_recall=True)
+        hidden = self._recall(rows, states, rows_t, query, together) if query.shape[-2] == 1 else None
         # The slots in use, one range: the staging pages this step's recall filled (the last `staged_pages`),
         # then the main pages up to the fullest row's resident blocks (packed at the front).
         bs, staging = self.block_size, self.n_staging_pages
@@ -473,8 +477,7 @@ class PagedLayer:
         valid = slot_pos >= 0  # the slots holding an entry: attention's mask, then the scorers'
         output, weights_mean, weights_max = attend(query, keys, values, scaling, slot_pos, query_start,
                                                    None if hidden is None else hidden[:, :, used], valid)
-        if self._layers_share_plans(query.shape[-2], reads_recall=True) and self._plan(
-                "layers", 1, lambda: self._layers_alike(rows, states), reads_recall=True):
+        if together:
             pending = self.tables.pending
             pending.append((self, rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos, valid))
             if self.layer_idx == self.tables.n_layers - 1:  # the step's last layer has attended
@@ -501,9 +504,11 @@ class PagedLayer:
             self._rows_cache = (key, (tensor, slice(rows[0], rows[0] + len(rows)) if consecutive else tensor))
         return self._rows_cache[1]
 
-    def _recall(self, rows, states, rows_t, query) -> torch.Tensor | None:
+    def _recall(self, rows, states, rows_t, query, together: bool = False) -> torch.Tensor | None:
         """Copy each recalling row's DDR blocks for its query into its staging pages (one gather for all rows);
-        returns the per-head rule's hidden-key mask [rows, Hkv, slots] (None for quest)."""
+        returns the per-head rule's hidden-key mask [rows, Hkv, slots] (None for quest). The ids recalled reach the
+        trace in the step's copy: this layer's added to it here, or, for layers placed `together`, every layer's
+        at once after the last (`_after_attention_of_layers`)."""
         spec, bs = self.spec, self.block_size
         batch_index, wanted, n_blocks_max, recall_rows = self._plan("recall", 1, lambda: self._recall_plan(rows, states))
         if not batch_index:
@@ -574,7 +579,7 @@ class PagedLayer:
             self._pages("values")[flat_rows, :, staging] = values
             self._pages("slot_pos")[flat_rows, staging] = self.block_positions[flat_ids]
         block_bytes = n_bytes // max(1, n_flat)
-        recorded = self.copies.add(flat_ids, lambda a: a.astype(np.int64))  # every row's ids in one copy
+        recorded = None if together else self.copies.add(flat_ids, _as_int64)  # every row's ids in one copy
         start = 0
         for position, (i, n) in enumerate(zip(batch_index, per_row, strict=True)):
             state = states[i]
@@ -989,12 +994,32 @@ def _after_attention_of_layers(entries: list[tuple]) -> None:
         for index, (layer, layer_rows, _, rows_t, *_) in enumerate(entries):
             part = slice(index * len(rows), (index + 1) * len(rows))
             layer._add_importance(layer_rows, rows_t, decoding, positions[part], weights_mean[part], weights_max[part])
+    recalled = [next((s.recalled for s in entry[2] if s.recalled is not None), None) for entry in entries]
+    if all(r is not None for r in recalled):  # every layer's recalled ids in one copy: [layers x recalled]
+        ids = torch.cat([r[0] for r in recalled])
+        deferred, base = first.copies.add(ids, _as_int64), 0
+        for (_, _, layer_states, *_), (layer_ids, *_) in zip(entries, recalled, strict=True):
+            for state in layer_states:
+                if state.recalled is not None:
+                    state.recalled = (ids, deferred, base + state.recalled[2], state.recalled[3])
+            base += layer_ids.shape[0]
+    else:
+        for r, (_, _, layer_states, *_) in zip(recalled, entries, strict=True):
+            if r is not None:  # (not under the policies this runs for)
+                deferred = first.copies.add(r[0], _as_int64)
+                for state in layer_states:
+                    if state.recalled is not None:
+                        state.recalled = (r[0], deferred, state.recalled[2], state.recalled[3])
     masses = None
     if recording:
         _, masses = first.step_masses.layer(first.copies, *mass_key, 0, first.device)
         first.step_masses.tensor.flatten(0, 1).scatter_add_(1, positions // first.block_size, weights_mean[:, -1])
     for layer, layer_rows, layer_states, *_ in entries:
         layer._place_and_record(layer_rows, layer_states, placing, recording, host, masses, 1)
+
+
+def _as_int64(array: np.ndarray) -> np.ndarray:
+    return array.astype(np.int64)
 
 
 class _StepMasses:
