@@ -421,7 +421,9 @@ class PagedLayer:
         self.staged_pages = 0  # this step's recall has not run yet
         for state, n in zip(states, counts, strict=True):
             state.query_start, state.logical_len = state.logical_len, state.logical_len + n
-            state.recalled_blocks, state.recalled, state.head_picks, state.bytes_h2d = 0, None, None, 0
+        if n_new > 1:  # (a decode step's recall sets every row's: `_recall`)
+            for state in states:
+                state.recalled_blocks, state.recalled, state.head_picks, state.bytes_h2d = 0, None, None, 0
 
     @staticmethod
     def _append_plan(states: list[RowState], counts: list[int]) -> tuple:
@@ -511,9 +513,14 @@ class PagedLayer:
         at once after the last (`_after_attention_of_layers`)."""
         spec, bs = self.spec, self.block_size
         batch_index, wanted, n_blocks_max, recall_rows = self._plan("recall", 1, lambda: self._recall_plan(rows, states))
+        every_row = len(batch_index) == len(rows)
+        if not every_row:  # the rows that recall nothing this step
+            recalling = set(batch_index)
+            for i, state in enumerate(states):
+                if i not in recalling:
+                    state.recalled_blocks, state.recalled, state.head_picks, state.bytes_h2d = 0, None, None, 0
         if not batch_index:
             return None
-        every_row = len(batch_index) == len(rows)
         rec_rows = rows_t if every_row else rows_t[batch_index]
         rec_query = query if every_row else query[batch_index]
         selected = self._select(rows) if every_row else rec_rows  # a view when the rows are consecutive
@@ -579,7 +586,8 @@ class PagedLayer:
             self._pages("values")[flat_rows, :, staging] = values
             self._pages("slot_pos")[flat_rows, staging] = self.block_positions[flat_ids]
         block_bytes = n_bytes // max(1, n_flat)
-        recorded = None if together else self.copies.add(flat_ids, _as_int64)  # every row's ids in one copy
+        # every row's ids in one copy (this layer's, or every layer's together: filled in after the last)
+        recorded = self.recalled_ids = _LayerIds(flat_ids) if together else self.copies.add(flat_ids, _as_int64)
         start = 0
         for position, (i, n) in enumerate(zip(batch_index, per_row, strict=True)):
             state = states[i]
@@ -994,22 +1002,13 @@ def _after_attention_of_layers(entries: list[tuple]) -> None:
         for index, (layer, layer_rows, _, rows_t, *_) in enumerate(entries):
             part = slice(index * len(rows), (index + 1) * len(rows))
             layer._add_importance(layer_rows, rows_t, decoding, positions[part], weights_mean[part], weights_max[part])
-    recalled = [next((s.recalled for s in entry[2] if s.recalled is not None), None) for entry in entries]
-    if all(r is not None for r in recalled):  # every layer's recalled ids in one copy: [layers x recalled]
-        ids = torch.cat([r[0] for r in recalled])
+    layer_ids = [entry[0].recalled_ids for entry in entries if entry[0].staged_pages]  # (the layers that recalled)
+    if layer_ids:  # every layer's recalled ids in one copy: [layers x recalled]
+        ids = torch.cat([part.ids for part in layer_ids])
         deferred, base = first.copies.add(ids, _as_int64), 0
-        for (_, _, layer_states, *_), (layer_ids, *_) in zip(entries, recalled, strict=True):
-            for state in layer_states:
-                if state.recalled is not None:
-                    state.recalled = (ids, deferred, base + state.recalled[2], state.recalled[3])
-            base += layer_ids.shape[0]
-    else:
-        for r, (_, _, layer_states, *_) in zip(recalled, entries, strict=True):
-            if r is not None:  # (not under the policies this runs for)
-                deferred = first.copies.add(r[0], _as_int64)
-                for state in layer_states:
-                    if state.recalled is not None:
-                        state.recalled = (r[0], deferred, state.recalled[2], state.recalled[3])
+        for part in layer_ids:
+            part.deferred, part.base = deferred, base
+            base += part.ids.shape[0]
     masses = None
     if recording:
         _, masses = first.step_masses.layer(first.copies, *mass_key, 0, first.device)
@@ -1020,6 +1019,20 @@ def _after_attention_of_layers(entries: list[tuple]) -> None:
 
 def _as_int64(array: np.ndarray) -> np.ndarray:
     return array.astype(np.int64)
+
+
+class _LayerIds:
+    """One layer's recalled ids (`ids`, on the device) as part of the one copy of every layer's that
+    `_after_attention_of_layers` adds (`deferred`, from `base` on): a `Deferred` of this layer's part, so that
+    the rows that recalled need not be visited again."""
+
+    __slots__ = ("ids", "deferred", "base")
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids, self.deferred, self.base = ids, None, 0
+
+    def value(self) -> np.ndarray:
+        return self.deferred.value()[self.base : self.base + self.ids.shape[0]]
 
 
 class _StepMasses:

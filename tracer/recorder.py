@@ -214,15 +214,15 @@ def _step_masses(entries: list[LayerEntry]) -> np.ndarray:
 
 def _uniform_ids(recalled: list) -> np.ndarray | None:
     """[rows, k] ids (staging order) when each row recalled k ids laid end to end in one fetched array (k = 0
-    when none recalled), from the first row's start on; None otherwise."""
+    when none recalled); None otherwise."""
     first = next((entry for entry in recalled if entry is not None), None)
     if first is None:
         return np.zeros((len(recalled), 0), dtype=np.int64)
-    k, base = first[3], first[2]  # (a cache that copies every layer's ids at once: this layer's from `base`)
-    if not all(entry is not None and entry[1] is first[1] and entry[2] == base + i * k and entry[3] == k
+    k = first[3]
+    if not all(entry is not None and entry[1] is first[1] and entry[2] == i * k and entry[3] == k
                for i, entry in enumerate(recalled)):
         return None
-    return first[1].value()[base : base + len(recalled) * k].reshape(len(recalled), k)
+    return first[1].value()[: len(recalled) * k].reshape(len(recalled), k)
 
 
 def _ragged_ids(recalled: list) -> list[list[int]]:
