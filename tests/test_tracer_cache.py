@@ -427,3 +427,52 @@ def test_a_batch_allocates_its_rows_once_and_exactly():
     list(decode_batch(model, jobs, cache, 5, 12, set()))
     for layer in cache.paged:
         assert layer.n_rows == 5 and layer.keys.shape[0] == 5 and layer.ddr.storage.shape[0] == 5
+
+
+def test_a_forward_that_raises_midway_leaves_the_layers_that_attended_placed(monkeypatch):
+    """A decode step's layers are placed together after its last layer attends
+    (tracer.cache._after_attention_of_layers); when a forward raises before that, the next forward first places
+    the layers that did attend, as placing each after its own attention would have: the same tiers, scores and
+    recorded rows as the per-layer path after the same failure (a cache a forward raised in is not one to go on
+    decoding with, its layers hold different lengths: what matters is that nothing is lost or left half-made)."""
+    import tracer.cache as cache_module
+
+    model = tiny_model("qwen2", "thoughtkv")
+    n_layers = model.config.num_hidden_layers
+    real_attend, calls = cache_module.attend, []
+
+    def second_call_raises(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return real_attend(*args)
+
+    def run(per_layer: bool):
+        if per_layer:
+            monkeypatch.setattr(cache_module.PagedLayer, "_layers_alike", lambda self, rows, states: False)
+        recorder = Recorder()
+        cache = TieredCache(n_layers, settings(hierarchy(0.3), recall_k=2), recorder)
+        ids, position = prompt_ids(), torch.arange(PROMPT_LEN)[None]
+        with torch.inference_mode():
+            for step in range(24):
+                if step == 13:  # the second layer's attention raises at a step that places (a block completes)
+                    calls.clear()
+                    monkeypatch.setattr(cache_module, "attend", second_call_raises)
+                    with pytest.raises(RuntimeError, match="injected"):
+                        model(input_ids=ids, position_ids=position, cache=cache, use_cache=True)
+                    monkeypatch.setattr(cache_module, "attend", real_attend)
+                    recorder.end_step(0.0)
+                logits = model(input_ids=ids, position_ids=position, cache=cache, use_cache=True).logits[0, -1]
+                recorder.end_step(0.0)
+                ids, position = logits.argmax().view(1, 1), torch.tensor([[PROMPT_LEN + step]])
+        monkeypatch.undo()
+        rows = {name: column for name, column in recorder.steps_table().items() if not name.startswith("measured_")}
+        return rows, [(layer.final_tiers().tolist(), layer.token_scores.tolist()) for layer in cache.layers]
+
+    (rows, layers), (rows_alone, layers_alone) = run(False), run(True)
+    assert layers == layers_alone  # every layer's tiers and scores
+    # The same rows in the same order; the failed step's layer that attended is recorded with the next step (it
+    # was placed as that one began), not with its own (which ended without it).
+    assert {name: column for name, column in rows.items() if name != "step"} == \
+        {name: column for name, column in rows_alone.items() if name != "step"}
+    assert [a != b for a, b in zip(rows["step"], rows_alone["step"], strict=True)].count(True) == 1

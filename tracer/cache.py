@@ -976,6 +976,13 @@ def _after_attention_of_layers(entries: list[tuple]) -> None:
     either way, and its placement (after its scoring) changes only its own next step. On the micro model at
     B = 1 this was ~4 % of a traced step; on a 28-layer model it removes ~6 of ~75 kernels per layer and step."""
     first, rows, states = entries[0][:3]
+    layer_ids = [entry[0].recalled_ids for entry in entries if entry[0].staged_pages]  # (the layers that recalled)
+    if layer_ids:  # every layer's recalled ids in one copy: [layers x recalled]
+        ids = torch.cat([part.ids for part in layer_ids])
+        deferred, base = first.copies.add(ids, _as_int64), 0
+        for part in layer_ids:
+            part.deferred, part.base = deferred, base
+            base += part.ids.shape[0]
     if len(entries) != first.tables.n_layers or len({entry[8].shape[1] for entry in entries}) != 1:
         for layer, *args in entries:  # (layers that attended unlike: each its own)
             layer._after_attention(*args)
@@ -1002,13 +1009,6 @@ def _after_attention_of_layers(entries: list[tuple]) -> None:
         for index, (layer, layer_rows, _, rows_t, *_) in enumerate(entries):
             part = slice(index * len(rows), (index + 1) * len(rows))
             layer._add_importance(layer_rows, rows_t, decoding, positions[part], weights_mean[part], weights_max[part])
-    layer_ids = [entry[0].recalled_ids for entry in entries if entry[0].staged_pages]  # (the layers that recalled)
-    if layer_ids:  # every layer's recalled ids in one copy: [layers x recalled]
-        ids = torch.cat([part.ids for part in layer_ids])
-        deferred, base = first.copies.add(ids, _as_int64), 0
-        for part in layer_ids:
-            part.deferred, part.base = deferred, base
-            base += part.ids.shape[0]
     masses = None
     if recording:
         _, masses = first.step_masses.layer(first.copies, *mass_key, 0, first.device)
@@ -1366,8 +1366,11 @@ class TieredCache(Cache):
                 "size 1 unless TieredCache.set_active(rows) names a row per batch entry (tracer.decode.decode_batch)"
             )
         if layer_idx <= self.last_layer:  # a forward begins (its layers append in order)
+            pending = self.paged[0].tables.pending
+            if pending:  # layers of the last forward still to be placed (it raised before its last layer attended)
+                entries, pending[:] = list(pending), []
+                _after_attention_of_layers(entries)  # (each layer on its own: not every layer attended)
             self.step_plans.clear()
-            self.paged[0].tables.pending.clear()  # (what a forward that raised left)
         self.last_layer = layer_idx
         layer = self.paged[layer_idx]
         layer.update(self.active, key_states, value_states, self.new_tokens)
