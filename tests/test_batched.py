@@ -382,3 +382,33 @@ def test_layers_sharing_a_forwards_host_plans_decode_as_layers_making_their_own(
     for key, (tokens, stop, logits, *recorded) in shared.items():
         assert [tokens, stop, *recorded] == [*alone[key][:2], *alone[key][3:]]  # rows, block masses, scores, tiers
         torch.testing.assert_close(logits, alone[key][2], rtol=0, atol=0)
+
+
+def test_a_batch_of_recorded_and_unrecorded_samples_decodes_each_as_it_would_alone():
+    """Samples without a recorder (or importance tracking) share a batch with recorded ones: each gets its batch-1
+    tokens and logits, and the recorded ones their batch-1 rows (every batch entry's attention is scattered into
+    the step's block masses, so their width covers the unrecorded rows too)."""
+    model = tiny_model("qwen2")
+    spec = PolicySpec(**POLICIES["hierarchy"], block_size=4, sink_tokens=4, window_tokens=8)
+
+    def decoded(batch_size: int) -> dict:
+        jobs = [DecodeJob(i, ids, TierSettings(spec=spec, scorer=build_scorer(spec.scorer), track_importance=i % 2 == 0),
+                          Recorder() if i % 3 else None) for i, ids in enumerate(prompts())]
+        cache = TieredCache(model.config.num_hidden_layers, jobs[0].settings)
+        out = {}
+        for job, result in decode_batch(model, jobs, cache, batch_size, MAX_NEW, set(), keep_logits=True):
+            rows = None if job.recorder is None else {name: job.recorder.columns[name] for name in RECORDED + ("mass_hbm",)}
+            out[job.key] = (result.generated_ids, torch.stack(result.logits), rows)
+        return out
+
+    alone, together = decoded(1), decoded(4)
+    assert sum(rows is None for *_, rows in alone.values()) == 3
+    for key, (tokens, logits, rows) in alone.items():
+        got_tokens, got_logits, got_rows = together[key]
+        assert got_tokens == tokens and (got_logits - logits).abs().max().item() <= 1e-4
+        if rows is None:
+            assert got_rows is None
+            continue
+        assert all(got_rows[name] == rows[name] for name in RECORDED)
+        # (the masses come out of batched matrix products, which sum in another order)
+        assert got_rows["mass_hbm"] == pytest.approx(rows["mass_hbm"], rel=1e-5)

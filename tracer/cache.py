@@ -696,8 +696,10 @@ class PagedLayer:
         host = [(s.logical_len - s.query_start + s.deferred_query_tokens, s.logical_len, s.blocks(),
                  s.n_ddr_blocks, s.n_evicted_blocks, s.recalled_blocks, s.bytes_h2d)
                 for s in (states[i] for i in recording)]
-        # (a scratch position, the row's length, falls in its block count's column: within the width)
-        mass_key = ((tuple(rows), tuple(h[1] for h in host)), max(h[2] for h in host) + 1) if host else None
+        # (every batch entry's attention is scattered, recorded or not: the width covers every row's blocks, and
+        # a scratch position, the row's length, falls in its block count's column)
+        mass_key = ((tuple(rows), tuple(s.logical_len for s in states)), max(s.blocks() for s in states) + 1) \
+            if host else None
         return placing, decoding, recording, host, mass_key
 
     @staticmethod
