@@ -321,8 +321,10 @@ def trace_samples(loaded, task, samples, config: TraceConfig, progress: bool = F
     eos_ids = eos_token_ids(model, loaded.tokenizer)
     jobs = (prepare_job(loaded, task, sample, config) for sample in samples)
     first = TieredCache(model.config.num_hidden_layers, make_settings(config))
+    # No more rows than samples (fewer pools; and a step of every row places its layers together, tracer/cache.py)
+    batch_size = min(config.batch_size, len(samples)) if hasattr(samples, "__len__") else config.batch_size
     with tqdm(desc="decode", unit="tok", leave=False, disable=not progress) as bar:
-        for job, result in decode_batch(model, jobs, first, config.batch_size, config.max_new_tokens, eos_ids, bar,
+        for job, result in decode_batch(model, jobs, first, max(1, batch_size), config.max_new_tokens, eos_ids, bar,
                                         prefill_chunk_tokens=config.prefill_chunk_tokens):
             yield sample_parts(loaded, task, job, result)
 
