@@ -136,7 +136,9 @@ def test_a_frozen_heap_is_frozen_inside_and_released_after_also_when_nested():
         assert frozen > 1000  # torch's and transformers' objects at least
         with frozen_heap():
             pass
-        assert gc.get_freeze_count() == frozen
+        # (not ==: a frozen object may die meanwhile, e.g. one another thread held last; an inner unfreeze would
+        # leave none: a full suite once read 579,415 against 579,417)
+        assert gc.get_freeze_count() > 0.99 * frozen
     assert gc.get_freeze_count() == 0
     try:
         with frozen_heap():
