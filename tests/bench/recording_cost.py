@@ -7,9 +7,9 @@ Printed per B: ms per decode step recorded and not, their difference per row and
 GPU estimate charges a traced step for recording), and the recording's own functions per step: the layers'
 occupancy (block masses on the device, the rows' counts), the end of step (tracer.recorder.StepRows, built for
 every row and layer at once, every `RESOLVE_EVERY` steps) and the tables a finished sample hands the writer (which
-build the steps left). On a GPU the occupancy's three
-device ops are launches, which the kernel counts of collect_throughput.py already charge: the per-row-layer
-figure here is an upper bound of the host's recording work there.
+build the steps left). On a GPU the occupancy's device ops (per layer, or once per step for layers placed
+together: tracer.cache._after_attention_of_layers) are launches, which the kernel counts of collect_throughput.py
+already charge: the per-row-layer figure here is an upper bound of the host's recording work there.
 
     OMP_NUM_THREADS=1 .venv/bin/python tests/bench/recording_cost.py [--batches 1,16] [--layers 28] [--rounds 3]
 """
