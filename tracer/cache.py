@@ -158,6 +158,10 @@ class RowState:
     def blocks(self) -> int:
         return n_blocks(self.spec, self.logical_len)
 
+    def clear_recall(self) -> None:
+        """No DDR block recalled this step (yet)."""
+        self.recalled_blocks, self.recalled, self.head_picks, self.bytes_h2d = 0, None, None, 0
+
     def hbm_blocks(self) -> int:
         return self.blocks() - self.n_ddr_blocks - self.n_evicted_blocks
 
@@ -423,7 +427,7 @@ class PagedLayer:
             state.query_start, state.logical_len = state.logical_len, state.logical_len + n
         if n_new > 1:  # (a decode step's recall sets every row's: `_recall`)
             for state in states:
-                state.recalled_blocks, state.recalled, state.head_picks, state.bytes_h2d = 0, None, None, 0
+                state.clear_recall()
 
     @staticmethod
     def _append_plan(states: list[RowState], counts: list[int]) -> tuple:
@@ -480,11 +484,10 @@ class PagedLayer:
         output, weights_mean, weights_max = attend(query, keys, values, scaling, slot_pos, query_start,
                                                    None if hidden is None else hidden[:, :, used], valid)
         if together:
-            pending = self.tables.pending
-            pending.append((self, rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos, valid))
+            self.tables.pending.append(
+                (self, rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos, valid))
             if self.layer_idx == self.tables.n_layers - 1:  # the step's last layer has attended
-                entries, pending[:] = list(pending), []
-                _after_attention_of_layers(entries)
+                self.tables.run_pending()
         else:
             self._after_attention(rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos, valid)
         return output
@@ -518,7 +521,7 @@ class PagedLayer:
             recalling = set(batch_index)
             for i, state in enumerate(states):
                 if i not in recalling:
-                    state.recalled_blocks, state.recalled, state.head_picks, state.bytes_h2d = 0, None, None, 0
+                    state.clear_recall()
         if not batch_index:
             return None
         rec_rows = rows_t if every_row else rows_t[batch_index]
@@ -1059,13 +1062,19 @@ class _StepMasses:
 class _LayerTables:
     """Every layer's token scores, importance and max importance, one [layers, rows, positions] float32 tensor each
     (a layer's `token_scores` etc. are its views, rebound when the tables grow), so that a decode step adds every
-    layer's attention with one kernel each (`PagedLayer._after_attention_of_layers`); and that step's per-layer
+    layer's attention with one kernel each (`_after_attention_of_layers`); and that step's per-layer
     attention results (`pending`), held until the last layer has attended."""
 
     NAMES = ("token_scores", "importance", "importance_max")
 
     def __init__(self, n_layers: int):
         self.n_layers, self.layers, self.tensors, self.pending = n_layers, [], None, []
+
+    def run_pending(self) -> None:
+        """Score, record and place the layers that attended and wait (`_after_attention_of_layers`)."""
+        if self.pending:
+            entries, self.pending = self.pending, []
+            _after_attention_of_layers(entries)
 
     def reserve(self, rows: int, width: int, device) -> None:
         if self.tensors is not None and rows <= self.tensors[0].shape[1] and width <= self.tensors[0].shape[2]:
@@ -1368,10 +1377,9 @@ class TieredCache(Cache):
                 "size 1 unless TieredCache.set_active(rows) names a row per batch entry (tracer.decode.decode_batch)"
             )
         if layer_idx <= self.last_layer:  # a forward begins (its layers append in order)
-            pending = self.paged[0].tables.pending
-            if pending:  # layers of the last forward still to be placed (it raised before its last layer attended)
-                entries, pending[:] = list(pending), []
-                _after_attention_of_layers(entries)  # (each layer on its own: not every layer attended)
+            # (layers of the last forward still to be placed: it raised before its last layer attended; each
+            # is placed on its own, as not every layer attended)
+            self.paged[0].tables.run_pending()
             self.step_plans.clear()
         self.last_layer = layer_idx
         layer = self.paged[layer_idx]

@@ -89,15 +89,10 @@ class StepRows:
     def resolved(self) -> bool:
         return self.ints is not None
 
-    def build(self) -> None:
-        build_steps([self])
-
     def _build_alone(self) -> None:
         """The general case (layers whose rows recall unlike, masses in separate tensors): this step by itself."""
         entries, n_rows = self.entries, len(self.row_ids)
-        host = np.concatenate([  # [E, rows, HOST_FIELDS + bytes_d2h]
-            np.array([entry.host for entry in entries], dtype=np.int64).reshape(len(entries), n_rows, -1),
-            np.array([entry.bytes_d2h for entry in entries], dtype=np.int64).reshape(len(entries), n_rows, 1)], -1)
+        host = _host_counts([entries], n_rows)[0]  # [E, rows, HOST_FIELDS + bytes_d2h]
         weights, bias = _derivations(tuple(entry.constants for entry in entries))
         mass = _step_masses(entries)  # [E, rows, width]
         recalled = [_ragged_ids(entry.recalled) for entry in entries]  # E lists of row lists
@@ -152,12 +147,7 @@ def build_steps(steps: list[StepRows]) -> None:
         key = (len(step.row_ids), tuple(entry.constants for entry in entries), uniform[0].shape[1], mass.shape[2])
         groups.setdefault(key, []).append((step, np.stack(uniform), mass))
     for (n_rows, constants, _, _), group in groups.items():
-        n_steps, n_entries = len(group), len(constants)
-        host = np.concatenate([  # [steps, E, rows, HOST_FIELDS + bytes_d2h]
-            np.array([[entry.host for entry in step.entries] for step, _, _ in group],
-                     dtype=np.int64).reshape(n_steps, n_entries, n_rows, -1),
-            np.array([[entry.bytes_d2h for entry in step.entries] for step, _, _ in group],
-                     dtype=np.int64).reshape(n_steps, n_entries, n_rows, 1)], -1)
+        host = _host_counts([step.entries for step, _, _ in group], n_rows)  # [steps, E, rows, fields]
         weights, bias = _derivations(constants)
         ints = np.matmul(host, weights) + bias
         # Recalled ids, staged by bound, recorded sorted by id; their blocks' mass is the DDR mass.
@@ -167,6 +157,14 @@ def build_steps(steps: list[StepRows]) -> None:
         masses = np.stack([mass.sum(-1, dtype=np.float64) - mass_ddr, mass_ddr], axis=-1)
         for s, (step, _, step_mass) in enumerate(group):
             step._set(ints[s], masses[s], recalled[s], step_mass)
+
+
+def _host_counts(steps: list[list[LayerEntry]], n_rows: int) -> np.ndarray:
+    """The steps' entries' host counts and bytes offloaded: [steps, E, rows, HOST_FIELDS + bytes_d2h] int64."""
+    shape = (len(steps), len(steps[0]), n_rows)
+    return np.concatenate([
+        np.array([[entry.host for entry in entries] for entries in steps], dtype=np.int64).reshape(*shape, -1),
+        np.array([[entry.bytes_d2h for entry in entries] for entries in steps], dtype=np.int64).reshape(*shape, 1)], -1)
 
 
 @functools.lru_cache(maxsize=64)
