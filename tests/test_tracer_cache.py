@@ -441,11 +441,11 @@ def test_a_forward_that_raises_midway_leaves_the_layers_that_attended_placed(mon
     n_layers = model.config.num_hidden_layers
     real_attend, calls = cache_module.attend, []
 
-    def second_call_raises(*args):
+    def second_call_raises(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("injected")
-        return real_attend(*args)
+        return real_attend(*args, **kwargs)
 
     def run(per_layer: bool):
         if per_layer:

@@ -41,26 +41,28 @@ CHUNK_LOGITS = 1 << 20
 def attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, key_positions: torch.Tensor,
     query_start: int, hidden_keys: torch.Tensor | None = None, valid: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    reduce_heads: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Softmax attention with GQA over the slots of a paged cache layer, for a batch of rows (`_attend`), on a CPU
     in chunks of rows of at most `CHUNK_LOGITS` logits (each row's attention is its own: the same result)."""
     rows, row_logits = query.shape[0], query.shape[1] * query.shape[2] * key.shape[2]
     if rows == 1 or rows * row_logits <= CHUNK_LOGITS or query.device.type != "cpu":
-        return _attend(query, key, value, scaling, key_positions, query_start, hidden_keys, valid)
+        return _attend(query, key, value, scaling, key_positions, query_start, hidden_keys, valid, reduce_heads)
     step, parts = max(1, CHUNK_LOGITS // row_logits), []
     for first in range(0, rows, step):
         chunk = slice(first, first + step)
         parts.append(_attend(
             query[chunk], key[chunk], value[chunk], scaling, key_positions[chunk],
             query_start[chunk] if isinstance(query_start, torch.Tensor) else query_start,
-            None if hidden_keys is None else hidden_keys[chunk], None if valid is None else valid[chunk]))
-    return tuple(torch.cat(part) for part in zip(*parts))
+            None if hidden_keys is None else hidden_keys[chunk], None if valid is None else valid[chunk], reduce_heads))
+    return tuple(None if part[0] is None else torch.cat(part) for part in zip(*parts))
 
 
 def _attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, key_positions: torch.Tensor,
     query_start: int, hidden_keys: torch.Tensor | None = None, valid: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    reduce_heads: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Softmax attention with GQA over the slots of a paged cache layer, for a batch of rows (in one pass).
 
     `query` [rows, Hq, lq, d], `key`/`value` [rows, Hkv, n_keys, d]. `key_positions` [rows, n_keys]: the
@@ -74,7 +76,8 @@ def _attend(
     already. Blocked slots get weight exactly 0.
 
     Returns the output [rows, lq, Hq, d] and the weights [rows, lq, n_keys] reduced over query heads (mean,
-    max), float32.
+    max: `head_mean_max`), float32; with `reduce_heads` False, the output, the weights per head [rows, Hq, lq,
+    n_keys] and None (a decode step's layers are then reduced together, one kernel each: tracer.cache).
     """
     rows, n_heads, lq, head_dim = query.shape
     n_kv_heads, n_keys = key.shape[1], key.shape[2]
@@ -110,7 +113,15 @@ def _attend(
     output = torch.matmul(weights.to(value.dtype), value)
     output = output.view(rows, n_heads, lq, head_dim).transpose(1, 2)
     per_head = weights.view(rows, n_heads, lq, n_keys)
-    return output, per_head.mean(1), per_head.amax(1)
+    if not reduce_heads:
+        return output, per_head, None
+    return output, *head_mean_max(per_head)
+
+
+def head_mean_max(per_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention weights [..., Hq, lq, n_keys] -> their mean and max over the query heads, [..., lq, n_keys] each
+    (what the scorers, importance and block masses add)."""
+    return per_head.mean(-3), per_head.amax(-3)
 
 
 @functools.cache

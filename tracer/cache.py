@@ -84,7 +84,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from thoughtkv_base import UserError
-from tracer.attention import attend, set_pending
+from tracer.attention import attend, head_mean_max, set_pending
 from tracer.quant import make_block_store
 from tracer.recorder import Deferred, LayerEntry, StepRecording
 from tracer.scorers import Observation, Scorer
@@ -416,7 +416,7 @@ class PagedLayer:
                 self.page_block[row, pages] = torch.arange(first, end, device=self.device)
                 self.block_page[row, first:end] = pages
             positions = torch.arange(state.logical_len, state.logical_len + n_new, device=self.device)
-            slots = self.block_page[row, positions // bs] * bs + positions % bs
+            slots = self.block_page[row, _block_of(positions, bs)] * bs + positions % bs
             self.keys[row].index_copy_(1, slots, key_states[0])
             self.values[row].index_copy_(1, slots, value_states[0])
             self.slot_pos[row].index_copy_(0, slots, positions)
@@ -481,8 +481,10 @@ class PagedLayer:
         keys, values, slot_pos = self.keys[selected, :, used], self.values[selected, :, used], self.slot_pos[selected, used]
         query_start = states[0].query_start if self.pads is None else self.query_starts  # per row when padded
         valid = slot_pos >= 0  # the slots holding an entry: attention's mask, then the scorers'
+        # (layers placed together hand back their weights per head: `_after_attention_of_layers` reduces them all)
         output, weights_mean, weights_max = attend(query, keys, values, scaling, slot_pos, query_start,
-                                                   None if hidden is None else hidden[:, :, used], valid)
+                                                   None if hidden is None else hidden[:, :, used], valid,
+                                                   reduce_heads=not together)
         if together:
             self.tables.pending.append(
                 (self, rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos, valid))
@@ -764,7 +766,7 @@ class PagedLayer:
         (`DeferredCopies`). Empty slots carry weight 0, so where their scratch position lands adds nothing. (A
         recalled block is in DDR, so its mass is that of its staged slots: the DDR mass is theirs, on the host.)"""
         block_mass, masses = self.step_masses.layer(self.copies, *mass_key, self.layer_idx, self.device)
-        block_mass.scatter_add_(1, positions // self.block_size, last_weights)
+        block_mass.scatter_add_(1, _block_of(positions, self.block_size), last_weights)
         return masses
 
     def _placement_plan(self, rows: list[int], states: list[RowState], placing: list[int]) -> tuple:
@@ -930,7 +932,7 @@ class PagedLayer:
         shift = torch.where(moving, target - source, 0)
         self.block_page.index_put_((rows.expand_as(blocks), blocks.clamp_min(0)), shift, accumulate=True)
         next_slot = self.next_slot[place_rows]  # the row's current block may have moved: its next slot with it
-        hit = moving & (source == torch.div(next_slot, bs, rounding_mode="floor")[:, None])
+        hit = moving & (source == _block_of(next_slot, bs)[:, None])
         self.next_slot[place_rows] = next_slot + (hit * shift).sum(1) * bs
 
     def _promote(self, row: int, state: RowState, promoted: torch.Tensor, n: int, first_page: int) -> None:
@@ -973,8 +975,8 @@ class PagedLayer:
 
 def _after_attention_of_layers(entries: list[tuple]) -> None:
     """A decode step's scoring, importance and block masses for every layer at once, after its last layer has
-    attended (`PagedLayer._layers_alike`): the layers' attention results ([rows, 1, n] each, one n under the
-    policies this runs for) stacked on a layer axis and added into the layers' tables (`_LayerTables`,
+    attended (`PagedLayer._layers_alike`): the layers' attention weights ([rows, Hq, 1, n] each, one n under the
+    policies this runs for) stacked on a layer axis, reduced over the heads and added into the layers' tables (`_LayerTables`,
     [layers x rows, positions] views) and the step's mass tensor ([layers x batch entries, blocks + 1]) with one
     kernel each, not one per layer; then each layer places and records, in order. The same numbers as each
     layer's own `_after_attention`: a layer's scores, importance and masses are the sums of its own weights
@@ -990,9 +992,11 @@ def _after_attention_of_layers(entries: list[tuple]) -> None:
             base += part.ids.shape[0]
     if len(entries) != first.tables.n_layers or len({entry[8].shape[1] for entry in entries}) != 1:
         for layer, *args in entries:  # (layers that attended unlike: each its own)
+            args[3:5] = head_mean_max(args[3])
             layer._after_attention(*args)
         return
-    weights_mean, weights_max, slot_pos = (torch.stack([entry[k] for entry in entries]) for k in (4, 5, 8))
+    per_head, slot_pos = torch.stack([entry[4] for entry in entries]), torch.stack([entry[8] for entry in entries])
+    weights_mean, weights_max = head_mean_max(per_head)  # [layers, rows, 1, n] each
     valid = slot_pos >= 0  # [layers, rows, n]
     positions = torch.where(valid, slot_pos, first.lengths[None, :, None]).flatten(0, 1)
     weights_mean, weights_max, valid = weights_mean.flatten(0, 1), weights_max.flatten(0, 1), valid.flatten(0, 1)
@@ -1017,7 +1021,7 @@ def _after_attention_of_layers(entries: list[tuple]) -> None:
     masses = None
     if recording:
         _, masses = first.step_masses.layer(first.copies, *mass_key, 0, first.device)
-        first.step_masses.tensor.flatten(0, 1).scatter_add_(1, positions // first.block_size, weights_mean[:, -1])
+        first.step_masses.tensor.flatten(0, 1).scatter_add_(1, _block_of(positions, first.block_size), weights_mean[:, -1])
     for layer, layer_rows, layer_states, *_ in entries:
         layer._place_and_record(layer_rows, layer_states, placing, recording, host, masses, 1)
 
@@ -1250,6 +1254,14 @@ class RowStore:
 
     def block_bytes(self) -> int:
         return self.store.block_bytes()
+
+
+def _block_of(positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The block holding each (non-negative) position: a shift for a power-of-two block size (integer division is
+    ~4-10x slower on a CPU: 7.6 against 2.1 us for [24, 80] int64, 48 against 5 for [24, 700])."""
+    if block_size & (block_size - 1) == 0:
+        return positions >> (block_size.bit_length() - 1)
+    return positions // block_size
 
 
 def _first_true(mask: torch.Tensor, n: int) -> torch.Tensor:
