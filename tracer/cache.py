@@ -399,9 +399,15 @@ class PagedLayer:
             positions, self.lengths = self.positions[1]
             selected = self._select(rows)
             slots = self.next_slot[selected]  # each row's next slot: in its current block's page
-            self.keys[rows_t, :, slots] = key_states[:, :, 0]
-            self.values[rows_t, :, slots] = value_states[:, :, 0]
-            self.slot_pos[rows_t, slots] = positions
+            if len(rows) == 1:  # one row: a copy along its slots (an advanced-index put costs ~2x here)
+                row = rows[0]
+                self.keys[row].index_copy_(1, slots, key_states[0])
+                self.values[row].index_copy_(1, slots, value_states[0])
+                self.slot_pos[row].index_copy_(0, slots, positions)
+            else:
+                self.keys[rows_t, :, slots] = key_states[:, :, 0]
+                self.values[rows_t, :, slots] = value_states[:, :, 0]
+                self.slot_pos[rows_t, slots] = positions
             if isinstance(selected, slice):
                 self.next_slot[selected].add_(1)
             else:
