@@ -827,7 +827,8 @@ class PagedLayer:
         block_scores = self.token_scores[place_rows, : end * bs].view(m, end, bs).sum(2)
         tier = self.block_tier[place_rows, :end]
         was_hbm = (tier == TIER_HBM) & in_range
-        evict_now = torch.zeros_like(was_hbm)
+        # (a mask no block can be in under this policy is None: no kernel makes it, none reads it)
+        evict_now = None
         if any(p[4] for p in plans):  # the lowest-scored alive blocks, as many as each row's target asks
             alive = (tier != TIER_EVICTED) & in_range
             evict_now = (_ranks(block_scores.masked_fill(~alive, float("inf")), descending=False) < victims_t) & alive
@@ -843,18 +844,27 @@ class PagedLayer:
         # The top `room` candidates by score (all of them when there are fewer), ranked on the device.
         keep = (_ranks(block_scores.masked_fill(~candidates, float("-inf")), descending=True) < room_t) & candidates
         demoted = candidates & ~keep & was_hbm
-        promoted = keep & (tier == TIER_DDR)
-        tier = torch.where(promoted, TIER_HBM, tier)
+        promoted = None
+        if spec.promote:  # (without promotion every candidate, so every kept block, is in HBM)
+            promoted = keep & (tier == TIER_DDR)
+            tier = torch.where(promoted, TIER_HBM, tier)
         tier = torch.where(demoted, TIER_DDR if spec.uses_ddr else TIER_EVICTED, tier).to(torch.int8)
-        if not spec.uses_ddr:
-            evict_now |= demoted
-        offloaded = demoted if spec.uses_ddr else torch.zeros_like(demoted)
-        evicted_from_hbm, evicted_from_ddr = evict_now & was_hbm, evict_now & ~was_hbm
+        offloaded, evicted_from_hbm, evicted_from_ddr = demoted if spec.uses_ddr else None, None, None
+        if not spec.uses_ddr:  # (demoted blocks were in HBM)
+            evict_now = demoted if evict_now is None else evict_now | demoted
+        if evict_now is not None:
+            evicted_from_hbm = evict_now & was_hbm
+            if spec.uses_ddr:  # (only victims can be DDR blocks)
+                evicted_from_ddr = evict_now & ~was_hbm
+        outcomes = (offloaded, promoted, evicted_from_hbm, evicted_from_ddr)  # move codes 1-4, in this order
 
         if counts is None:  # data-dependent counts: one read-back for this layer's placement, all rows together
-            counts = torch.stack([offloaded.sum(1), promoted.sum(1), evicted_from_hbm.sum(1),
-                                  evicted_from_ddr.sum(1)], dim=1).tolist()
-        bytes_d2h = self._offload(place_rows, offloaded, [c[0] for c in counts])
+            zero = torch.zeros(m, dtype=torch.long, device=self.device)
+            counts = torch.stack([zero if mask is None else mask.sum(1) for mask in outcomes], dim=1).tolist()
+        if offloaded is not None:
+            bytes_d2h = self._offload(place_rows, offloaded, [c[0] for c in counts])
+        else:
+            bytes_d2h = [0] * m
         self._free_pages(place_rows, was_hbm & (tier != TIER_HBM), end)
         self._pack(place_rows, resident, [n - c[0] - c[2] for n, c in zip(resident, counts, strict=True)])
         if any(c[1] for c in counts):
@@ -867,8 +877,13 @@ class PagedLayer:
         self.block_tier[place_rows, :end] = tier
         self.ddr.bounds.mark(place_rows, tier == TIER_DDR)  # recall's mask, kept with the tiers
         # What happened to each movable block, recorded through the step's one deferred copy.
-        moves = (offloaded.to(torch.int8) + 2 * promoted.to(torch.int8) + 3 * evicted_from_hbm.to(torch.int8)
-                 + 4 * evicted_from_ddr.to(torch.int8))
+        moves = None
+        for code, mask in enumerate(outcomes, start=1):
+            if mask is not None:
+                term = mask.to(torch.int8) if code == 1 else code * mask.to(torch.int8)
+                moves = term if moves is None else moves + term
+        if moves is None:
+            moves = torch.zeros((m, end), dtype=torch.int8, device=self.device)
         host = self.copies.add(moves, lambda a: a.astype(np.int8).reshape(m, -1))
         out = {}
         for index, ((i, *_), (n_off, n_promoted, n_ev_hbm, n_ev_ddr)) in enumerate(zip(plans, counts, strict=True)):
