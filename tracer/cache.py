@@ -86,7 +86,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from thoughtkv_base import UserError
 from tracer.attention import attend, head_mean_max, set_pending
 from tracer.quant import make_block_store
-from tracer.recorder import Deferred, LayerEntry, StepRecording
+from tracer.recorder import Deferred, LayerEntry, StepRecording, repeated
 from tracer.scorers import Observation, Scorer
 from tracer.transfer import host_to_device
 from traces.policy import (
@@ -197,6 +197,7 @@ class PagedLayer:
         self._rows_cache: tuple = ((), None)
         self._flat_rows: tuple = (None, None)  # (recalling rows and picks per row, the rows repeated per pick)
         self._score_plan: tuple = ((), [], False)  # (the last scored rows' states, rows that score, one call?)
+        self._constants: tuple = (None, None)  # (the DDR store, `LayerEntry.constants` read with it)
         self.rows_hint = 0  # the batch size, when known: rows are allocated for it at once
         self.initialized = False
         self.n_pages = self.n_staging_pages = self.block_capacity = 0
@@ -670,14 +671,19 @@ class PagedLayer:
         if recording:
             # The rows' host counts and device values (masses, moved and recalled ids, quantization errors),
             # resolved with every other layer's at step end (tracer.recorder.StepRows).
-            recorded = [states[i] for i in recording]
-            moved = [moves.get(rows[i]) for i in recording] if moves else [None] * len(recording)
+            row_ids, host = host
+            n = len(recording)
+            recorded = states if n == len(states) else [states[i] for i in recording]
+            if moves:
+                moved = [moves.get(rows[i]) for i in recording]
+                bytes_d2h = [0 if m is None else m[2] for m in moved]
+            else:  # (most steps place nothing: the shared per-row "nothing", as the recorder checks it)
+                moved, bytes_d2h = repeated(None, n), repeated(0, n)
             entry = LayerEntry(
-                (self.layer_idx, self.block_size, self.token_bytes, self.ddr.block_bytes()), host,
-                [0 if m is None else m[2] for m in moved], masses, self.layer_idx,
-                None if len(recording) == len(rows) else recording, [s.recalled for s in recorded], moved,
-                [errors.get(rows[i]) for i in recording] if errors else [None] * len(recording))
-            self.recording.add(tuple(rows[i] for i in recording), recorded, entry)
+                self._entry_constants(), host, bytes_d2h, masses, self.layer_idx, None if n == len(rows) else recording,
+                [s.recalled for s in recorded], moved,
+                [errors.get(rows[i]) for i in recording] if errors else repeated(None, n))
+            self.recording.add(row_ids, recorded, entry)
         for i in placing:
             state = states[i]
             state.deferred_query_tokens = 0
@@ -698,20 +704,29 @@ class PagedLayer:
     def _after_plan(self, rows: list[int], states: list[RowState], query_tokens: int) -> tuple:
         """(the batch entries that place (a prefill chunk before the last does not), those that add this step's
         attention to their importance, those that record; the recording rows' host counts at attention time (after
-        recall, before placement: a tuple of `tracer.recorder.HOST_FIELDS` each); the step's mass tensor key and
-        width (`_StepMasses`), None when no row records)."""
+        recall, before placement: a tuple of `tracer.recorder.HOST_FIELDS` each) with their row ids; the step's
+        mass tensor key and width (`_StepMasses`); both None when no row records)."""
         placing = [i for i, s in enumerate(states) if not s.defer_placement]
         decoding = [i for i in placing if query_tokens == 1 and self._step(states[i]) > 0
                     and states[i].settings.track_importance]
         recording = [i for i in placing if states[i].recorder is not None]
+        if not recording:
+            return placing, decoding, recording, None, None
         host = [(s.logical_len - s.query_start + s.deferred_query_tokens, s.logical_len, s.blocks(),
                  s.n_ddr_blocks, s.n_evicted_blocks, s.recalled_blocks, s.bytes_h2d)
                 for s in (states[i] for i in recording)]
         # (every batch entry's attention is scattered, recorded or not: the width covers every row's blocks, and
         # a scratch position, the row's length, falls in its block count's column)
-        mass_key = ((tuple(rows), tuple(s.logical_len for s in states)), max(s.blocks() for s in states) + 1) \
-            if host else None
-        return placing, decoding, recording, host, mass_key
+        lengths = [s.logical_len for s in states]
+        mass_key = ((tuple(rows), tuple(lengths)), n_blocks(self.spec, max(lengths)) + 1)
+        return placing, decoding, recording, (tuple(rows[i] for i in recording), host), mass_key
+
+    def _entry_constants(self) -> tuple[int, int, int, int]:
+        """`LayerEntry.constants` (layer, block size, KV bytes of an HBM token, bytes of a DDR block), kept with
+        the DDR store they were read from (a refilled row may bring another)."""
+        if self._constants[0] is not self.ddr:
+            self._constants = (self.ddr, (self.layer_idx, self.block_size, self.token_bytes, self.ddr.block_bytes()))
+        return self._constants[1]
 
     @staticmethod
     def _step(state: RowState) -> int:

@@ -62,13 +62,22 @@ class LayerEntry:
 
     constants: tuple[int, int, int, int]  # layer, block size, KV bytes of an HBM token, bytes of a DDR block
     host: list[tuple]  # per row: `HOST_FIELDS`, as the layer saw them at attention time (before placement)
-    bytes_d2h: list[int]  # per row: bytes this step's placement offloaded
+    bytes_d2h: list[int] | tuple  # per row: bytes this step's placement offloaded (`repeated(0, n)`: none)
     masses: Deferred  # [layers, batch entries, blocks + 1] float32: attention mass per block (last: scratch),
     mass_layer: int  # shared by the step's layers: this layer's is masses[mass_layer]
     index: list[int] | None  # the rows' batch entries in `masses` (None: all of them, in order)
     recalled: list  # per row: None or (ids on the device, their Deferred, first, count): sorted when recorded
-    moved: list  # per row: None or (Deferred codes [placed rows, blocks], its row, bytes): codes 1-4
-    errors: list  # per row: None or (Deferred [blocks, 2] max / mean-square relative error, first, count)
+    # per row: None or (Deferred codes [placed rows, blocks], its row, bytes): codes 1-4 (`repeated(None, n)`: none)
+    moved: list | tuple
+    # per row: None or (Deferred [blocks, 2] max / mean-square relative error, first, count) (`repeated(None, n)`)
+    errors: list | tuple
+
+
+@functools.cache
+def repeated(value, n: int) -> tuple:
+    """`n` times `value`, one tuple per (value, n): a `LayerEntry` list of rows none of which moved a block or
+    measured an error (most steps), which the recorder recognises by identity and skips."""
+    return (value,) * n
 
 
 class StepRows:
@@ -107,12 +116,13 @@ class StepRows:
         self.ints, self.masses, self.recalled, self.block_mass = ints, masses, recalled, block_mass
         self.moved: list[list] = [[] for _ in range(n_rows)]
         self.quant = None
+        nothing = repeated(None, n_rows)
         for e, entry in enumerate(entries):
-            for i, move in enumerate(entry.moved):
+            for i, move in enumerate(() if entry.moved is nothing else entry.moved):
                 if move is not None:
                     codes = move[0].value()[move[1]]
                     self.moved[i].append((e, _as_ids(codes == 2), _as_ids(codes == 1), _as_ids(codes >= 3)))
-            for i, error in enumerate(entry.errors):
+            for i, error in enumerate(() if entry.errors is nothing else entry.errors):
                 if error is not None:
                     if self.quant is None:
                         self.quant = np.full((len(entries), n_rows, 2), np.nan)
