@@ -812,9 +812,13 @@ class PagedLayer:
             plans.append((i, sink_blocks, movable_end, n_movable if room is None else min(room, n_movable), victims))
             keys.append(key)
         if not plans:
-            return (), (), None, None, ()
+            return (), (), None, None, (), None
         plan_t = host_to_device([[rows[p[0]] for p in plans], *([p[k] for p in plans] for k in range(1, 5))],
                                 self.device)
+        # [m, blocks]: each row's movable blocks, sink_blocks <= id < movable_end (made here once for the layers)
+        column = np.arange(max(p[2] for p in plans))
+        in_range = host_to_device((column >= np.array([p[1] for p in plans])[:, None])
+                                  & (column < np.array([p[2] for p in plans])[:, None]), self.device)
         counts = None
         if counts_are_exact(spec):  # no victims, no promotion: min(room, candidates) stay, the rest leave
             counts = []
@@ -823,24 +827,24 @@ class PagedLayer:
                 hbm_movable = movable_end - sink_blocks - state.n_ddr_blocks - state.n_evicted_blocks
                 leaving = hbm_movable - min(room, hbm_movable)
                 counts.append((leaving, 0, 0, 0) if spec.uses_ddr else (0, 0, leaving, 0))
-        return plans, keys, plan_t, counts, [states[plan[0]].hbm_blocks() for plan in plans]
+        return plans, keys, plan_t, counts, [states[plan[0]].hbm_blocks() for plan in plans], in_range
 
     def _place(self, rows: list[int], states: list[RowState], placing: list[int], query_tokens: int) -> dict:
         """Apply each row's targets (rows whose targets moved, or that may promote); returns per row id
         (promoted, offloaded, evicted) block ids (`Deferred` lists fetched at step end) and bytes copied D2H."""
         spec, bs = self.spec, self.block_size
-        plans, keys, plan_t, counts, resident = self._plan(
+        plans, keys, plan_t, counts, resident, in_range = self._plan(
             "place", query_tokens, lambda: self._placement_plan(rows, states, placing))
         if not plans:
             return {}
         for (i, *_), key in zip(plans, keys, strict=True):
             states[i].placed_key = key
         m, end = len(plans), max(p[2] for p in plans)
-        place_rows, (sink_t, end_t, room_t, victims_t) = plan_t[0], plan_t[1:, :, None]
-        column = torch.arange(end, device=self.device)
-        in_range = (column >= sink_t) & (column < end_t)  # [m, blocks]: each row's movable blocks
-        block_scores = self.token_scores[place_rows, : end * bs].view(m, end, bs).sum(2)
-        tier = self.block_tier[place_rows, :end]
+        place_rows, (room_t, victims_t) = plan_t[0], plan_t[3:, :, None]
+        placed = [rows[p[0]] for p in plans]  # (consecutive rows, e.g. a whole batch placing: views, no gathers)
+        select = slice(placed[0], placed[0] + m) if placed == list(range(placed[0], placed[0] + m)) else place_rows
+        block_scores = self.token_scores[select, : end * bs].view(m, end, bs).sum(2)
+        tier = self.block_tier[select, :end]
         was_hbm = (tier == TIER_HBM) & in_range
         # (a mask no block can be in under this policy is None: no kernel makes it, none reads it)
         evict_now = None
@@ -848,7 +852,8 @@ class PagedLayer:
             alive = (tier != TIER_EVICTED) & in_range
             evict_now = (_ranks(block_scores.masked_fill(~alive, float("inf")), descending=False) < victims_t) & alive
             tier = torch.where(evict_now, TIER_EVICTED, tier)
-        candidates = (tier == TIER_HBM) & in_range
+        # (without victims the tiers are as they were: the candidates are the blocks in HBM)
+        candidates = was_hbm if evict_now is None and not spec.promote else (tier == TIER_HBM) & in_range
         if spec.promote:
             recalled = torch.zeros_like(candidates)
             for index, plan in enumerate(plans):
@@ -889,7 +894,7 @@ class PagedLayer:
                     kept = state.hbm_blocks() - c[0] - c[2]
                     self._resize_pages(kept + c[1], self.n_staging_pages)
                     self._promote(rows[plan[0]], state, promoted[index], c[1], self.n_staging_pages + kept)
-        self.block_tier[place_rows, :end] = tier
+        self.block_tier[select, :end] = tier
         self.ddr.bounds.mark(place_rows, tier == TIER_DDR)  # recall's mask, kept with the tiers
         # What happened to each movable block, recorded through the step's one deferred copy.
         moves = None
@@ -1033,15 +1038,16 @@ def _after_attention_of_layers(entries: list[tuple]) -> None:
         return
     per_head, slot_pos = torch.stack([entry[4] for entry in entries]), torch.stack([entry[8] for entry in entries])
     weights_mean, weights_max = head_mean_max(per_head)  # [layers, rows, 1, n] each
-    valid = slot_pos >= 0  # [layers, rows, n]
-    positions = torch.where(valid, slot_pos, first.lengths[None, :, None]).flatten(0, 1)
-    weights_mean, weights_max, valid = weights_mean.flatten(0, 1), weights_max.flatten(0, 1), valid.flatten(0, 1)
+    # An empty slot (weight exactly 0) points at position 0, not at its row's scratch position: the scorers run
+    # here only add weights (`_layers_alike`), and so do importance and masses, and adding 0 changes nothing.
+    positions = slot_pos.clamp_min(0).flatten(0, 1)  # [layers x rows, n]
+    weights_mean, weights_max = weights_mean.flatten(0, 1), weights_max.flatten(0, 1)
     active, _ = first._scoring(states)
     token_scores, importance, importance_max = (tensor.flatten(0, 1) for tensor in first.tables.tensors)
     if active:  # one scorer that adds the weights: in place
         scorer = states[active[0]].settings.scorer
         observation = Observation(None, first._step(states[active[0]]), token_scores.shape[1], positions,
-                                  weights_mean, weights_max, None, valid=valid)
+                                  weights_mean, weights_max, None)
         scores = scorer.score(observation, token_scores)
         if scores is not token_scores:
             token_scores.copy_(scores[:, : token_scores.shape[1]])

@@ -28,6 +28,8 @@ class Observation:
     A paged cache attends whole pages: a slot that holds no entry (`valid` False) has weight exactly 0 and its
     position is the row's scratch position (one past its last token; the cache resets that score after the
     call), so a score written there is harmless; a scorer that pools over the attended entries skips them.
+    When the cache scores a decode step's layers in one call (`layer_idx` None, only for a scorer that
+    `adds_weights_only`), an empty slot's position is 0 and `valid` is None: its weight 0 adds nothing there.
     """
 
     layer_idx: int | None  # None: a decode step's layers scored together, rows = layers x rows (see `keys`)
@@ -41,7 +43,7 @@ class Observation:
     # `adds_weights_only` (reads the weights and positions alone)
     keys: torch.Tensor | None
     values: torch.Tensor | None = None  # [rows, n_kv_heads, n, head_dim]: the attended values (vatp)
-    valid: torch.Tensor | None = None  # [rows, n] bool: slots that hold an entry (None: all of them)
+    valid: torch.Tensor | None = None  # [rows, n] bool: slots that hold an entry (None: all, or layers together)
 
 
 def _grown(previous: torch.Tensor, length: int) -> torch.Tensor:
