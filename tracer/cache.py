@@ -580,7 +580,6 @@ class PagedLayer:
             select = host_to_device(select, self.device)
             flat_rows, flat_ids = flat_rows[select], flat_ids[select]
         one_row = rows[batch_index[0]] if len(batch_index) == 1 else None  # (host-known: no row offsets to add)
-        keys, values, n_bytes = self.ddr.get(flat_rows, flat_ids, one_row)
         n_flat = flat_ids.shape[0]
         # A row's j-th recalled block goes to staging page S - width + j (the last `width` staging pages, next
         # to the main pages, so that attention reads one range of slots), whole pages at a time.
@@ -590,12 +589,19 @@ class PagedLayer:
         staging = _staging_pages(tuple(per_row), width, first_page, str(self.device)) \
             if uneven_picks or spec.recall_rule != "quest" or not isinstance(selected, slice) else None
         if staging is None:  # consecutive rows, `width` blocks each: one strided copy per tensor, no index
-            pages, shape = slice(first_page, first_page + width), (len(batch_index), width, *keys.shape[1:])
-            self._pages("keys")[selected, :, pages] = keys.view(shape).transpose(1, 2)
-            self._pages("values")[selected, :, pages] = values.view(shape).transpose(1, 2)
+            pages = slice(first_page, first_page + width)
+            if one_row is not None and hasattr(self.ddr, "get_into"):  # one row: gathered into its pages directly
+                n_bytes = self.ddr.get_into(one_row, flat_ids, self._pages("keys")[one_row, :, pages].transpose(0, 1),
+                                            self._pages("values")[one_row, :, pages].transpose(0, 1))
+            else:
+                keys, values, n_bytes = self.ddr.get(flat_rows, flat_ids, one_row)
+                shape = (len(batch_index), width, *keys.shape[1:])
+                self._pages("keys")[selected, :, pages] = keys.view(shape).transpose(1, 2)
+                self._pages("values")[selected, :, pages] = values.view(shape).transpose(1, 2)
             # block b holds positions b * bs + [0, bs): written in place, one kernel (a gather and a copy took ~2x)
             torch.add(self.offsets, ids.view(*ids.shape, 1), alpha=bs, out=self._pages("slot_pos")[selected, pages])
         else:
+            keys, values, n_bytes = self.ddr.get(flat_rows, flat_ids, one_row)
             self._pages("keys")[flat_rows, :, staging] = keys
             self._pages("values")[flat_rows, :, staging] = values
             self._pages("slot_pos")[flat_rows, staging] = self.block_positions[flat_ids]

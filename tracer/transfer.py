@@ -195,6 +195,18 @@ class PinnedBlockStore:
             blocks = self.storage[rows.cpu(), block_ids.cpu()].to(self.device, non_blocking=self.pin)
         return blocks[:, 0], blocks[:, 1], blocks.numel() * blocks.element_size()
 
+    def get_into(self, row: int, block_ids: torch.Tensor, keys_out: torch.Tensor, values_out: torch.Tensor) -> int:
+        """`get` for blocks of one `row`, written straight into `keys_out` / `values_out` ([n, H, block, d], views
+        such as a row's staging pages): one gather each and no intermediate copy. Returns bytes copied H2D."""
+        if self.view is not None:
+            torch.index_select(self.view[row][:, 0], 0, block_ids, out=keys_out)
+            torch.index_select(self.view[row][:, 1], 0, block_ids, out=values_out)
+        else:  # no mapping: through the host (one synchronisation), as `get`
+            blocks = self.storage[row][block_ids.cpu()].to(self.device, non_blocking=self.pin)
+            keys_out.copy_(blocks[:, 0])
+            values_out.copy_(blocks[:, 1])
+        return block_ids.shape[0] * self.block_bytes()
+
     key_max = property(lambda self: self.bounds.key_max)
     key_min = property(lambda self: self.bounds.key_min)
 
