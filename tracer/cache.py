@@ -487,7 +487,8 @@ class PagedLayer:
         selected = self._select(rows)  # consecutive rows (a full batch, one row) are a view, not a gather
         keys, values, slot_pos = self.keys[selected, :, used], self.values[selected, :, used], self.slot_pos[selected, used]
         query_start = states[0].query_start if self.pads is None else self.query_starts  # per row when padded
-        valid = slot_pos >= 0  # the slots holding an entry: attention's mask, then the scorers'
+        # The slots holding an entry: the per-layer scorers' (attention makes its own mask when it needs one)
+        valid = None if together or (len(rows) == 1 and query.shape[-2] == 1) else slot_pos >= 0
         # (layers placed together hand back their weights per head: `_after_attention_of_layers` reduces them all)
         output, weights_mean, weights_max = attend(query, keys, values, scaling, slot_pos, query_start,
                                                    None if hidden is None else hidden[:, :, used], valid,
@@ -640,6 +641,8 @@ class PagedLayer:
         """Score, record and place after this layer's attention (a decode step of layers alike does it for every
         layer at once: `_after_attention_of_layers`)."""
         lengths = self.lengths  # [rows]: each row's logical length (made by `update`, which just ran for these rows)
+        if valid is None:
+            valid = slot_pos >= 0
         # Empty slots (weight 0) point at each row's scratch position, one past its last token.
         positions = torch.where(valid, slot_pos, lengths[:, None])
         self._score(rows, states, rows_t, lengths, positions, weights_mean, weights_max, keys, values, valid)
