@@ -40,28 +40,26 @@ CHUNK_LOGITS = 1 << 20
 
 def attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, key_positions: torch.Tensor,
-    query_start: int, hidden_keys: torch.Tensor | None = None, valid: torch.Tensor | None = None,
-    reduce_heads: bool = True,
+    query_start: int, hidden_keys: torch.Tensor | None = None, reduce_heads: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Softmax attention with GQA over the slots of a paged cache layer, for a batch of rows (`_attend`), on a CPU
     in chunks of rows of at most `CHUNK_LOGITS` logits (each row's attention is its own: the same result)."""
     rows, row_logits = query.shape[0], query.shape[1] * query.shape[2] * key.shape[2]
     if rows == 1 or rows * row_logits <= CHUNK_LOGITS or query.device.type != "cpu":
-        return _attend(query, key, value, scaling, key_positions, query_start, hidden_keys, valid, reduce_heads)
+        return _attend(query, key, value, scaling, key_positions, query_start, hidden_keys, reduce_heads)
     step, parts = max(1, CHUNK_LOGITS // row_logits), []
     for first in range(0, rows, step):
         chunk = slice(first, first + step)
         parts.append(_attend(
             query[chunk], key[chunk], value[chunk], scaling, key_positions[chunk],
             query_start[chunk] if isinstance(query_start, torch.Tensor) else query_start,
-            None if hidden_keys is None else hidden_keys[chunk], None if valid is None else valid[chunk], reduce_heads))
+            None if hidden_keys is None else hidden_keys[chunk], reduce_heads))
     return tuple(None if part[0] is None else torch.cat(part) for part in zip(*parts))
 
 
 def _attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, key_positions: torch.Tensor,
-    query_start: int, hidden_keys: torch.Tensor | None = None, valid: torch.Tensor | None = None,
-    reduce_heads: bool = True,
+    query_start: int, hidden_keys: torch.Tensor | None = None, reduce_heads: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Softmax attention with GQA over the slots of a paged cache layer, for a batch of rows (in one pass).
 
@@ -72,8 +70,7 @@ def _attend(
     stays finite: its output is never used), and each attends the slots holding a position up to its own
     (causal, in any slot order). `hidden_keys` ([rows, Hkv, n_keys]
     bool, decode only): key columns a KV head's queries must not attend (the per-head recall rule's blocks
-    picked by other heads). `valid` (decode only, optional): `key_positions >= 0`, when the caller has it
-    already (one row's decode needs none: its mask rides in the GEMM). Blocked slots get weight exactly 0.
+    picked by other heads). Blocked slots get weight exactly 0.
 
     Returns the output [rows, lq, Hq, d] and the weights [rows, lq, n_keys] reduced over query heads (mean,
     max: `head_mean_max`), float32; with `reduce_heads` False, the output, the weights per head [rows, Hq, lq,
@@ -85,33 +82,29 @@ def _attend(
     # One batched GEMM with the scaling folded in (a view of the pages: rows and KV heads collapse).
     grouped_query = query.reshape(rows * n_kv_heads, group * lq, head_dim)
     flat_keys = key.reshape(rows * n_kv_heads, n_keys, head_dim)
-    if lq == 1 and rows == 1:
-        # One row's decode: the mask rides in the GEMM as its input, min(position, 0) (one kernel) times the
-        # dtype's largest value: exactly 0 added to an entry's logit, -max to an empty slot's, whose weight is then
-        # exactly 0 (exp underflows), as with -inf; two kernels fewer than a mask and a `where` over the logits.
-        logits = torch.baddbmm(_empty_slots(key_positions, query.dtype), grouped_query, flat_keys.transpose(1, 2),
-                               beta=torch.finfo(query.dtype).max, alpha=scaling).view(rows, n_kv_heads, group, lq, n_keys)
+    if lq == 1:
+        # A decode step: the mask rides in the GEMM as its input, min(position, 0) per row and KV head (one kernel)
+        # times the dtype's largest value: exactly 0 added to an entry's logit, -max to an empty slot's, whose
+        # weight is then exactly 0 (exp underflows), as with -inf; a kernel fewer than a mask and a `where` over
+        # the logits, and no pass over them.
+        logits = torch.baddbmm(_empty_slots(key_positions, n_kv_heads, query.dtype), grouped_query,
+                               flat_keys.transpose(1, 2), beta=torch.finfo(query.dtype).max, alpha=scaling)
+        logits = logits.view(rows, n_kv_heads, group, lq, n_keys)
     else:
         # (beta=0: the input is never read, only broadcast to the product's shape: one cached element, no allocation)
         logits = torch.baddbmm(_unread(query.dtype, query.device), grouped_query, flat_keys.transpose(1, 2), beta=0,
                                alpha=scaling)
-        if lq == 1:  # every stored position precedes the one query: only the empty slots are blocked
-            if valid is None:
-                valid = key_positions >= 0
-            logits = torch.where(valid[:, None, None, None, :], logits.view(rows, n_kv_heads, group, lq, n_keys),
-                                 _negative_infinity(logits.dtype, logits.device))
+        offsets = torch.arange(lq, device=query.device)
+        if isinstance(query_start, torch.Tensor):  # per row, left-padded: a pad (negative) reads position 0
+            query_positions = (query_start[:, None] + offsets).clamp_min(0)  # [rows, lq]
         else:
-            offsets = torch.arange(lq, device=query.device)
-            if isinstance(query_start, torch.Tensor):  # per row, left-padded: a pad (negative) reads position 0
-                query_positions = (query_start[:, None] + offsets).clamp_min(0)  # [rows, lq]
-            else:
-                query_positions = (offsets + query_start)[None]
-            blocked = (key_positions[:, None, :] > query_positions[:, :, None]) | (key_positions < 0)[:, None, :]
-            # As an additive -inf / 0 bias, made at the mask's size and added in place (the logits are this call's
-            # own, and a prefill's are rows x Hq x lq x keys: no second copy): the same logits as masked_fill_ (a
-            # finite logit + 0 is itself), whose broadcast over the query heads took ~4x as long as this add.
-            bias = torch.where(blocked, _negative_infinity(logits.dtype, logits.device), 0.0)[:, None, None]
-            logits = logits.view(rows, n_kv_heads, group, lq, n_keys).add_(bias)  # bias: [rows, 1, 1, lq, n_keys]
+            query_positions = (offsets + query_start)[None]
+        blocked = (key_positions[:, None, :] > query_positions[:, :, None]) | (key_positions < 0)[:, None, :]
+        # As an additive -inf / 0 bias, made at the mask's size and added in place (the logits are this call's
+        # own, and a prefill's are rows x Hq x lq x keys: no second copy): the same logits as masked_fill_ (a
+        # finite logit + 0 is itself), whose broadcast over the query heads took ~4x as long as this add.
+        bias = torch.where(blocked, _negative_infinity(logits.dtype, logits.device), 0.0)[:, None, None]
+        logits = logits.view(rows, n_kv_heads, group, lq, n_keys).add_(bias)  # bias: [rows, 1, 1, lq, n_keys]
     if hidden_keys is not None:
         logits = logits.masked_fill_(hidden_keys[:, :, None, None, :], float("-inf"))
     # (softmax's dtype argument only where it casts: on float32 logits it selects a slower kernel)
@@ -136,16 +129,19 @@ def head_mean_max(per_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _EMPTY_SLOTS: dict = {}
 
 
-def _empty_slots(key_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[1, 1, n_keys] of `dtype`: -1 where one row's slot is empty (position -1), 0 where it holds an entry:
-    min(position, 0) into a kept buffer, one kernel (the comparison to a float zero casts on the way)."""
-    n_keys, key = key_positions.shape[-1], (dtype, key_positions.device, torch.is_inference_mode_enabled())
+def _empty_slots(key_positions: torch.Tensor, n_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """[rows x Hkv, 1, n_keys] of `dtype`: -1 where a row's slot is empty (position -1), 0 where it holds an entry,
+    for each of its KV heads (the logits GEMM's batch): min(position, 0) into a kept buffer, one kernel (the
+    comparison to a float zero casts on the way)."""
+    rows, n_keys = key_positions.shape
+    size, key = rows * n_kv_heads * n_keys, (dtype, key_positions.device, torch.is_inference_mode_enabled())
     buffer = _EMPTY_SLOTS.get(key)
-    if buffer is None or buffer.shape[-1] < n_keys:
-        buffer = _EMPTY_SLOTS[key] = torch.empty((1, 1, max(n_keys, 2 * (0 if buffer is None else buffer.shape[-1]),
-                                                          256)), dtype=dtype, device=key_positions.device)
-    out = buffer[..., :n_keys]
-    return torch.minimum(key_positions.view(1, 1, n_keys), _zero(dtype, key_positions.device), out=out)
+    if buffer is None or buffer.shape[0] < size:
+        buffer = _EMPTY_SLOTS[key] = torch.empty(max(size, 2 * (0 if buffer is None else buffer.shape[0]), 4096),
+                                                 dtype=dtype, device=key_positions.device)
+    out = buffer[:size].view(rows, n_kv_heads, 1, n_keys)
+    torch.minimum(key_positions[:, None, None, :].expand_as(out), _zero(dtype, key_positions.device), out=out)
+    return out.view(rows * n_kv_heads, 1, n_keys)
 
 
 @functools.cache

@@ -487,19 +487,17 @@ class PagedLayer:
         selected = self._select(rows)  # consecutive rows (a full batch, one row) are a view, not a gather
         keys, values, slot_pos = self.keys[selected, :, used], self.values[selected, :, used], self.slot_pos[selected, used]
         query_start = states[0].query_start if self.pads is None else self.query_starts  # per row when padded
-        # The slots holding an entry: the per-layer scorers' (attention makes its own mask when it needs one)
-        valid = None if together or (len(rows) == 1 and query.shape[-2] == 1) else slot_pos >= 0
         # (layers placed together hand back their weights per head: `_after_attention_of_layers` reduces them all)
         output, weights_mean, weights_max = attend(query, keys, values, scaling, slot_pos, query_start,
-                                                   None if hidden is None else hidden[:, :, used], valid,
+                                                   None if hidden is None else hidden[:, :, used],
                                                    reduce_heads=not together)
         if together:
             self.tables.pending.append(
-                (self, rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos, valid))
+                (self, rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos))
             if self.layer_idx == self.tables.n_layers - 1:  # the step's last layer has attended
                 self.tables.run_pending()
         else:
-            self._after_attention(rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos, valid)
+            self._after_attention(rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos)
         return output
 
     def _rows_tensor(self, rows: list[int]) -> torch.Tensor:
@@ -637,12 +635,11 @@ class PagedLayer:
         return (batch_index, tuple(wanted[i] for i in batch_index), max(states[i].blocks() for i in batch_index),
                 tuple(rows[i] for i in batch_index))
 
-    def _after_attention(self, rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos, valid):
+    def _after_attention(self, rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos):
         """Score, record and place after this layer's attention (a decode step of layers alike does it for every
         layer at once: `_after_attention_of_layers`)."""
         lengths = self.lengths  # [rows]: each row's logical length (made by `update`, which just ran for these rows)
-        if valid is None:
-            valid = slot_pos >= 0
+        valid = slot_pos >= 0  # the slots holding an entry (the scorers'; attention makes its own mask)
         # Empty slots (weight 0) point at each row's scratch position, one past its last token.
         positions = torch.where(valid, slot_pos, lengths[:, None])
         self._score(rows, states, rows_t, lengths, positions, weights_mean, weights_max, keys, values, valid)
