@@ -125,7 +125,8 @@ def head_mean_max(per_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # (dtype, device, inference mode) -> a buffer for `_empty_slots`, grown as the slots are (one made under inference
-# mode is an inference tensor, which may not be written outside it: a scorer that runs autograd decodes in no_grad)
+# mode is an inference tensor, which may not be written outside it: a scorer that runs autograd decodes in no_grad).
+# Written and read by one attention call after another, in stream order: one decoding thread per process.
 _EMPTY_SLOTS: dict = {}
 
 

@@ -13,7 +13,9 @@ a decode step launches per decoder layer, traced and untraced, counted as `trace
 counts them (the launch-bound regime of an eager GPU step, where time follows launches, not arithmetic).
 
     OMP_NUM_THREADS=1 .venv/bin/python tests/bench/collect_throughput.py [--steps 64] [--prompt 128] [--rounds 3]
-        [--batches 1,8,32]
+        [--batches 1,8,32] [--recall-k 4]
+
+`--recall-k 0` runs the same hierarchy without recall: against the default, what the recall costs a step.
 
 The tracer before issue 15's v2 (per-row, compacting) against this one at B = 1: tests/bench/tracer_v1_v2.py
 (run from another checkout, a script would import this checkout's `tracer`, the venv's editable install).
@@ -62,7 +64,7 @@ def measure(spec: str, args) -> dict:
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, min(vocab, 259), (max(batches), args.prompt), generator=generator)
     config = TraceConfig(model=spec, task="chains", out="-", policy="hierarchy", hbm_budget=0.3, block_size=16,
-                         recall_k=4, max_new_tokens=args.steps)
+                         recall_k=args.recall_k, max_new_tokens=args.steps)
     n_layers = model.config.num_hidden_layers
 
     def untraced(batch: int, steps: int) -> float:
@@ -131,11 +133,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models", default="random:tiny,micro")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes, comma-separated")
+    parser.add_argument("--recall-k", type=int, default=4,
+                        help="blocks recalled per layer and step (0: hierarchy without recall, what recall costs)")
     args = parser.parse_args()
     args.batches = tuple(int(b) for b in args.batches.split(","))
     torch.set_num_threads(1)
     print(f"prompt {args.prompt} tokens, {args.steps} new tokens per sample, {args.rounds} rounds (median), "
-          f"torch threads {torch.get_num_threads()}; traced = hierarchy 0.3, recall_k 4, block 16, recording on")
+          f"torch threads {torch.get_num_threads()}; traced = hierarchy 0.3, recall_k {args.recall_k}, block 16, "
+          "recording on")
     for spec in args.models.split(","):
         with frozen_heap():  # as `thoughtkv trace` decodes (both sides measured in it)
             r = measure(spec, args)
