@@ -227,8 +227,10 @@ class PagedLayer:
         self.block_size = self.spec.block_size
         self.offsets = torch.arange(self.block_size, device=self.device)
         self.n_rows = 0
-        self.keys = torch.zeros((0, self.n_kv_heads, self.block_size, self.head_dim), dtype=self.dtype, device=self.device)
-        self.values = torch.zeros_like(self.keys)
+        # K and V in one pool, [2, rows, Hkv, slots, d]: `keys` and `values` are its halves (each as contiguous as a
+        # pool of its own, for attention), and a block's K and V move with one copy (recall, packing, offload)
+        self._bind_kv(torch.zeros((2, 0, self.n_kv_heads, self.block_size, self.head_dim), dtype=self.dtype,
+                                  device=self.device))
         self.slot_pos = torch.full((0, self.block_size), -1, dtype=torch.long, device=self.device)
         self.page_block = torch.full((0, 1), -1, dtype=torch.long, device=self.device)
         self.next_slot = torch.full((0,), -1, dtype=torch.long, device=self.device)  # per row: the next token's slot
@@ -254,7 +256,8 @@ class PagedLayer:
             more = torch.full((extra, *tensor.shape[1:]), fill, dtype=tensor.dtype, device=self.device)
             return torch.cat([tensor, more])
 
-        self.keys, self.values = grown(self.keys, 0), grown(self.values, 0)
+        self._bind_kv(torch.cat([self.kv, torch.zeros((2, extra, *self.kv.shape[2:]), dtype=self.dtype,
+                                                      device=self.device)], 1))
         self.slot_pos, self.page_block, self.block_page = grown(self.slot_pos, -1), grown(self.page_block, -1), \
             grown(self.block_page, -1)
         self.next_slot = grown(self.next_slot, -1)
@@ -283,10 +286,9 @@ class PagedLayer:
         old_pages = self.n_staging_pages + self.n_pages  # staging + main, not the scratch page
         target = slice(shift * bs, (shift + old_pages) * bs)
         total = (staging_pages + pages + 1) * bs
-        for name in ("keys", "values"):
-            new = torch.zeros((self.n_rows, self.n_kv_heads, total, self.head_dim), dtype=self.dtype, device=self.device)
-            new[:, :, target] = getattr(self, name)[:, :, : old_pages * bs]
-            setattr(self, name, new)
+        kv = torch.zeros((2, self.n_rows, self.n_kv_heads, total, self.head_dim), dtype=self.dtype, device=self.device)
+        kv[:, :, :, target] = self.kv[:, :, :, : old_pages * bs]
+        self._bind_kv(kv)
         slot_pos = torch.full((self.n_rows, total), -1, dtype=torch.long, device=self.device)
         slot_pos[:, target] = self.slot_pos[:, : old_pages * bs]
         page_block = torch.full((self.n_rows, staging_pages + pages + 1), -1, dtype=torch.long, device=self.device)
@@ -324,13 +326,16 @@ class PagedLayer:
         """The main pages' slots (after the staging pages, before the scratch page)."""
         return slice(self.n_staging_pages * self.block_size, self.scratch_page * self.block_size)
 
+    def _bind_kv(self, kv: torch.Tensor) -> None:
+        self.kv, self.keys, self.values = kv, kv[0], kv[1]
+
     def _pages(self, name: str) -> torch.Tensor:
-        """`keys`/`values` as [rows, Hkv, pages, block, d], `slot_pos` as [rows, pages, block] (views): a page
-        is then one index, so moving a block indexes it once rather than once per slot."""
+        """`kv` as [2, rows, Hkv, pages, block, d], `slot_pos` as [rows, pages, block] (views): a page is then one
+        index, so moving a block indexes it once rather than once per slot."""
         tensor, bs = getattr(self, name), self.block_size
         if name == "slot_pos":
             return tensor.view(tensor.shape[0], -1, bs)
-        return tensor.view(tensor.shape[0], tensor.shape[1], -1, bs, tensor.shape[3])
+        return tensor.view(*tensor.shape[:3], -1, bs, tensor.shape[4])
 
     def _page_slots(self, pages: torch.Tensor) -> torch.Tensor:
         """Slots of pages [...] -> [..., block_size] flattened on the last axis."""
@@ -590,19 +595,17 @@ class PagedLayer:
         if staging is None:  # consecutive rows, `width` blocks each: one strided copy per tensor, no index
             pages = slice(first_page, first_page + width)
             if one_row is not None and hasattr(self.ddr, "get_into"):  # one row: gathered into its pages directly
-                n_bytes = self.ddr.get_into(one_row, flat_ids, self._pages("keys")[one_row, :, pages].transpose(0, 1),
-                                            self._pages("values")[one_row, :, pages].transpose(0, 1))
+                # ([2, Hkv, width, block, d] -> [width, 2, Hkv, block, d], the store's block layout, as a view)
+                n_bytes = self.ddr.get_into(one_row, flat_ids, self._pages("kv")[:, one_row, :, pages].permute(2, 0, 1, 3, 4))
             else:
-                keys, values, n_bytes = self.ddr.get(flat_rows, flat_ids, one_row)
-                shape = (len(batch_index), width, *keys.shape[1:])
-                self._pages("keys")[selected, :, pages] = keys.view(shape).transpose(1, 2)
-                self._pages("values")[selected, :, pages] = values.view(shape).transpose(1, 2)
+                blocks, n_bytes = self._get_blocks(flat_rows, flat_ids, one_row)
+                self._pages("kv")[:, selected, :, pages] = blocks.view(len(batch_index), width, *blocks.shape[1:]) \
+                    .permute(2, 0, 3, 1, 4, 5)
             # block b holds positions b * bs + [0, bs): written in place, one kernel (a gather and a copy took ~2x)
             torch.add(self.offsets, ids.view(*ids.shape, 1), alpha=bs, out=self._pages("slot_pos")[selected, pages])
-        else:
-            keys, values, n_bytes = self.ddr.get(flat_rows, flat_ids, one_row)
-            self._pages("keys")[flat_rows, :, staging] = keys
-            self._pages("values")[flat_rows, :, staging] = values
+        else:  # (the two advanced indices, apart, lead the result: [n, 2, Hkv, block, d], the blocks' layout)
+            blocks, n_bytes = self._get_blocks(flat_rows, flat_ids, one_row)
+            self._pages("kv")[:, flat_rows, :, staging] = blocks
             self._pages("slot_pos")[flat_rows, staging] = self.block_positions[flat_ids]
         block_bytes = n_bytes // max(1, n_flat)
         # every row's ids in one copy (this layer's, or every layer's together: filled in after the last)
@@ -624,6 +627,15 @@ class PagedLayer:
             flat_picks, batch_of = flat_picks[select], batch_of[select]
         hidden.view(len(rows), self.n_kv_heads, -1, bs)[batch_of, :, staging] = ~flat_picks[:, :, None]
         return hidden
+
+    def _get_blocks(self, rows: torch.Tensor, block_ids: torch.Tensor, row: int | None) -> tuple[torch.Tensor, int]:
+        """The DDR blocks (`rows`, `block_ids`) on the device as [n, 2, Hkv, block, d] (K and V side by side, as the
+        pool holds them) and the bytes copied H2D: as stored (a block store's `get_blocks`) or stacked from `get`
+        (a store that dequantizes, tracer.quant)."""
+        if hasattr(self.ddr, "get_blocks"):
+            return self.ddr.get_blocks(rows, block_ids, row)
+        keys, values, n_bytes = self.ddr.get(rows, block_ids, row)
+        return torch.stack([keys, values], 1), n_bytes
 
     @staticmethod
     def _recall_plan(rows: list[int], states: list[RowState]) -> tuple:
@@ -933,9 +945,12 @@ class PagedLayer:
         flat_rows = place_rows.repeat_interleave(width)[select]
         block_ids = order.reshape(-1)[select]
         pages = self.block_page[flat_rows, block_ids]
-        keys = self._pages("keys")[flat_rows, :, pages]  # [n, Hkv, bs, d]: each block's page, positions in order
-        values = self._pages("values")[flat_rows, :, pages]
-        n_bytes = self.ddr.put(flat_rows, block_ids, keys, values)
+        # [n, 2, Hkv, bs, d]: each block's page, K and V, positions in order (the indices, apart, lead the result)
+        blocks = self._pages("kv")[:, flat_rows, :, pages]
+        if hasattr(self.ddr, "put_blocks"):
+            n_bytes = self.ddr.put_blocks(flat_rows, block_ids, blocks)
+        else:
+            n_bytes = self.ddr.put(flat_rows, block_ids, blocks[:, 0], blocks[:, 1])
         return [n * (n_bytes // total) for n in counts]
 
     def _free_pages(self, place_rows: torch.Tensor, left: torch.Tensor, end: int) -> None:
@@ -969,9 +984,8 @@ class PagedLayer:
         source = torch.where(moving, source + first, self.scratch_page)
         target = torch.where(moving, target + first, self.scratch_page)
         rows = place_rows[:, None]
-        for name in ("keys", "values"):
-            pages = self._pages(name)  # [rows, Hkv, pages, block, d]
-            pages[rows, :, target] = pages[rows, :, source]
+        pages = self._pages("kv")  # [2, rows, Hkv, pages, block, d]
+        pages[:, rows, :, target] = pages[:, rows, :, source]
         slot_pos = self._pages("slot_pos")  # [rows, pages, block]
         slot_pos[rows, target] = slot_pos[rows, source]
         slot_pos[rows, source] = -1
@@ -992,8 +1006,7 @@ class PagedLayer:
         source = self._page_slots(self.n_staging_pages - self.staged_pages + staged)
         pages = torch.arange(first_page, first_page + n, device=self.device)
         target = self._page_slots(pages)
-        for buffer in (self.keys, self.values):
-            buffer[row].index_copy_(1, target, buffer[row].index_select(1, source))
+        self.kv[:, row].index_copy_(2, target, self.kv[:, row].index_select(2, source))
         self.slot_pos[row].index_copy_(0, target, self.slot_pos[row].index_select(0, source))
         self.page_block[row, pages] = block_ids
         self.block_page[row, block_ids] = pages

@@ -172,8 +172,11 @@ class PinnedBlockStore:
     def put(self, rows: torch.Tensor, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Store blocks [n, H, block, d] (on the compute device) at (`rows`, `block_ids`) (device tensors of n,
         below the `reserve`d bounds); returns bytes copied D2H."""
-        self.bounds.put(rows, block_ids, keys)
-        blocks = torch.stack([keys, values], dim=1)
+        return self.put_blocks(rows, block_ids, torch.stack([keys, values], dim=1))
+
+    def put_blocks(self, rows: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> int:
+        """`put` of blocks laid out as stored, [n, 2, H, block, d] (K and V side by side): one scatter."""
+        self.bounds.put(rows, block_ids, blocks[:, 0])
         if self.view is not None:
             self.view[rows, block_ids] = blocks
         else:  # no mapping: the ids and blocks come to the host (one synchronisation)
@@ -184,6 +187,12 @@ class PinnedBlockStore:
             ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Copy blocks (`rows`, `block_ids`) to the compute device: ([n, H, block, d] keys, values, bytes H2D).
         `row`: when the caller knows every block is that one row's (then no row offset is added on the device)."""
+        blocks, n_bytes = self.get_blocks(rows, block_ids, row)
+        return blocks[:, 0], blocks[:, 1], n_bytes
+
+    def get_blocks(self, rows: torch.Tensor, block_ids: torch.Tensor, row: int | None = None
+                   ) -> tuple[torch.Tensor, int]:
+        """`get` as stored: ([n, 2, H, block, d] blocks, K and V side by side, bytes H2D)."""
         if self.view is not None and row is not None:
             blocks = self.view[row].index_select(0, block_ids)
         elif self.view is not None:  # one flat index: a contiguous block copy per id, not a 2-D advanced index
@@ -193,18 +202,15 @@ class PinnedBlockStore:
             blocks = self.view.flatten(0, 1).index_select(0, self._row_base[2] + block_ids)
         else:
             blocks = self.storage[rows.cpu(), block_ids.cpu()].to(self.device, non_blocking=self.pin)
-        return blocks[:, 0], blocks[:, 1], blocks.numel() * blocks.element_size()
+        return blocks, blocks.numel() * blocks.element_size()
 
-    def get_into(self, row: int, block_ids: torch.Tensor, keys_out: torch.Tensor, values_out: torch.Tensor) -> int:
-        """`get` for blocks of one `row`, written straight into `keys_out` / `values_out` ([n, H, block, d], views
-        such as a row's staging pages): one gather each and no intermediate copy. Returns bytes copied H2D."""
+    def get_into(self, row: int, block_ids: torch.Tensor, out: torch.Tensor) -> int:
+        """`get_blocks` for blocks of one `row`, written straight into `out` ([n, 2, H, block, d], a view such as a
+        row's staging pages): one gather, no intermediate copy. Returns bytes copied H2D."""
         if self.view is not None:
-            torch.index_select(self.view[row][:, 0], 0, block_ids, out=keys_out)
-            torch.index_select(self.view[row][:, 1], 0, block_ids, out=values_out)
+            torch.index_select(self.view[row], 0, block_ids, out=out)
         else:  # no mapping: through the host (one synchronisation), as `get`
-            blocks = self.storage[row][block_ids.cpu()].to(self.device, non_blocking=self.pin)
-            keys_out.copy_(blocks[:, 0])
-            values_out.copy_(blocks[:, 1])
+            out.copy_(self.storage[row][block_ids.cpu()].to(self.device, non_blocking=self.pin))
         return block_ids.shape[0] * self.block_bytes()
 
     key_max = property(lambda self: self.bounds.key_max)
