@@ -5,8 +5,9 @@ Paged layout (the way vLLM's PagedAttention holds KV): each layer's HBM tier is 
 `block_size` slots each: the recall staging pages, then the main pages, then one scratch page (a target for
 writes that must go nowhere); `block_page` maps a block to its page (-1 when it is not resident), `page_block`
 a page to its block (-1 when free), `slot_pos` each slot to the logical position it holds (-1 when empty).
-K and V share the pool (`kv`, [2, rows, Hkv, slots, d]; `keys` and `values` its halves), laid out per block as
-the DDR store holds one: moving a block is one block copy, K and V together; nothing is compacted. A row's resident blocks stay packed in its first main
+K and V share the pool (`kv`, [2, rows, Hkv, slots, d]; `keys` and `values` its halves): a block's K and V are
+one [2, Hkv, block, d] view, the DDR store's block layout, so moving a block is one block copy; nothing is
+compacted. A row's resident blocks stay packed in its first main
 pages: a new block takes the page after them (known on the host), and when blocks leave HBM the ones above the
 new count move down into the freed pages (`_pack`: a block copy each, at placement). So attention reads one
 range of slots in use, this step's staging pages then the fullest row's resident pages, not the whole pool
