@@ -238,7 +238,6 @@ class PagedLayer:
         self.next_slot = torch.full((0,), -1, dtype=torch.long, device=self.device)  # per row: the next token's slot
         self.block_page = torch.full((0, 0), -1, dtype=torch.long, device=self.device)
         self.block_tier = torch.zeros((0, 0), dtype=torch.int8, device=self.device)
-        self.block_positions = torch.zeros((0, self.block_size), dtype=torch.long, device=self.device)  # b -> its positions
         self.tables.reserve(0, 0, self.device)  # (binds this layer's token_scores, importance, importance_max)
         self.ddr = make_block_store(self.spec.ddr_dtype, self.n_kv_heads, self.block_size, self.head_dim, self.dtype,
                                     self.device)
@@ -313,7 +312,6 @@ class PagedLayer:
             return torch.cat([tensor, more], dim=1)
 
         self.block_tier = widened(self.block_tier, extra, TIER_HBM)
-        self.block_positions = torch.arange(capacity * self.block_size, device=self.device).view(capacity, -1)
         self.block_page = widened(self.block_page, extra, -1)
         self.tables.reserve(self.n_rows, capacity * self.block_size, self.device)
         self.block_capacity = capacity
@@ -603,12 +601,12 @@ class PagedLayer:
                 blocks, n_bytes = self._get_blocks(flat_rows, flat_ids, one_row)
                 self._pages("kv")[:, selected, :, pages] = blocks.view(len(batch_index), width, *blocks.shape[1:]) \
                     .permute(2, 0, 3, 1, 4, 5)
-            # block b holds positions b * bs + [0, bs): written in place, one kernel (a gather and a copy took ~2x)
+            # block b holds positions b * bs + offsets: written in place, one kernel (a gather and a copy took ~2x)
             torch.add(self.offsets, ids.view(*ids.shape, 1), alpha=bs, out=self._pages("slot_pos")[selected, pages])
         else:  # (the two advanced indices, apart, lead the result: [n, 2, Hkv, block, d], the blocks' layout)
             blocks, n_bytes = self._get_blocks(flat_rows, flat_ids, one_row)
             self._pages("kv")[:, flat_rows, :, staging] = blocks
-            self._pages("slot_pos")[flat_rows, staging] = self.block_positions[flat_ids]
+            self._pages("slot_pos")[flat_rows, staging] = torch.add(self.offsets, flat_ids[:, None], alpha=bs)
         block_bytes = n_bytes // max(1, n_flat)
         # every row's ids in one copy (this layer's, or every layer's together: filled in after the last)
         recorded = self.recalled_ids = _LayerIds(flat_ids) if together else self.copies.add(flat_ids, _as_int64)

@@ -200,17 +200,19 @@ class PinnedBlockStore:
             if self._row_base[0] is not rows or self._row_base[1] != capacity:  # the cache passes the same rows
                 self._row_base = (rows, capacity, rows * capacity)
             blocks = self.view.flatten(0, 1).index_select(0, self._row_base[2] + block_ids)
-        else:
-            blocks = self.storage[rows.cpu(), block_ids.cpu()].to(self.device, non_blocking=self.pin)
+        else:  # no mapping: the ids come to the host (one synchronisation)
+            blocks = self.storage[row if row is not None else rows.cpu(), block_ids.cpu()].to(
+                self.device, non_blocking=self.pin)
         return blocks, blocks.numel() * blocks.element_size()
 
     def get_into(self, row: int, block_ids: torch.Tensor, out: torch.Tensor) -> int:
         """`get_blocks` for blocks of one `row`, written straight into `out` ([n, 2, H, block, d], a view such as a
         row's staging pages): one gather, no intermediate copy. Returns bytes copied H2D."""
-        if self.view is not None:
-            torch.index_select(self.view[row], 0, block_ids, out=out)
-        else:  # no mapping: through the host (one synchronisation), as `get`
-            out.copy_(self.storage[row][block_ids.cpu()].to(self.device, non_blocking=self.pin))
+        if self.view is None:  # no mapping: through the host, as `get_blocks` copies
+            blocks, n_bytes = self.get_blocks(None, block_ids, row)
+            out.copy_(blocks)
+            return n_bytes
+        torch.index_select(self.view[row], 0, block_ids, out=out)
         return block_ids.shape[0] * self.block_bytes()
 
     key_max = property(lambda self: self.bounds.key_max)
