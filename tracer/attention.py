@@ -17,6 +17,7 @@ forward pends a list of layers (one per row of `TieredCache.active`).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from transformers import AttentionInterface
@@ -41,12 +42,13 @@ CHUNK_LOGITS = 1 << 20
 def attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, key_positions: torch.Tensor,
     query_start: int, hidden_keys: torch.Tensor | None = None, reduce_heads: bool = True,
+    empty_slots: EmptySlots | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Softmax attention with GQA over the slots of a paged cache layer, for a batch of rows (`_attend`), on a CPU
     in chunks of rows of at most `CHUNK_LOGITS` logits (each row's attention is its own: the same result)."""
     rows, row_logits = query.shape[0], query.shape[1] * query.shape[2] * key.shape[2]
     if rows == 1 or rows * row_logits <= CHUNK_LOGITS or query.device.type != "cpu":
-        return _attend(query, key, value, scaling, key_positions, query_start, hidden_keys, reduce_heads)
+        return _attend(query, key, value, scaling, key_positions, query_start, hidden_keys, reduce_heads, empty_slots)
     step, parts = max(1, CHUNK_LOGITS // row_logits), []
     for first in range(0, rows, step):
         chunk = slice(first, first + step)
@@ -60,6 +62,7 @@ def attend(
 def _attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, key_positions: torch.Tensor,
     query_start: int, hidden_keys: torch.Tensor | None = None, reduce_heads: bool = True,
+    empty_slots: EmptySlots | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Softmax attention with GQA over the slots of a paged cache layer, for a batch of rows (in one pass).
 
@@ -70,7 +73,8 @@ def _attend(
     stays finite: its output is never used), and each attends the slots holding a position up to its own
     (causal, in any slot order). `hidden_keys` ([rows, Hkv, n_keys]
     bool, decode only): key columns a KV head's queries must not attend (the per-head recall rule's blocks
-    picked by other heads). Blocked slots get weight exactly 0.
+    picked by other heads). Blocked slots get weight exactly 0. `empty_slots` (decode): an `EmptySlots` its caller
+    keeps for `key_positions` (one is made when it is absent or was made for another view).
 
     Returns the output [rows, lq, Hq, d] and the weights [rows, lq, n_keys] reduced over query heads (mean,
     max: `head_mean_max`), float32; with `reduce_heads` False, the output, the weights per head [rows, Hq, lq,
@@ -87,13 +91,15 @@ def _attend(
         # times the dtype's largest value: exactly 0 added to an entry's logit, -max to an empty slot's, whose
         # weight is then exactly 0 (exp underflows), as with -inf; a kernel fewer than a mask and a `where` over
         # the logits, and no pass over them.
-        logits = torch.baddbmm(_empty_slots(key_positions, n_kv_heads, query.dtype), grouped_query,
-                               flat_keys.transpose(1, 2), beta=torch.finfo(query.dtype).max, alpha=scaling)
+        if empty_slots is None or empty_slots.key_positions is not key_positions:
+            empty_slots = EmptySlots(key_positions, n_kv_heads, query.dtype)
+        logits = torch.baddbmm(empty_slots.fill(), grouped_query, flat_keys.transpose(1, 2),
+                               beta=torch.finfo(query.dtype).max, alpha=scaling)
         logits = logits.view(rows, n_kv_heads, group, lq, n_keys)
     else:
         # (beta=0: the input is never read, only broadcast to the product's shape: one cached element, no allocation)
         logits = torch.baddbmm(_unread(query.dtype, query.device), grouped_query, flat_keys.transpose(1, 2), beta=0,
-                               alpha=scaling)
+                               alpha=scaling, out=_prefill_logits(rows * n_kv_heads, group * lq, n_keys, query, reduce_heads))
         offsets = torch.arange(lq, device=query.device)
         if isinstance(query_start, torch.Tensor):  # per row, left-padded: a pad (negative) reads position 0
             query_positions = (query_start[:, None] + offsets).clamp_min(0)  # [rows, lq]
@@ -109,8 +115,14 @@ def _attend(
         logits = logits.masked_fill_(hidden_keys[:, :, None, None, :], float("-inf"))
     # (softmax's dtype argument only where it casts: on float32 logits it selects a slower kernel)
     logits = logits.view(rows, n_kv_heads, group * lq, n_keys)
-    weights = torch.softmax(logits, -1) if logits.dtype == torch.float32 else torch.softmax(logits, -1, torch.float32)
-    output = torch.matmul(weights.to(value.dtype), value)
+    if logits.dtype != torch.float32:
+        weights = torch.softmax(logits, -1, torch.float32)
+    else:  # in place (the logits are this call's own): no second buffer of their size
+        weights = torch.softmax(logits, -1, out=logits)
+    # (bmm on the [rows x Hkv] batch, as the logits: ~1.7 us less than matmul's 4-D dispatch on a CPU)
+    flat_weights = weights.view(rows * n_kv_heads, group * lq, n_keys)
+    output = torch.bmm(flat_weights if flat_weights.dtype == value.dtype else flat_weights.to(value.dtype),
+                       value.reshape(rows * n_kv_heads, n_keys, head_dim))
     output = output.view(rows, n_heads, lq, head_dim).transpose(1, 2)
     per_head = weights.view(rows, n_heads, lq, n_keys)
     if not reduce_heads:
@@ -124,25 +136,58 @@ def head_mean_max(per_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return per_head.mean(-3), per_head.amax(-3)
 
 
-# (dtype, device, inference mode) -> a buffer for `_empty_slots`, grown as the slots are (one made under inference
-# mode is an inference tensor, which may not be written outside it: a scorer that runs autograd decodes in no_grad).
-# Written and read by one attention call after another, in stream order: one decoding thread per process.
-_EMPTY_SLOTS: dict = {}
+class EmptySlots:
+    """A decode step's mask input for the logits GEMM, for one `key_positions` view [rows, n_keys]: min(position, 0)
+    per row and KV head, [rows x Hkv, 1, n_keys] of `dtype` (-1 at an empty slot, 0 at an entry), refilled in place
+    by `fill` (one kernel; the comparison to a float zero casts on the way). Made once for a view that recurs (a
+    paged layer keeps one with the slots it attends, tracer.cache): the buffer and its views then cost no view op
+    per call (~6 us per layer and step on a CPU). One made under inference mode holds an inference tensor, which
+    may not be written outside it: its maker keys it on the mode."""
+
+    def __init__(self, key_positions: torch.Tensor, n_kv_heads: int, dtype: torch.dtype):
+        rows, n_keys = key_positions.shape
+        self.key_positions = key_positions
+        self.out = torch.empty((rows, n_kv_heads, 1, n_keys), dtype=dtype, device=key_positions.device)
+        self.expanded = key_positions[:, None, None, :].expand_as(self.out)
+        self.flat = self.out.view(rows * n_kv_heads, 1, n_keys)
+        self.zero = _zero(dtype, key_positions.device)
+
+    def fill(self) -> torch.Tensor:
+        torch.minimum(self.expanded, self.zero, out=self.out)
+        return self.flat
 
 
-def _empty_slots(key_positions: torch.Tensor, n_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
-    """[rows x Hkv, 1, n_keys] of `dtype`: -1 where a row's slot is empty (position -1), 0 where it holds an entry,
-    for each of its KV heads (the logits GEMM's batch): min(position, 0) into a kept buffer, one kernel (the
-    comparison to a float zero casts on the way)."""
-    rows, n_keys = key_positions.shape
-    size, key = rows * n_kv_heads * n_keys, (dtype, key_positions.device, torch.is_inference_mode_enabled())
-    buffer = _EMPTY_SLOTS.get(key)
-    if buffer is None or buffer.shape[0] < size:
-        buffer = _EMPTY_SLOTS[key] = torch.empty(max(size, 2 * (0 if buffer is None else buffer.shape[0]), 4096),
-                                                 dtype=dtype, device=key_positions.device)
-    out = buffer[:size].view(rows, n_kv_heads, 1, n_keys)
-    torch.minimum(key_positions[:, None, None, :].expand_as(out), _zero(dtype, key_positions.device), out=out)
-    return out.view(rows * n_kv_heads, 1, n_keys)
+def _prefill_logits(batch: int, n_queries: int, n_keys: int, query: torch.Tensor, reduce_heads: bool
+                    ) -> torch.Tensor | None:
+    """Where a CPU prefill's logits are computed, masked and softmaxed (`workspace`), for at most a chunk's
+    (`CHUNK_LOGITS`: a long one-row prompt's are its own) and when the weights are reduced here (per head they
+    are returned, and must not alias it); None: a fresh tensor."""
+    if batch * n_queries * n_keys > CHUNK_LOGITS or not reduce_heads:
+        return None
+    return workspace("prefill logits", (batch, n_queries, n_keys), query.dtype, query.device)
+
+
+# (name, dtype, inference mode) -> a kept CPU buffer (`workspace`; one made under inference mode is an inference
+# tensor, which may not be written outside it). Each name's is written and read by one call after another.
+_WORKSPACES: dict = {}
+
+
+def workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """A kept CPU buffer viewed as `shape`, for a temporary of a few MiB that every layer would make anew (a prefill
+    chunk's logits, a batch's recalled blocks) and that its caller has used up before asking again; None on a GPU,
+    whose caching allocator reuses its blocks. On glibc a fresh tensor of that size is a fresh mapping, faulted in
+    page by page: a B = 8 prefill of 128-token prompts on the micro model attended in ~2x its time alone
+    (tests/bench/collect_throughput.py), and a B = 32 decode step's recall gathered at ~half speed."""
+    if device.type != "cpu":
+        return None
+    key = (name, dtype, torch.is_inference_mode_enabled())
+    kept = _WORKSPACES.get(key)  # (buffer, the shape last asked, its view: most calls ask the last one's again)
+    if kept is not None and kept[1] == shape:
+        return kept[2]
+    size = math.prod(shape)
+    buffer = kept[0] if kept is not None and kept[0].numel() >= size else torch.empty(size, dtype=dtype)
+    _WORKSPACES[key] = (buffer, shape, buffer[:size].view(shape))
+    return _WORKSPACES[key][2]
 
 
 @functools.cache

@@ -113,7 +113,9 @@ class KeyBounds:
             self._queries[query.shape] = signed
         torch.clamp_min(query, 0, out=signed[..., :d])
         torch.clamp_max(query, 0, out=signed[..., d : 2 * d])
-        return torch.matmul(signed, self.tensor[rows, :, :, :n_blocks])
+        # (bmm on [m x Hkv] batches, not matmul's 4-D dispatch: ~1.5 us less per layer and step on a CPU)
+        bounds = self.tensor[rows, :, :, :n_blocks]
+        return torch.bmm(signed.flatten(0, 1), bounds.flatten(0, 1)).view(*query.shape[:-1], n_blocks)
 
     @property
     def key_max(self) -> torch.Tensor:
@@ -145,6 +147,7 @@ class PinnedBlockStore:
         self.view: torch.Tensor | None = self.storage
         self.bounds = KeyBounds(n_kv_heads, head_dim, dtype, self.device)
         self._row_base: tuple = (None, 0, None)  # (rows of the last get, capacity, their offsets in the flat pool)
+        self._written = False  # whether any block was put (growth then keeps the pool's contents)
         self.reserve(1, 64)
 
     asynchronous_offload = False  # scatters run in order on the compute stream
@@ -164,8 +167,9 @@ class PinnedBlockStore:
         rows = max(n_rows, 2 * rows) if n_rows > rows else rows  # doubling: rows and blocks come one by one
         blocks = max(n_blocks, 2 * blocks) if n_blocks > blocks else blocks
         storage = torch.empty((rows, blocks, 2, *self.shape), dtype=self.dtype, pin_memory=self.pin)
-        old_rows, old_blocks = self.storage.shape[:2]
-        storage[:old_rows, :old_blocks].copy_(self.storage)
+        if self._written:  # (a pool nothing was put into has nothing to keep: the cache sizes a fresh one once)
+            old_rows, old_blocks = self.storage.shape[:2]
+            storage[:old_rows, :old_blocks].copy_(self.storage)
         self.storage, self.view = storage, mapped_view(storage, self.device)
         self.bounds.reserve(rows, blocks)
 
@@ -177,8 +181,10 @@ class PinnedBlockStore:
     def put_blocks(self, rows: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> int:
         """`put` of blocks laid out as stored, [n, 2, H, block, d] (K and V side by side): one scatter."""
         self.bounds.put(rows, block_ids, blocks[:, 0])
-        if self.view is not None:
-            self.view[rows, block_ids] = blocks
+        self._written = True
+        if self.view is not None:  # one flat index, a contiguous block copy per id (a 2-D advanced-index put of a
+            # B = 32 prefill's offloaded blocks took ~4x as long on a CPU)
+            self.view.flatten(0, 1).index_copy_(0, rows * self.view.shape[1] + block_ids, blocks)
         else:  # no mapping: the ids and blocks come to the host (one synchronisation)
             self.storage[rows.cpu(), block_ids.cpu()] = blocks.cpu()
         return blocks.numel() * blocks.element_size()
@@ -190,16 +196,17 @@ class PinnedBlockStore:
         blocks, n_bytes = self.get_blocks(rows, block_ids, row)
         return blocks[:, 0], blocks[:, 1], n_bytes
 
-    def get_blocks(self, rows: torch.Tensor, block_ids: torch.Tensor, row: int | None = None
-                   ) -> tuple[torch.Tensor, int]:
-        """`get` as stored: ([n, 2, H, block, d] blocks, K and V side by side, bytes H2D)."""
+    def get_blocks(self, rows: torch.Tensor, block_ids: torch.Tensor, row: int | None = None,
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """`get` as stored: ([n, 2, H, block, d] blocks, K and V side by side, bytes H2D); into `out` when given
+        (and the pool is mapped)."""
         if self.view is not None and row is not None:
-            blocks = self.view[row].index_select(0, block_ids)
+            blocks = torch.index_select(self.view[row], 0, block_ids, out=out)
         elif self.view is not None:  # one flat index: a contiguous block copy per id, not a 2-D advanced index
             capacity = self.view.shape[1]
             if self._row_base[0] is not rows or self._row_base[1] != capacity:  # the cache passes the same rows
                 self._row_base = (rows, capacity, rows * capacity)
-            blocks = self.view.flatten(0, 1).index_select(0, self._row_base[2] + block_ids)
+            blocks = torch.index_select(self.view.flatten(0, 1), 0, self._row_base[2] + block_ids, out=out)
         else:  # no mapping: the ids come to the host (one synchronisation)
             blocks = self.storage[row if row is not None else rows.cpu(), block_ids.cpu()].to(
                 self.device, non_blocking=self.pin)

@@ -12,7 +12,7 @@ loop against the batch-1 loop `greedy_decode` on the same cache; then B = 32 vs 
 a decode step launches per decoder layer, traced and untraced, counted as `tracer/calibrate/launches.py`
 counts them (the launch-bound regime of an eager GPU step, where time follows launches, not arithmetic).
 
-    OMP_NUM_THREADS=1 .venv/bin/python tests/bench/collect_throughput.py [--steps 64] [--prompt 128] [--rounds 3]
+    OMP_NUM_THREADS=1 .venv/bin/python tests/bench/collect_throughput.py [--steps 64] [--prompt 128] [--rounds 5]
         [--batches 1,8,32] [--recall-k 4]
 
 `--recall-k 0` runs the same hierarchy without recall: against the default, what the recall costs a step.
@@ -130,7 +130,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--models", default="random:tiny,micro")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes, comma-separated")
     parser.add_argument("--recall-k", type=int, default=4,
