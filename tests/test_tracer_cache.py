@@ -317,6 +317,51 @@ def test_a_prefill_attended_in_chunks_of_rows_equals_it_attended_whole(rows_per_
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+def test_attention_in_its_kept_buffers_equals_sdpa_and_keeps_earlier_results_and_gradients():
+    """A CPU prefill computes its logits in a kept buffer (tracer.attention.workspace) and a decode step its mask in
+    a kept `EmptySlots`: each call equals sdpa (GQA, causal from the query's position), what a call returned is
+    not overwritten by the next one's (fresh outputs, not views of the buffer), and under autograd (a scorer's
+    backward pass) the gradients are sdpa's."""
+    from tracer.attention import EmptySlots, attend
+
+    generator = torch.Generator().manual_seed(9)
+    n_keys = 7
+    positions = torch.arange(n_keys)[None]
+
+    def reference(query, key, value, start):
+        mask = positions[0][None, :] <= (start + torch.arange(query.shape[2]))[:, None]
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3,
+                                                                enable_gqa=True).transpose(1, 2)
+
+    def inputs(lq):
+        return (torch.randn(1, 4, lq, 8, generator=generator), torch.randn(1, 2, n_keys, 8, generator=generator),
+                torch.randn(1, 2, n_keys, 8, generator=generator))
+
+    with torch.inference_mode():
+        first, second = inputs(n_keys), inputs(n_keys)
+        out_first = attend(*first, 0.3, positions, 0)
+        kept = [t.clone() for t in out_first]
+        out_second = attend(*second, 0.3, positions, 0)
+        for got, expected in zip(out_first, kept, strict=True):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        torch.testing.assert_close(out_first[0], reference(*first, 0), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out_second[0], reference(*second, 0), rtol=1e-5, atol=1e-6)
+        decode = inputs(1)
+        empty_slots = EmptySlots(positions, 2, torch.float32)
+        for _ in range(2):  # the kept mask, refilled
+            torch.testing.assert_close(attend(*decode, 0.3, positions, n_keys - 1, empty_slots=empty_slots)[0],
+                                       reference(*decode, n_keys - 1), rtol=1e-5, atol=1e-6)
+    for lq, start in ((n_keys, 0), (1, n_keys - 1)):
+        query, key, value = (t.requires_grad_() for t in inputs(lq))
+        attend(query, key, value, 0.3, positions, start)[0].square().sum().backward()
+        grads = [t.grad for t in (query, key, value)]
+        for t in (query, key, value):
+            t.grad = None
+        reference(query, key, value, start).square().sum().backward()
+        for got, t in zip(grads, (query, key, value), strict=True):
+            torch.testing.assert_close(got, t.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_quest_per_head_with_one_kv_head_is_quest_and_each_head_attends_its_own_k():
     config = Qwen2Config(**{**SHAPES, "num_key_value_heads": 1})
     torch.manual_seed(0)

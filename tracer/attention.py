@@ -117,6 +117,8 @@ def _attend(
     logits = logits.view(rows, n_kv_heads, group * lq, n_keys)
     if logits.dtype != torch.float32:
         weights = torch.softmax(logits, -1, torch.float32)
+    elif logits.requires_grad:  # (a scorer's backward pass through attention: out= has no grad)
+        weights = torch.softmax(logits, -1)
     else:  # in place (the logits are this call's own): no second buffer of their size
         weights = torch.softmax(logits, -1, out=logits)
     # (bmm on the [rows x Hkv] batch, as the logits: ~1.7 us less than matmul's 4-D dispatch on a CPU)
@@ -162,7 +164,7 @@ def _prefill_logits(batch: int, n_queries: int, n_keys: int, query: torch.Tensor
     """Where a CPU prefill's logits are computed, masked and softmaxed (`workspace`), for at most a chunk's
     (`CHUNK_LOGITS`: a long one-row prompt's are its own) and when the weights are reduced here (per head they
     are returned, and must not alias it); None: a fresh tensor."""
-    if batch * n_queries * n_keys > CHUNK_LOGITS or not reduce_heads:
+    if batch * n_queries * n_keys > CHUNK_LOGITS or not reduce_heads or query.requires_grad:  # (out= has no grad)
         return None
     return workspace("prefill logits", (batch, n_queries, n_keys), query.dtype, query.device)
 
