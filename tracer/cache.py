@@ -333,8 +333,7 @@ class PagedLayer:
 
     def _bind_kv(self, kv: torch.Tensor) -> None:
         self.kv, self.keys, self.values = kv, kv[0], kv[1]
-        # (views of the pool it replaces)
-        self._attended_views = self._staging_view = self._empty_slots_kept = self._row_kept = (None, None, None)
+        self._views: dict = {}  # (`_kept`: what was made from the pool it replaces goes with it)
 
     def _pages(self, name: str) -> torch.Tensor:
         """`kv` as [2, rows, Hkv, pages, block, d], `slot_pos` as [rows, pages, block] (views): a page is then one
@@ -416,7 +415,9 @@ class PagedLayer:
             selected = self._select(rows)
             slots = self.next_slot[selected]  # each row's next slot: in its current block's page
             if len(rows) == 1:  # one row: a copy along its slots (an advanced-index put costs ~2x here)
-                keys, values, slot_pos = self._row_views(rows[0])
+                row = rows[0]
+                keys, values, slot_pos = self._kept("row", (row, torch.is_inference_mode_enabled()),
+                                                    lambda: (self.keys[row], self.values[row], self.slot_pos[row]))
                 keys.index_copy_(1, slots, key_states[0])
                 values.index_copy_(1, slots, value_states[0])
                 slot_pos.index_copy_(0, slots, positions)
@@ -507,9 +508,8 @@ class PagedLayer:
         bs, staging = self.block_size, self.n_staging_pages
         resident = self._plan("resident", query.shape[-2], lambda: max(s.hbm_blocks() for s in states))
         used = slice((staging - self.staged_pages) * bs, (staging + resident) * bs)
-        selected = self._select(rows)
-        keys, values, slot_pos = self._attended(selected, used)
-        empty_slots = self._empty_slots(slot_pos, query.dtype) if query.shape[-2] == 1 else None
+        keys, values, slot_pos, empty_slots = self._attended(
+            self._select(rows), used, query.dtype if query.shape[-2] == 1 else None)
         query_start = states[0].query_start if self.pads is None else self.query_starts  # per row when padded
         # (layers placed together hand back their weights per head: `_after_attention_of_layers` reduces them all)
         output, weights_mean, weights_max = attend(query, keys, values, scaling, slot_pos, query_start,
@@ -524,32 +524,35 @@ class PagedLayer:
             self._after_attention(rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos)
         return output
 
-    def _attended(self, selected: slice | torch.Tensor, used: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The keys, values and slot positions attention reads: the `used` slots of the `selected` rows, views for
-        consecutive rows (a full batch, one row), kept while those rows and slots recur (most steps: the slots in
-        use change only as a block opens or leaves, or as the recall width does), else gathers."""
-        if not isinstance(selected, slice):
-            return self.keys[selected, :, used], self.values[selected, :, used], self.slot_pos[selected, used]
-        key = (selected.start, selected.stop, used.start, used.stop)
-        if self._attended_views[0] != key or self._attended_views[1] is not self.slot_pos:
-            views = self.keys[selected, :, used], self.values[selected, :, used], self.slot_pos[selected, used]
-            self._attended_views = (key, self.slot_pos, views)  # (a new pool rebinds `slot_pos` too: `_bind_kv`)
-        return self._attended_views[2]
-
-    def _row_views(self, row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`row`'s keys, values and slot positions (views: a decode step of one row appends through them), kept
-        while the row and the pool recur."""
-        if self._row_kept[0] != row or self._row_kept[1] is not self.slot_pos:
-            self._row_kept = (row, self.slot_pos, (self.keys[row], self.values[row], self.slot_pos[row]))
-        return self._row_kept[2]
-
-    def _empty_slots(self, slot_pos: torch.Tensor, dtype: torch.dtype) -> EmptySlots:
-        """The decode mask input for the slots attended (`EmptySlots`), kept with their view (`_attended`) and the
-        grad mode it was made under."""
-        inference, kept = torch.is_inference_mode_enabled(), self._empty_slots_kept
-        if kept[1] is not slot_pos or kept[0] != (dtype, inference):
-            kept = self._empty_slots_kept = ((dtype, inference), slot_pos, EmptySlots(slot_pos, self.n_kv_heads, dtype))
+    def _kept(self, name: str, key: tuple, make):
+        """`make()`, kept under `name` while `key` recurs and the pools stay (`_bind_kv` drops them all, and a new
+        `slot_pos` each): the views a decode step reads and writes step after step, made once rather than by a few
+        view ops per call and layer (~1 us each on a CPU). `key` holds plain values (ints, dtypes, flags), and the
+        grad mode where the views are written (a view made under inference mode is written only under it)."""
+        kept = self._views.get(name)
+        if kept is None or kept[0] != key or kept[1] is not self.slot_pos:
+            kept = self._views[name] = (key, self.slot_pos, make())
         return kept[2]
+
+    def _attended(self, selected: slice | torch.Tensor, used: slice, dtype: torch.dtype | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, EmptySlots | None]:
+        """The keys, values and slot positions attention reads (the `used` slots of the `selected` rows) and, for a
+        decode step (`dtype` given), the mask input it fills from them (`EmptySlots`): for consecutive rows (a full
+        batch, one row) views, kept while those rows and slots recur (most steps: the slots in use change only as a
+        block opens or leaves, or as the recall width does), else gathers (attention then makes its own mask)."""
+        def read():
+            return self.keys[selected, :, used], self.values[selected, :, used], self.slot_pos[selected, used]
+
+        if not isinstance(selected, slice):
+            return (*read(), None)
+        key = (selected.start, selected.stop, used.start, used.stop)
+        keys, values, slot_pos = self._kept("attended", key, read)
+        if dtype is None:
+            return keys, values, slot_pos, None
+        # (one made under inference mode holds an inference tensor: kept per mode)
+        empty_slots = self._kept("empty slots", (*key, dtype, torch.is_inference_mode_enabled()),
+                                 lambda: EmptySlots(slot_pos, self.n_kv_heads, dtype))
+        return keys, values, slot_pos, empty_slots
 
     def _rows_tensor(self, rows: list[int]) -> torch.Tensor:
         """`rows` as a device tensor, made once per set of rows (a step's rows are every layer's)."""
@@ -679,13 +682,14 @@ class PagedLayer:
         """Views of the staging `pages` of the `selected` rows that recall writes: one row's K and V as the store's
         block layout ([width, 2, Hkv, block, d], for `get_into`; None for several rows or a store without it), and
         their slot positions [rows, width, block]; kept while the rows and pages recur (step after step)."""
-        key = (selected.start, selected.stop, one_row, pages.start, pages.stop)
-        if self._staging_view[0] != key or self._staging_view[1] is not self.slot_pos:
+        def make():
             staged_kv = None
             if one_row is not None and hasattr(self.ddr, "get_into"):  # [2, Hkv, width, block, d] -> the block layout
                 staged_kv = self._pages("kv")[:, one_row, :, pages].permute(2, 0, 1, 3, 4)
-            self._staging_view = (key, self.slot_pos, (staged_kv, self._pages("slot_pos")[selected, pages]))
-        return self._staging_view[2]
+            return staged_kv, self._pages("slot_pos")[selected, pages]
+
+        return self._kept("staging", (selected.start, selected.stop, one_row, pages.start, pages.stop,
+                                      torch.is_inference_mode_enabled()), make)
 
     def _get_blocks(self, rows: torch.Tensor, block_ids: torch.Tensor, row: int | None) -> tuple[torch.Tensor, int]:
         """The DDR blocks (`rows`, `block_ids`) on the device as [n, 2, Hkv, block, d] (K and V side by side, as the
@@ -693,7 +697,7 @@ class PagedLayer:
         (a store that dequantizes, tracer.quant). On a CPU a block store gathers into a kept buffer (`workspace`:
         the caller copies them into its pages at once)."""
         if hasattr(self.ddr, "get_blocks"):
-            out = workspace("recalled blocks", (block_ids.shape[0], *self.kv.shape[:1], self.n_kv_heads,
+            out = workspace("recalled blocks", (block_ids.shape[0], 2, self.n_kv_heads,
                                                 self.block_size, self.head_dim), self.kv.dtype, self.device)
             return self.ddr.get_blocks(rows, block_ids, row, out=out)
         keys, values, n_bytes = self.ddr.get(rows, block_ids, row)
