@@ -412,3 +412,73 @@ def test_a_batch_of_recorded_and_unrecorded_samples_decodes_each_as_it_would_alo
         assert all(got_rows[name] == rows[name] for name in RECORDED)
         # (the masses come out of batched matrix products, which sum in another order)
         assert got_rows["mass_hbm"] == pytest.approx(rows["mass_hbm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["full", "hierarchy", "per-head-promote"])
+def test_pools_are_sized_once_at_the_policys_peak(policy, monkeypatch):
+    """`decode_batch` names each admitted sample's prompt and longest length (`TieredCache.reserve_length`): the
+    page pools are allocated once, at `traces.policy.peak_hbm_tokens` and `max_recall_blocks`, and never grow
+    or shift during the run (each growth copied the pool), while the most pages a row actually held in it
+    (resident blocks, plus the block a token opens, before placement) come within a block of that peak: it is
+    not oversized."""
+    from tracer.cache import PagedLayer
+    from traces.policy import max_recall_blocks, peak_hbm_tokens
+
+    model = tiny_model("qwen2")
+    sizes, held = [], []
+    resize, update = PagedLayer._resize_pages, PagedLayer.update
+
+    def recording_resize(layer, *args, **kwargs):
+        before = (layer.n_pages, layer.n_staging_pages)
+        resize(layer, *args, **kwargs)
+        if (layer.n_pages, layer.n_staging_pages) != before:
+            sizes.append((layer.n_pages, layer.n_staging_pages))
+
+    def recording_update(layer, rows, key_states, *args, **kwargs):
+        update(layer, rows, key_states, *args, **kwargs)
+        held.append(max(layer.rows[r].hbm_blocks() for r in rows))
+
+    monkeypatch.setattr(PagedLayer, "_resize_pages", recording_resize)
+    monkeypatch.setattr(PagedLayer, "update", recording_update)
+    sample_prompts = prompts()
+    jobs = [DecodeJob(i, p, settings(policy), Recorder()) for i, p in enumerate(sample_prompts)]
+    cache = TieredCache(model.config.num_hidden_layers, jobs[0].settings)
+    for _ in decode_batch(model, jobs, cache, 4, MAX_NEW, set()):
+        pass
+    spec, longest = jobs[0].settings.spec, max(map(len, sample_prompts))
+    pages = -(-peak_hbm_tokens(spec, longest, longest + MAX_NEW) // spec.block_size)
+    staging = max_recall_blocks(spec, longest + MAX_NEW, model.config.num_key_value_heads)
+    assert set(sizes) == {(pages, staging)}  # each layer sized once, so
+    assert len(sizes) == model.config.num_hidden_layers
+    # (within a block: the sequence's last token is generated, never appended, and the peak rule counts it)
+    assert pages - 1 <= max(held) <= pages
+
+
+@pytest.mark.parametrize("scorer", ["h2o", "snapkv"])
+def test_prompts_of_one_length_are_prefilled_and_scored_together_as_each_alone(scorer, monkeypatch):
+    """Fresh rows whose prompts have one length are prefilled unpadded: one query start, and one scorer call
+    per layer for all of them (snapkv reads each row's last queries), giving each sample the logits, tokens and
+    recorded rows of its batch-1 run."""
+    model = tiny_model("mistral")
+    generator = torch.Generator().manual_seed(11)
+    same_length = [torch.randint(3, 320, (24,), generator=generator).tolist() for _ in range(4)]
+
+    def run_at(batch_size: int) -> dict:
+        spec = PolicySpec(**{**POLICIES["hierarchy"], "scorer": scorer}, block_size=4, sink_tokens=4, window_tokens=8)
+        jobs = [DecodeJob(i, ids, TierSettings(spec=spec, scorer=build_scorer(scorer)), Recorder())
+                for i, ids in enumerate(same_length)]
+        cache = TieredCache(model.config.num_hidden_layers, jobs[0].settings)
+        return {job.key: (result.generated_ids, torch.stack(result.logits),
+                          {name: job.recorder.columns[name] for name in RECORDED})
+                for job, result in decode_batch(model, jobs, cache, batch_size, 12, set(), keep_logits=True)}
+
+    sequential = run_at(1)
+    calls = []
+    score = type(build_scorer(scorer)).score
+    monkeypatch.setattr(type(build_scorer(scorer)), "score",
+                        lambda self, obs, previous: calls.append(obs.weights_mean.shape[:2]) or score(self, obs, previous))
+    together = run_at(4)
+    assert calls[: model.config.num_hidden_layers] == [(4, 24)] * model.config.num_hidden_layers  # the prefill
+    for key, (tokens, logits, rows) in sequential.items():
+        assert together[key][0] == tokens and together[key][2] == rows
+        assert (together[key][1] - logits).abs().max().item() <= 1e-4

@@ -295,7 +295,8 @@ def test_attend_hides_keys_per_kv_head_like_a_softmax_over_the_visible_ones():
 @pytest.mark.parametrize("rows_per_chunk", [1, 2])
 def test_a_prefill_attended_in_chunks_of_rows_equals_it_attended_whole(rows_per_chunk, monkeypatch):
     """On a CPU a large batched prefill is attended a few rows at a time (tracer.attention.CHUNK_LOGITS): left-
-    padded rows, empty slots, outputs and weights (mean, max) are those of one pass over every row."""
+    padded rows, empty slots, outputs and weights (mean, max) are those of one pass over every row (each chunk
+    writes its rows of the whole outputs)."""
     import tracer.attention as attention
 
     generator = torch.Generator().manual_seed(5)
@@ -310,7 +311,7 @@ def test_a_prefill_attended_in_chunks_of_rows_equals_it_attended_whole(rows_per_
     monkeypatch.setattr(attention, "CHUNK_LOGITS", rows_per_chunk * 4 * lq * n_keys)
     calls = []
     one_pass = attention._attend
-    monkeypatch.setattr(attention, "_attend", lambda *a: calls.append(a[0].shape[0]) or one_pass(*a))
+    monkeypatch.setattr(attention, "_attend", lambda *a, **k: calls.append(a[0].shape[0]) or one_pass(*a, **k))
     chunked = attention.attend(query, key, value, 0.3, positions, query_start)
     assert calls == [rows_per_chunk] * (rows // rows_per_chunk) + [rows % rows_per_chunk] * (rows % rows_per_chunk > 0)
     for got, expected in zip(chunked, whole, strict=True):

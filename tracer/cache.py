@@ -95,8 +95,10 @@ from traces.policy import (
     PolicySpec,
     evict_target_blocks,
     hbm_target_tokens,
+    max_recall_blocks,
     movable_range,
     n_blocks,
+    peak_hbm_tokens,
     recall_blocks,
     room_blocks,
 )
@@ -202,6 +204,7 @@ class PagedLayer:
         self._score_plan: tuple = ((), [], False)  # (the last scored rows' states, rows that score, one call?)
         self._constants: tuple = (None, None)  # (the DDR store, `LayerEntry.constants` read with it)
         self.rows_hint = 0  # the batch size, when known: rows are allocated for it at once
+        self.length_hint = (0, 0)  # (longest prompt, longest sequence), when known: pages are sized for them at once
         self.initialized = False
         self.n_pages = self.n_staging_pages = self.block_capacity = 0
         self.staged_pages = 0  # staging pages this step's recall filled (the last ones before the main pages)
@@ -249,6 +252,26 @@ class PagedLayer:
         self.token_bytes = 2 * self.n_kv_heads * self.head_dim * self.keys.element_size()  # K+V of one token
         self.initialized = True
         self._grow_rows(len(self.rows))
+        self._reserve_pages()
+
+    def reserve_length(self, max_prompt: int, max_len: int) -> None:
+        """Size the pools for sequences of up to `max_prompt` prompt tokens decoded to `max_len` tokens: the pages
+        at the policy's peak (`traces.policy.peak_hbm_tokens`) and recall's staging pages, at once (as
+        `tracer.run.kv_buffer_bytes` sized them), not grown as they fill: each growth copies the whole pool and,
+        with more staging pages, shifts every row's main pages (on the micro model at B = 32, ~1.3% of a decode
+        step, and a copy at the first recall). Beyond these (a promotion past its room) the pools still grow."""
+        hint = (max(max_prompt, self.length_hint[0]), max(max_len, self.length_hint[1]))
+        if hint != self.length_hint:
+            self.length_hint = hint
+            if self.initialized:
+                self._reserve_pages()
+
+    def _reserve_pages(self) -> None:
+        max_prompt, max_len = self.length_hint
+        if max_len:
+            self._ensure_blocks(max_len)
+            pages = -(-peak_hbm_tokens(self.spec, max_prompt, max_len) // self.block_size)
+            self._resize_pages(pages, max_recall_blocks(self.spec, max_len, self.n_kv_heads), slack=False)
 
     def _grow_rows(self, n_rows: int) -> None:
         """Room for `n_rows` rows: the batch size when the decode loop named it (`TieredCache.reserve_rows`),
@@ -279,14 +302,18 @@ class PagedLayer:
         self.ddr.bounds.clear(row)  # no block of the row is in DDR (recall's mask)
         self.token_scores[row], self.importance[row], self.importance_max[row] = 0, 0, 0
 
-    def _resize_pages(self, pages: int, staging_pages: int) -> None:
+    def _resize_pages(self, pages: int, staging_pages: int, slack: bool = True) -> None:
         """At least `pages` main and `staging_pages` staging pages per row; what the pages hold is kept (the
         staging pages too: a placement may promote from them after a resize). More staging pages shift the main
         pages up, and the block tables and next slots with them: rare, as the recall count seldom grows."""
         if pages <= self.n_pages and staging_pages <= self.n_staging_pages:
             return
-        # An eighth of slack amortises the growth (attention reads only the pages in use: packed, see `_pack`).
-        pages = pages + max(2, pages // 8) if pages > self.n_pages else self.n_pages
+        # An eighth of slack amortises growth past what was reserved (attention reads only the pages in use:
+        # packed, see `_pack`); a reservation (`reserve_length`) asks for what it needs.
+        if pages > self.n_pages:
+            pages += max(2, pages // 8) if slack else 0
+        else:
+            pages = self.n_pages
         staging_pages = max(staging_pages, self.n_staging_pages)
         bs, shift = self.block_size, staging_pages - self.n_staging_pages
         old_pages = self.n_staging_pages + self.n_pages  # staging + main, not the scratch page
@@ -381,7 +408,8 @@ class PagedLayer:
                     "a multi-token forward of several rows prefills fresh rows, left-padded, with each row's "
                     "token count (TieredCache.set_active(rows, new_tokens)); otherwise one row at a time")
             counts = list(new_tokens)
-            self.pads = [n_new - n for n in counts]
+            if min(counts) < n_new:  # (prompts of one length: no pads, scored in one call, one query start)
+                self.pads = [n_new - n for n in counts]
         else:
             counts = [n_new] * len(rows)
         lengths, end, opened, pages, opening = self._plan("append", n_new, lambda: self._append_plan(states, counts))
@@ -1484,6 +1512,7 @@ class TieredCache(Cache):
         self.row_settings: list[TierSettings] = [settings]
         self.active: list[int] = [0]
         self.new_tokens: list[int] | None = None
+        self.length_hint = (0, 0)  # (`reserve_length`)
 
     def reset_row(self, row: int, settings: TierSettings, recorder=None) -> None:
         """A fresh, empty `row` (a new sample), growing the rows when needed."""
@@ -1508,6 +1537,14 @@ class TieredCache(Cache):
         batch of 5 holds 5 rows of pools, as `tracer.run.kv_buffer_bytes` sized them."""
         for layer in self.paged:
             layer.rows_hint = n_rows
+
+    def reserve_length(self, max_prompt: int, max_len: int) -> None:
+        """Pages for prompts of up to `max_prompt` tokens decoded to `max_len` at once (`PagedLayer.reserve_length`);
+        the decode loops name them as they admit a sample (a no-op unless it is the longest so far)."""
+        if max_prompt > self.length_hint[0] or max_len > self.length_hint[1]:
+            self.length_hint = (max(max_prompt, self.length_hint[0]), max(max_len, self.length_hint[1]))
+            for layer in self.paged:
+                layer.reserve_length(*self.length_hint)
 
     def row_view(self, row: int) -> TieredRow:
         return TieredRow(self.rows[row], self.row_settings[row])

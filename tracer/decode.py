@@ -143,6 +143,8 @@ def _greedy_decode(model, prompt_ids, cache, max_new_tokens, eos_ids, recorder, 
     # The gradient scorer's backward pass (tracer/scorers/) runs after each step, untimed; a plain
     # DynamicCache (the untraced reference) has no settings.
     after_step = getattr(getattr(getattr(cache, "settings", None), "scorer", None), "after_step", None)
+    if hasattr(cache, "reserve_length"):  # (a TieredCache: its pools sized once)
+        cache.reserve_length(len(prompt_ids), len(prompt_ids) + max_new_tokens)
     started = time.perf_counter()
     _, clock = step_clock(device)
     for _ in range(max_new_tokens):
@@ -479,6 +481,7 @@ def _decode_batch(model, jobs, cache, batch_size, max_new_tokens, eos_ids, progr
                     raise UnsupportedBatch("a batch's samples share one scorer kind: this one runs autograd, the "
                                            "cache's first does not; decode them separately")
                 cache.reset_row(row_id, job.settings, job.recorder)
+                cache.reserve_length(len(job.prompt_ids), len(job.prompt_ids) + max_new_tokens)
                 active[row_id] = _Row(job, time.perf_counter(), logits=[] if keep_logits else None)
                 prompt = job.prompt_ids
                 last = prefill_chunks(len(prompt), prefill_chunk_tokens)[-1]

@@ -141,27 +141,21 @@ def protected_excess_note(spec, lengths) -> dict | None:
     return worst
 
 
-# The tiered layer's page pool grows by an eighth when it fills (tracer/cache.py `_resize_pages`) and the DDR
-# pool doubles (tracer/transfer.py `PinnedBlockStore.reserve`), so a sample holds at most twice what it needs.
+# The tiered layer's page pool is allocated at the peak below as the decode loop admits a sample (tracer/cache.py
+# `reserve_length`; past it, e.g. a promotion beyond its room, it grows by an eighth) and the DDR pool doubles
+# (tracer/transfer.py `PinnedBlockStore.reserve`), so a sample holds at most twice what it needs.
 GROWTH_SLACK = 2
 
 
-def kv_buffer_bytes(spec, kv_bytes_per_token: int, batch_size: int, max_prompt: int, max_new_tokens: int) -> dict:
+def kv_buffer_bytes(spec, kv_bytes_per_token: int, batch_size: int, max_prompt: int, max_new_tokens: int,
+                    n_kv_heads: int = 1) -> dict:
     """Worst-case KV buffer bytes of a run: `hbm` (device: the resident entries at their peak, the whole prompt
-    at prefill, plus the recall staging slots) and `ddr` (host, hierarchy), for `batch_size` samples at once."""
-    from traces.policy import hbm_target_tokens, max_recall_blocks, movable_range, n_blocks, room_blocks
+    at prefill, plus the recall staging slots: per KV head under quest-per-head) and `ddr` (host, hierarchy),
+    for `batch_size` samples at once."""
+    from traces.policy import max_recall_blocks, n_blocks, peak_hbm_tokens
 
     bs, max_len = spec.block_size, max_prompt + max_new_tokens
-    resident = max_prompt
-    for length in range(max_prompt, max_len + 1):
-        if hbm_target_tokens(spec, length) is None:
-            resident = max(resident, length)
-            continue
-        first, end = movable_range(spec, length)
-        movable = end - first
-        kept = n_blocks(spec, length) - movable + min(room_blocks(spec, length), movable)
-        resident = max(resident, (kept + 1) * bs)  # + the block the next token opens before placement
-    staging = max_recall_blocks(spec, max_len) * bs
+    resident, staging = peak_hbm_tokens(spec, max_prompt, max_len), max_recall_blocks(spec, max_len, n_kv_heads) * bs
     per_sample_hbm = GROWTH_SLACK * (resident + staging) * kv_bytes_per_token
     per_sample_ddr = GROWTH_SLACK * n_blocks(spec, max_len) * bs * kv_bytes_per_token if spec.uses_ddr else 0
     return {"hbm": batch_size * per_sample_hbm, "ddr": batch_size * per_sample_ddr,
@@ -183,7 +177,7 @@ def check_kv_fits(config: TraceConfig, loaded, prompt_lengths: list[int]) -> dic
 
     device = str(loaded.model.device)
     need = kv_buffer_bytes(config.spec, loaded.manifest["kv_bytes_per_token"], config.batch_size,
-                           max(prompt_lengths, default=1), config.max_new_tokens)
+                           max(prompt_lengths, default=1), config.max_new_tokens, loaded.manifest["n_kv_heads"])
     # Storage comes in whole blocks: at least one per sample (--block-size 10**9 asked for terabytes).
     one_block = config.batch_size * GROWTH_SLACK * config.spec.block_size * loaded.manifest["kv_bytes_per_token"]
     need = {**need, "hbm": max(need["hbm"], one_block)}

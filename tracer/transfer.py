@@ -60,10 +60,13 @@ def mapped_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None
 
 class KeyBounds:
     """Per-block key bounds of a DDR store (elementwise max and min over a block's tokens, Quest-style), on the
-    compute device, laid out for recall: `tensor` [rows, Hkv, 2d + 1, blocks] holds, per row and KV head, the
-    blocks' kmax (d rows), their kmin (d rows), then one recall-mask row: 0 for a block whose home is DDR, the
-    dtype's lowest value for every other block (never offloaded, in HBM, evicted). One batched GEMM then
-    bounds every block's logit, `[q+, q-, 1] @ tensor[row, head]` (q+ = max(q, 0), q- = min(q, 0): per element
+    compute device, laid out for recall: `tensor` [rows, Hkv, blocks, 2d + 1] holds, per row, KV head and block,
+    the block's kmax (d values), its kmin (d values), then one recall-mask value: 0 for a block whose home is DDR,
+    the dtype's lowest value for every other block (never offloaded, in HBM, evicted). Block-major, so that the
+    first n blocks of a row and head, all recall reads, are one contiguous run (blocks as the last axis, a
+    column of n per row of 2d + 1 over the whole capacity, made the bound's batched GEMM ~2x slower on a CPU,
+    more when cold). One batched GEMM then
+    bounds every block's logit, `[q+, q-, 1] @ tensor[row, head]^T` (q+ = max(q, 0), q- = min(q, 0): per element
     the larger of q * kmax and q * kmin, as Quest's bound asks), and ranks every block outside DDR below every
     DDR block, so recall needs no mask of its own. The cache marks DDR membership where it places blocks
     (`mark`); `key_max` / `key_min` are [rows, blocks, Hkv, d] views. Unwritten bounds hold zeros (defined, and
@@ -71,35 +74,36 @@ class KeyBounds:
 
     def __init__(self, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         self.head_dim, self.lowest = head_dim, torch.finfo(dtype).min  # lowest + a finite bound stays lowest
-        self.tensor = torch.zeros((0, n_kv_heads, 2 * head_dim + 1, 0), dtype=dtype, device=device)
+        self.tensor = torch.zeros((0, n_kv_heads, 0, 2 * head_dim + 1), dtype=dtype, device=device)
         self._queries: dict[tuple, torch.Tensor] = {}  # query shape -> its [q+, q-, 1] buffer
 
     def reserve(self, n_rows: int, n_blocks: int) -> None:
-        old_rows, _, _, old_blocks = self.tensor.shape
+        old_rows, n_kv_heads, old_blocks, width = self.tensor.shape
         if n_rows <= old_rows and n_blocks <= old_blocks:
             return
-        grown = self.tensor.new_zeros((max(n_rows, old_rows), *self.tensor.shape[1:3], max(n_blocks, old_blocks)))
-        grown[:, :, 2 * self.head_dim] = self.lowest  # new blocks are not in DDR
-        grown[:old_rows, ..., :old_blocks] = self.tensor
+        grown = self.tensor.new_zeros((max(n_rows, old_rows), n_kv_heads, max(n_blocks, old_blocks), width))
+        grown[..., 2 * self.head_dim] = self.lowest  # new blocks are not in DDR
+        grown[:old_rows, :, :old_blocks] = self.tensor
         self.tensor = grown
 
     def put(self, rows: torch.Tensor, block_ids: torch.Tensor, keys: torch.Tensor) -> None:
         """The bounds of blocks [n, Hkv, block, d] stored at (`rows`, `block_ids`): one scatter (DDR membership is
         the cache's to `mark`: it decides where a block's home is)."""
-        self.tensor[rows, :, : 2 * self.head_dim, block_ids] = torch.cat([keys.amax(dim=2), keys.amin(dim=2)], -1)
+        # (the two advanced indices, apart, lead the indexed result: [n, Hkv, 2d], as the cat below)
+        self.tensor[rows, :, block_ids, : 2 * self.head_dim] = torch.cat([keys.amax(dim=2), keys.amin(dim=2)], -1)
 
     def mark(self, rows: torch.Tensor, in_ddr: torch.Tensor) -> None:
         """Recall's mask for `rows`' first blocks: `in_ddr` [m, blocks] True where a block's home is DDR."""
         mask = torch.where(in_ddr, 0.0, self.lowest).to(self.tensor.dtype)
-        self.tensor[rows, :, 2 * self.head_dim, : in_ddr.shape[1]] = mask[:, None, :]
+        self.tensor[rows, :, : in_ddr.shape[1], 2 * self.head_dim] = mask[:, None, :]
 
     def clear(self, row: int) -> None:
         """A refilled row has no block in DDR."""
-        self.tensor[row, :, 2 * self.head_dim] = self.lowest
+        self.tensor[row, ..., 2 * self.head_dim] = self.lowest
 
     def in_ddr(self, rows: slice | torch.Tensor, n_blocks: int) -> torch.Tensor:
         """[m, n_blocks] True where a block of `rows` is in DDR (the mask row, read as a mask)."""
-        return self.tensor[rows, 0, 2 * self.head_dim, :n_blocks] == 0
+        return self.tensor[rows, 0, :n_blocks, 2 * self.head_dim] == 0
 
     def logit_bounds(self, query: torch.Tensor, rows: slice | torch.Tensor, n_blocks: int) -> torch.Tensor:
         """Quest's upper bound on each block's attention logit, sum_d max(q_d kmax_d, q_d kmin_d), for the
@@ -114,16 +118,16 @@ class KeyBounds:
         torch.clamp_min(query, 0, out=signed[..., :d])
         torch.clamp_max(query, 0, out=signed[..., d : 2 * d])
         # (bmm on [m x Hkv] batches, not matmul's 4-D dispatch: ~1.5 us less per layer and step on a CPU)
-        bounds = self.tensor[rows, :, :, :n_blocks]
-        return torch.bmm(signed.flatten(0, 1), bounds.flatten(0, 1)).view(*query.shape[:-1], n_blocks)
+        bounds = self.tensor[rows, :, :n_blocks]
+        return torch.bmm(signed.flatten(0, 1), bounds.flatten(0, 1).transpose(1, 2)).view(*query.shape[:-1], n_blocks)
 
     @property
     def key_max(self) -> torch.Tensor:
-        return self.tensor[:, :, : self.head_dim].permute(0, 3, 1, 2)
+        return self.tensor[..., : self.head_dim].transpose(1, 2)
 
     @property
     def key_min(self) -> torch.Tensor:
-        return self.tensor[:, :, self.head_dim : 2 * self.head_dim].permute(0, 3, 1, 2)
+        return self.tensor[..., self.head_dim : 2 * self.head_dim].transpose(1, 2)
 
 
 class PinnedBlockStore:

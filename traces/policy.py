@@ -20,6 +20,7 @@ budget, the run keeps more than asked — `protected_excess` says so and the tra
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, fields, replace
 
@@ -283,9 +284,31 @@ def recall_blocks(spec: PolicySpec, logical_len: int) -> int:
     return budget_tokens(spec.recall_budget, logical_len) // spec.block_size
 
 
-def max_recall_blocks(spec: PolicySpec, max_logical_len: int) -> int:
-    """The most blocks one decode step can recall up to this length (sizes staging slots)."""
-    return max(recall_blocks(spec, max_logical_len), recall_blocks(spec, 1))
+@functools.lru_cache(maxsize=256)
+def peak_hbm_tokens(spec: PolicySpec, max_prompt: int, max_len: int) -> int:
+    """The most tokens one sequence holds in HBM, for prompts of up to `max_prompt` tokens decoded up to
+    `max_len`: the whole prompt before its placement (prefill), then at each length the blocks placement keeps
+    (sink, window, partial block and the movable blocks the room allows) plus the block the next token opens
+    before placement (every token under the full policy). Recall's staging comes on top (`max_recall_blocks`).
+    The tracer sizes its page pools with it once (tracer/cache.py) and the preflight their bytes
+    (tracer/run.py `kv_buffer_bytes`)."""
+    bs, resident = spec.block_size, max_prompt
+    for length in range(max_prompt, max_len + 1):
+        if hbm_target_tokens(spec, length) is None:
+            resident = max(resident, length)
+            continue
+        first, end = movable_range(spec, length)
+        movable = end - first
+        kept = n_blocks(spec, length) - movable + min(room_blocks(spec, length), movable)
+        resident = max(resident, (kept + 1) * bs)
+    return resident
+
+
+def max_recall_blocks(spec: PolicySpec, max_logical_len: int, n_kv_heads: int = 1) -> int:
+    """The most blocks one decode step can recall up to this length (sizes staging slots): under quest-per-head
+    the union of every KV head's picks, up to `n_kv_heads` times one rule's."""
+    most = max(recall_blocks(spec, max_logical_len), recall_blocks(spec, 1))
+    return most * n_kv_heads if spec.recall_rule == "quest-per-head" else most
 
 
 def protected_excess(spec: PolicySpec, logical_len: int) -> str | None:
