@@ -4,7 +4,8 @@ the same batch and tokens, on `random:tiny` and the bundled micro model; one tor
 variants interleaved over rounds (the median of each is kept, so background load hits all alike), in a frozen
 heap as `thoughtkv trace` decodes (tracer.decode.frozen_heap; both sides).
 
-Printed per model and B: untraced and traced tok/s, traced/untraced (goal >= 0.8), beside the same for the
+Printed per model and B: untraced and traced tok/s (medians), traced/untraced (goal >= 0.8: the median of each
+round's ratio, its traced and untraced runs back to back, and in brackets the ratio of the medians), beside the same for the
 decode steps alone (the time of a run of `--steps` tokens less that of a 1-token run, prefill included in both:
 the traced loop prefills each sample alone, as continuous refill does, and `generate` the whole batch at once,
 while a reasoning trace is thousands of decode steps per prompt), and at B = 1 the batched
@@ -121,7 +122,13 @@ def measure(spec: str, args) -> dict:
                 decode[name, batch].append(batch * (args.steps - 1) / (whole - first))
         runs["v1", 1].append(v1_loop())
     launches = {batch: launches_per_layer(batch) for batch in sorted({1, min(16, max(batches))})}
-    return {"params_m": loaded.manifest["n_params"] / 1e6, "launches": launches,
+    # Traced/untraced per round, each pair measured back to back, then the median: a shared machine's slow and
+    # fast phases last seconds (a round's untraced B = 1 here has read 173 and 277 tok/s in one process), so
+    # a ratio of the two medians can pair a slow phase's traced with a fast one's untraced.
+    paired = {batch: (statistics.median(t / u for t, u in zip(runs["traced", batch], runs["untraced", batch])),
+                      statistics.median(t / u for t, u in zip(decode["traced", batch], decode["untraced", batch])))
+              for batch in batches}
+    return {"params_m": loaded.manifest["n_params"] / 1e6, "launches": launches, "paired": paired,
             "decode": {key: statistics.median(v) for key, v in decode.items()},
             **{key: statistics.median(v) for key, v in runs.items()}}
 
@@ -146,11 +153,14 @@ def main() -> None:
             r = measure(spec, args)
         print(f"\n{spec} ({r['params_m']:.1f}M params)")
         print(f"{'B':>4} {'untraced tok/s':>15} {'traced tok/s':>13} {'traced/untraced':>16}  (goal >= 0.8)"
-              f"   decode steps only: {'untraced':>9} {'traced':>8} {'ratio':>6}")
+              f"   decode steps only: {'untraced':>9} {'traced':>8} {'ratio':>6}   "
+              "(ratios: median over rounds of each round's pair; of the medians in brackets)")
         for batch in args.batches:
             u, t = r["untraced", batch], r["traced", batch]
             du, dt = r["decode"]["untraced", batch], r["decode"]["traced", batch]
-            print(f"{batch:>4} {u:>15.1f} {t:>13.1f} {t / u:>16.3f}   {'':>19}{du:>9.1f} {dt:>8.1f} {dt / du:>6.3f}")
+            whole, steps = r["paired"][batch]
+            print(f"{batch:>4} {u:>15.1f} {t:>13.1f} {whole:>8.3f} ({t / u:.3f})   {'':>19}{du:>9.1f} {dt:>8.1f} "
+                  f"{steps:>6.3f} ({dt / du:.3f})")
         print(f"B=1 decode_batch / greedy_decode (the batched loop vs the batch-1 loop, one cache): "
               f"{r['traced', 1] / r['v1', 1]:.3f}")
         widest = max(args.batches)
