@@ -23,10 +23,12 @@ CUDA graphs: a decode step is not captured. What still stops it: (1) shapes that
 slots attended follow the fullest row's resident blocks and the recall count, the batch shrinks at a stop;
 (2) host-side control flow on host-known values
 (placement runs only when a target moved, recall only once DDR holds blocks), which a graph would have to
-replay as fixed-size masked work every step; (3) buffers reallocated when the pool grows, and the small
+replay as fixed-size masked work every step; (3) buffers reallocated when the pool grows (now only past what
+`TieredCache.reserve_length` allocated as samples were admitted: the pages at the policy's peak, the block
+tables, score tables and DDR pool for the longest sample), and the small
 host-to-device copies of host-known indices (pinned, non-blocking, but new buffers each step; a graph would
-read them from fixed ones); (4) the documented read-backs above. A capturable step would preallocate the pool
-for the run's longest sample, run placement and recall every step with masks for the unused slots, pad the
+read them from fixed ones); (4) the documented read-backs above. A capturable step would keep the pools it has
+(allocated for the run's longest sample), run placement and recall every step with masks for the unused slots, pad the
 batch to a fixed size, and capture one graph per pool size bucket (as vLLM captures per batch size).
 """
 
