@@ -136,6 +136,8 @@ def main() -> int:
                 tiered.append(tok_s)
             entry = {"untraced_tok_s": statistics.median(base), "traced_hierarchy_tok_s": statistics.median(tiered)}
             entry["traced_over_untraced"] = entry["traced_hierarchy_tok_s"] / entry["untraced_tok_s"]
+            # (and per round, each pair back to back, as tests/bench/collect_throughput.py reports it)
+            entry["traced_over_untraced_paired"] = statistics.median(t / u for t, u in zip(tiered, base))
             if batch == 1:
                 entry["traced_full_tok_s"] = statistics.median(traced(1, "full")[0] for _ in range(args.rounds))
             counter, forwards = HostSyncCounter(), [0]  # forwards: the batch's prefill(s), then its decode steps
