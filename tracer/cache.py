@@ -259,12 +259,11 @@ class PagedLayer:
         at the policy's peak (`traces.policy.peak_hbm_tokens`) and recall's staging pages, at once (as
         `tracer.run.kv_buffer_bytes` sized them), not grown as they fill: each growth copies the whole pool and,
         with more staging pages, shifts every row's main pages (on the micro model at B = 32, ~1.3% of a decode
-        step, and a copy at the first recall). Beyond these (a promotion past its room) the pools still grow."""
-        hint = (max(max_prompt, self.length_hint[0]), max(max_len, self.length_hint[1]))
-        if hint != self.length_hint:
-            self.length_hint = hint
-            if self.initialized:
-                self._reserve_pages()
+        step, and a copy at the first recall). Beyond these (a promotion past its room) the pools still grow.
+        The cache passes the longest so far (`TieredCache.reserve_length`); before the first update they wait."""
+        self.length_hint = (max_prompt, max_len)
+        if self.initialized:
+            self._reserve_pages()
 
     def _reserve_pages(self) -> None:
         max_prompt, max_len = self.length_hint

@@ -65,10 +65,9 @@ class KeyBounds:
     the dtype's lowest value for every other block (never offloaded, in HBM, evicted). Block-major, so that the
     first n blocks of a row and head, all recall reads, are one contiguous run (blocks as the last axis, a
     column of n per row of 2d + 1 over the whole capacity, made the bound's batched GEMM ~2x slower on a CPU,
-    more when cold). One batched GEMM then
-    bounds every block's logit, `[q+, q-, 1] @ tensor[row, head]^T` (q+ = max(q, 0), q- = min(q, 0): per element
-    the larger of q * kmax and q * kmin, as Quest's bound asks), and ranks every block outside DDR below every
-    DDR block, so recall needs no mask of its own. The cache marks DDR membership where it places blocks
+    more when cold). One batched GEMM then bounds every block's logit, `[q+, q-, 1] @ tensor[row, head]^T`
+    (q+ = max(q, 0), q- = min(q, 0): per element the larger of q * kmax and q * kmin, as Quest's bound asks),
+    and ranks every block outside DDR below every DDR block, so recall needs no mask of its own. The cache marks DDR membership where it places blocks
     (`mark`); `key_max` / `key_min` are [rows, blocks, Hkv, d] views. Unwritten bounds hold zeros (defined, and
     masked)."""
 
