@@ -93,31 +93,45 @@ def time_decode_steps_s(step: Callable[[], StepOutcome | None], n_steps: int, ti
     placement's bookkeeping on top of the step's fixed cost and are reduced apart, so that neither the
     per-layer overhead nor the placement overhead is a blend of the two. A step that reports its own time (the
     tracer's, as a trace records it) is timed by that; otherwise by `timing`'s clock around the call."""
+    return time_interleaved_decode_steps_s([step], n_steps, timing)[0]
+
+
+def time_interleaved_decode_steps_s(steps: list[Callable[[], StepOutcome | None]], n_steps: int, timing: Timing
+                                    ) -> list[StepTimes]:
+    """`time_decode_steps_s` of several decoders at once, their steps taken in turn (the order reversed every
+    round): a slope between decoders is then a difference of steps timed within one round, so a slow phase of a
+    shared machine (seconds long here, +-20-30%) lands on every decoder alike instead of on one point of the fit
+    (measured here: the token sweep's slope read 0-3.7 us/token timed one prompt after another)."""
     device = timing.device
     clock = time.perf_counter if device.type == "cuda" else timing.clock
-    for _ in range(timing.warmup):
-        step()
-    quiet, moving, attended, layers, rest = [], [], [], [], []
-    for _ in range(n_steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = clock()
-        outcome = step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed = clock() - start
-        moved, reported_s, tokens, layers_s = outcome if outcome is not None else (False, None, None, None)
-        step_s = elapsed if reported_s is None else reported_s
-        (moving if moved else quiet).append(step_s)
-        if tokens is not None:
-            attended.append(tokens)
-        if layers_s is not None and not moved:
-            layers.append(layers_s)
-            rest.append(step_s - layers_s)
+    for step in steps:
+        for _ in range(timing.warmup):
+            step()
+    timed = [([], [], [], [], []) for _ in steps]  # per decoder: quiet, moving, attended, layers, rest
+    for round_ in range(n_steps):
+        order = range(len(steps)) if round_ % 2 == 0 else reversed(range(len(steps)))
+        for i in order:
+            quiet, moving, attended, layers, rest = timed[i]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = clock()
+            outcome = steps[i]()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elapsed = clock() - start
+            moved, reported_s, tokens, layers_s = outcome if outcome is not None else (False, None, None, None)
+            step_s = elapsed if reported_s is None else reported_s
+            (moving if moved else quiet).append(step_s)
+            if tokens is not None:
+                attended.append(tokens)
+            if layers_s is not None and not moved:
+                layers.append(layers_s)
+                rest.append(step_s - layers_s)
     reduce = STATISTICS[timing.statistic]
-    return StepTimes(reduce(quiet or moving), reduce(moving) if moving else None,
-                     sum(attended) / len(attended) if attended else None,
-                     reduce(layers) if layers else None, reduce(rest) if rest else None)
+    return [StepTimes(reduce(quiet or moving), reduce(moving) if moving else None,
+                      sum(attended) / len(attended) if attended else None,
+                      reduce(layers) if layers else None, reduce(rest) if rest else None)
+            for quiet, moving, attended, layers, rest in timed]
 
 
 def overhead_sweep(
@@ -179,15 +193,21 @@ class Sweep:
 
 def token_cost_sweep(make_decoder: DecoderFactory, prompts: list[int], n_steps: int, dtype: torch.dtype,
                      timing: Timing, shapes: dict | None, n_layers: int = 2) -> Series:
-    """Decode-step time of an `n_layers` model with `shapes` against the tokens a layer attends, from prompts of
+    """A decode step's time on an `n_layers` model with `shapes` against the tokens a layer attends, from prompts of
     each length: the slope is what one more attended token costs a layer-step (attention, scoring, the
     tiered cache's per-token bookkeeping), which a fixed per-layer overhead cannot carry (measured here on the
-    micro shapes: +0.14 us per token and layer, so a 1,000-token context adds ~20% to a 600 us layer)."""
+    micro shapes: +0.14 us per token and layer, so a 1,000-token context adds ~20% to a 600 us layer).
+
+    Where the decoder reports its layers' time (the trace's layer timer, which holds the attention, scoring and
+    placement), that is the time: the rest of the step (embedding, LM head, the step's copy) does not grow with
+    the context, and on `tiny`'s shapes its LM head is ~2/3 of the step and the noise that drowned the slope
+    (measured here, smoke plan: the slope read -2.6 to +3.0 us/token from step times, -0.05 to +0.5 from the
+    layers'). The prompts' decoders step in turn (`time_interleaved_decode_steps_s`), so that a slow phase of the
+    machine is not the slope either."""
     model = near_zero_model(n_layers, dtype, timing.device, shapes)
-    x, times = [], []
-    for prompt in prompts:
-        prompt_ids = torch.arange(prompt, device=timing.device)[None] % model.config.vocab_size
-        measured = time_decode_steps_s(make_decoder(model, prompt_ids), n_steps, timing)
-        x.append(float(measured.attended_tokens if measured.attended_tokens is not None else prompt))
-        times.append(measured.quiet_s)
+    decoders = [make_decoder(model, torch.arange(prompt, device=timing.device)[None] % model.config.vocab_size)
+                for prompt in prompts]
+    measured = time_interleaved_decode_steps_s(decoders, n_steps, timing)
+    x = [float(m.attended_tokens if m.attended_tokens is not None else prompt) for m, prompt in zip(measured, prompts)]
+    times = [m.quiet_s if m.layers_s is None else m.layers_s for m in measured]
     return Series("token_cost", x, times, "attended_tokens")

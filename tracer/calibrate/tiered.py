@@ -17,6 +17,8 @@ import torch
 # One layer timer per model: `token_cost_sweep` makes a decoder per prompt on the same model, and a timer per
 # decoder would stack (each wraps every layer's forward), so later prompts would pay the earlier ones' timers.
 _TIMERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The sweeps decode at most warmup + overhead_steps (64) tokens per decoder; past this the pools still grow.
+RESERVED_DECODE_STEPS = 128
 
 
 def tiered_decoder_factory(
@@ -40,6 +42,8 @@ def tiered_decoder_factory(
         settings = make_settings(config)
         cache = TieredCache(model.config.num_hidden_layers, settings)
         cache.reset_row(0, settings, recorder)  # as decode_batch admits a sample
+        # ... and sizes its pools once (a pool that grew mid-sweep would time its copies as overhead).
+        cache.reserve_length(prompt_ids.shape[1], prompt_ids.shape[1] + RESERVED_DECODE_STEPS)
         # The trace's own step (decode_batch -> decode_step): the layer timer, the one deferred copy, the
         # recorder's end of step; one row, as a batch-1 trace.
         timer = _TIMERS.get(model)
