@@ -671,9 +671,11 @@ class PagedLayer:
             if uneven_picks or spec.recall_rule != "quest" or not isinstance(selected, slice) else None
         if staging is None:  # consecutive rows, `width` blocks each: one strided copy per tensor, no index
             pages = slice(first_page, first_page + width)
-            staged_kv, staged_pos = self._staged(selected, one_row, pages)
+            staged_kv, staged_pages, staged_pos = self._staged(selected, one_row, pages)
             if staged_kv is not None:  # one row: gathered into its pages directly
                 n_bytes = self.ddr.get_into(one_row, flat_ids, staged_kv)
+            elif staged_pages is not None:  # several rows: each staging page gathered into directly
+                n_bytes = self.ddr.get_pages_into(rec_rows, ids, staged_pages)
             else:
                 blocks, n_bytes = self._get_blocks(flat_rows, flat_ids, one_row)
                 self._pages("kv")[:, selected, :, pages] = blocks.view(len(batch_index), width, *blocks.shape[1:]) \
@@ -705,15 +707,21 @@ class PagedLayer:
         hidden.view(len(rows), self.n_kv_heads, -1, bs)[batch_of, :, staging] = ~flat_picks[:, :, None]
         return hidden
 
-    def _staged(self, selected: slice, one_row: int | None, pages: slice) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _staged(self, selected: slice, one_row: int | None, pages: slice
+                ) -> tuple[torch.Tensor | None, list[torch.Tensor] | None, torch.Tensor]:
         """Views of the staging `pages` of the `selected` rows that recall writes: one row's K and V as the store's
-        block layout ([width, 2, Hkv, block, d], for `get_into`; None for several rows or a store without it), and
-        their slot positions [rows, width, block]; kept while the rows and pages recur (step after step)."""
+        block layout ([width, 2, Hkv, block, d], for `get_into`; None for several rows), several rows' pages one by
+        one in that layout ([rows, 2, Hkv, block, d] each, for `get_pages_into`; None for one row), both None for a
+        store without them; and their slot positions [rows, width, block]; kept while the rows and pages recur
+        (step after step)."""
         def make():
-            staged_kv = None
-            if one_row is not None and hasattr(self.ddr, "get_into"):  # [2, Hkv, width, block, d] -> the block layout
-                staged_kv = self._pages("kv")[:, one_row, :, pages].permute(2, 0, 1, 3, 4)
-            return staged_kv, self._pages("slot_pos")[selected, pages]
+            staged_kv = staged_pages = None
+            kv = self._pages("kv")  # [2, rows, Hkv, pages, block, d] -> the block layout
+            if one_row is not None and hasattr(self.ddr, "get_into"):
+                staged_kv = kv[:, one_row, :, pages].permute(2, 0, 1, 3, 4)
+            elif one_row is None and hasattr(self.ddr, "get_pages_into"):
+                staged_pages = [kv[:, selected, :, page].transpose(0, 1) for page in range(pages.start, pages.stop)]
+            return staged_kv, staged_pages, self._pages("slot_pos")[selected, pages]
 
         return self._kept("staging", (selected.start, selected.stop, one_row, pages.start, pages.stop,
                                       torch.is_inference_mode_enabled()), make)

@@ -192,6 +192,14 @@ class PinnedBlockStore:
             self.storage[rows.cpu(), block_ids.cpu()] = blocks.cpu()
         return blocks.numel() * blocks.element_size()
 
+    def _slots(self, rows: torch.Tensor) -> torch.Tensor:
+        """Each of `rows`' first slot in the flat pool ([rows, blocks] flattened), kept while the cache passes the
+        same rows tensor (step after step) and the pool keeps its capacity."""
+        capacity = self.view.shape[1]
+        if self._row_base[0] is not rows or self._row_base[1] != capacity:
+            self._row_base = (rows, capacity, rows * capacity)
+        return self._row_base[2]
+
     def get(self, rows: torch.Tensor, block_ids: torch.Tensor, row: int | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Copy blocks (`rows`, `block_ids`) to the compute device: ([n, H, block, d] keys, values, bytes H2D).
@@ -206,10 +214,7 @@ class PinnedBlockStore:
         if self.view is not None and row is not None:
             blocks = torch.index_select(self.view[row], 0, block_ids, out=out)
         elif self.view is not None:  # one flat index: a contiguous block copy per id, not a 2-D advanced index
-            capacity = self.view.shape[1]
-            if self._row_base[0] is not rows or self._row_base[1] != capacity:  # the cache passes the same rows
-                self._row_base = (rows, capacity, rows * capacity)
-            blocks = torch.index_select(self.view.flatten(0, 1), 0, self._row_base[2] + block_ids, out=out)
+            blocks = torch.index_select(self.view.flatten(0, 1), 0, self._slots(rows) + block_ids, out=out)
         else:  # no mapping: the ids come to the host (one synchronisation)
             blocks = self.storage[row if row is not None else rows.cpu(), block_ids.cpu()].to(
                 self.device, non_blocking=self.pin)
@@ -224,6 +229,23 @@ class PinnedBlockStore:
             return n_bytes
         torch.index_select(self.view[row], 0, block_ids, out=out)
         return block_ids.shape[0] * self.block_bytes()
+
+    def get_pages_into(self, rows: torch.Tensor, block_ids: torch.Tensor, pages: list[torch.Tensor]) -> int:
+        """`rows`' blocks `block_ids` [m, width] (the j-th of each row into `pages[j]`, a [m, 2, H, block, d] view
+        such as every row's j-th staging page): one gather per page, straight into it, no intermediate buffer
+        (measured on the micro shapes at m = 32, width 4: ~10% less than one gather and a copy into the pages,
+        alone; more in a decode step, whose caches the buffer's extra 1.5 MB pass also cleared). Returns bytes
+        copied H2D."""
+        if self.view is None:  # no mapping: through the host, as `get_blocks` copies
+            blocks, n_bytes = self.get_blocks(rows.repeat_interleave(block_ids.shape[1]), block_ids.reshape(-1))
+            for j, page in enumerate(pages):
+                page.copy_(blocks.view(*block_ids.shape, *blocks.shape[1:])[:, j])
+            return n_bytes
+        slots = block_ids.t() + self._slots(rows)  # [width, m]: each page's flat slots, one kernel
+        flat = self.view.flatten(0, 1)
+        for j, page in enumerate(pages):
+            torch.index_select(flat, 0, slots[j], out=page)
+        return block_ids.numel() * self.block_bytes()
 
     key_max = property(lambda self: self.bounds.key_max)
     key_min = property(lambda self: self.bounds.key_min)
