@@ -137,6 +137,16 @@ def test_the_unmapped_fallback_moves_the_same_blocks(ddr_dtype):
             assert torch.equal(pages[0, :, 1:3].transpose(0, 1), want_keys)
             assert torch.equal(pages[1, :, 1:3].transpose(0, 1), want_values)
             assert not pages[:, :, [0, 3]].any()
+    if hasattr(mapped, "get_pages_into"):  # several rows' j-th blocks into their j-th pages (strided views)
+        page_rows, page_ids = torch.tensor([2, 0]), torch.tensor([[39, 5], [5, 5]])  # (blocks put above)
+        want_keys, want_values, want_bytes = mapped.get(page_rows.repeat_interleave(2), page_ids.reshape(-1))
+        for made in (mapped, unmapped):
+            pool = torch.zeros(2, 2, HEADS, 4, BLOCK, DIM)  # [K/V, rows, heads, pages, block, d]: pages 1, 2
+            views = [pool[:, :, :, page].transpose(0, 1) for page in (1, 2)]
+            assert made.get_pages_into(page_rows, page_ids, views) == want_bytes
+            assert torch.equal(pool[0, :, :, 1:3].transpose(1, 2).reshape(4, HEADS, BLOCK, DIM), want_keys)
+            assert torch.equal(pool[1, :, :, 1:3].transpose(1, 2).reshape(4, HEADS, BLOCK, DIM), want_values)
+            assert not pool[:, :, :, [0, 3]].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
