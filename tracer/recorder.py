@@ -321,7 +321,10 @@ class Recorder:
                 recalled = rows.recalled
                 columns["recalled_block_ids"].extend(recalled[:, i].tolist() if isinstance(recalled, np.ndarray)
                                                      else [layer_rows[i] for layer_rows in recalled])
-        moved = [[[] for _ in range(len(ints))] for _ in MOVED_COLUMNS]  # most rows move nothing
+        # Most rows move nothing: they share one empty list per column (the columns are read, never written: a list
+        # per row was ~600 per sample of 64 steps and 3 layers, which the garbage collector walked at every young
+        # collection: 49 -> 20 of those, and 11.5 -> 6.8 ms of collecting per B = 32 micro run)
+        moved = [[[]] * len(ints) for _ in MOVED_COLUMNS]
         quant = [[None] * len(ints) for _ in OPTIONAL_STEP_COLUMNS]
         for start, (rows, i, _) in zip(itertools.accumulate(counts, initial=0), parts):
             for e, *ids in rows.moved[i]:
