@@ -114,6 +114,12 @@ def _attend(
             query_positions = (query_start[:, None] + offsets).clamp_min(0)  # [rows, lq]
         else:
             query_positions = (offsets + query_start)[None]
+            if rows > 1 and key_positions.device.type == "cpu" and torch.equal(
+                    key_positions, key_positions[:1].expand_as(key_positions)):
+                # Rows of one length, prefilled together, hold their tokens in the same slots: one row's mask
+                # serves all (broadcast by the add below; the check is one pass over [rows, keys], the mask four
+                # over [rows, queries, keys]: ~0.26 of 0.59 ms per 8-row chunk of 128-token micro prompts).
+                key_positions = key_positions[:1]
         blocked = (key_positions[:, None, :] > query_positions[:, :, None]) | (key_positions < 0)[:, None, :]
         # As an additive -inf / 0 bias, made at the mask's size and added in place (the logits are this call's
         # own, and a prefill's are rows x Hq x lq x keys: no second copy): the same logits as masked_fill_ (a
