@@ -711,7 +711,7 @@ class PagedLayer:
                 ) -> tuple[torch.Tensor | None, list[torch.Tensor] | None, torch.Tensor]:
         """Views of the staging `pages` of the `selected` rows that recall writes: one row's K and V as the store's
         block layout ([width, 2, Hkv, block, d], for `get_into`; None for several rows), several rows' pages one by
-        one in that layout ([rows, 2, Hkv, block, d] each, for `get_pages_into`; None for one row), both None for a
+        one in that layout ([rows, 2, Hkv, block, d] each, for `get_pages_into`, on a CPU; None for one row), both None for a
         store without them; and their slot positions [rows, width, block]; kept while the rows and pages recur
         (step after step)."""
         def make():
@@ -719,7 +719,9 @@ class PagedLayer:
             kv = self._pages("kv")  # [2, rows, Hkv, pages, block, d] -> the block layout
             if one_row is not None and hasattr(self.ddr, "get_into"):
                 staged_kv = kv[:, one_row, :, pages].permute(2, 0, 1, 3, 4)
-            elif one_row is None and hasattr(self.ddr, "get_pages_into"):
+            elif one_row is None and self.device.type == "cpu" and hasattr(self.ddr, "get_pages_into"):
+                # (on a CPU the gather and a copy are each a memory-bound pass; on a GPU a gather per page would
+                # launch width - 1 more kernels to save one copy of a few MB, a microsecond of bandwidth)
                 staged_pages = [kv[:, selected, :, page].transpose(0, 1) for page in range(pages.start, pages.stop)]
             return staged_kv, staged_pages, self._pages("slot_pos")[selected, pages]
 
