@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_tracer_throughput_script_runs_on_a_cpu_and_writes_its_figures(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(ROOT / "tests/gpu/tracer_throughput.py"), "--device", "cpu", "--model",
-               "random:tiny", "--prompt", "24", "--steps", "6", "--rounds", "1", "--batches", "1,2"]
+               "random:tiny", "--prompt", "24", "--steps", "6", "--rounds", "1", "--batches", "1,2", "--write-steps", "40"]
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads((tmp_path / "throughput.json").read_text())
@@ -27,6 +27,8 @@ def test_the_tracer_throughput_script_runs_on_a_cpu_and_writes_its_figures(tmp_p
         assert entry["host_syncs_per_step"] == 1.0  # the sync-free step, as the device run will count it
         assert entry["traced_hierarchy_tok_s"] > 0 and entry["untraced_tok_s"] > 0
         assert len(entry["decode_layer_us_median"]) == 6  # random:tiny's layers, each timed
+    written = results["sample_write_ms"]
+    assert written["steps"] == 40 and written["layers"] == 6 and written["prepare"] > 0 and written["commit"] > 0
     rows = (tmp_path / "layer_us.csv").read_text().splitlines()
     assert rows[0] == "batch,step,layer,measured_layer_us,measured_step_us" and len(rows) > 12
     assert (tmp_path / "log.txt").read_text().strip().endswith("s")

@@ -235,7 +235,7 @@ def run_trace(config: TraceConfig, progress: bool = True, loaded=None) -> Path:
     from tracer.models import load_model
     from tracer.preflight import apply_threads, resolve_device, resolve_threads
     from tracer.tasks import get_task, prompt_manifest
-    from traces import TraceWriter, make_manifest
+    from traces import TraceWriter, WriteBehind, make_manifest
     from traces.host import load_average, usable_cpus
 
     config.validate()
@@ -286,9 +286,12 @@ def run_trace(config: TraceConfig, progress: bool = True, loaded=None) -> Path:
                           "samples_already_done": len(samples) - len(todo)})
     bar = tqdm(samples, desc=f"trace {config.policy}", unit="sample", disable=not progress,
                initial=len(samples) - len(todo), total=len(samples))
-    with frozen_heap():  # the collector's full passes skip the model's objects (tracer.decode.frozen_heap)
+    # Each sample commits as it finishes (resume-safe); its tables are built here, between decode steps, and on a
+    # GPU written, compressed and fsynced on a thread while the next steps decode (traces.WriteBehind).
+    behind = WriteBehind(writer, background=loaded.model.device.type == "cuda")
+    with frozen_heap(), behind:  # (frozen: the collector's full passes skip the model's objects)
         for row, steps, tokens, access in trace_samples(loaded, task, todo, config, progress=progress):
-            writer.write_sample(row, steps, tokens, access)  # each sample commits as it finishes (resume-safe)
+            behind.submit(row, steps, tokens, access)
             bar.update(1)
             bar.set_postfix(tokens=row["generated_tokens"], stop=row["stop_reason"])
     bar.close()

@@ -9,7 +9,7 @@ from traces.errors import TraceFormatError
 from traces.manifest import make_manifest, model_manifest
 from traces.reader import TraceRun, open_run
 from traces.schema import SCHEMA_VERSION
-from traces.writer import TraceWriter
+from traces.writer import TraceWriter, WriteBehind
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -17,6 +17,7 @@ __all__ = [
     "TraceFormatError",
     "TraceRun",
     "TraceWriter",
+    "WriteBehind",
     "decode_block_mass",
     "encode_block_mass",
     "make_manifest",

@@ -7,6 +7,8 @@ host synchronisations per decode step, and per-layer CUDA event timings.
   and recording, the same prompts and tokens; full (recording only) at B = 1 for reference;
 - syncs: tracer.decode.HostSyncCounter over the traced decode steps (goal: <= 1 per step);
 - layer times: the traced runs' `measured_layer_us` (timing events read after each step's own sync);
+- writing: what one finished sample of ~2,500 steps costs this host to write, split as traces.WriteBehind
+  splits it (prepared on the decode thread, committed on a writer thread on a GPU; `sample_write_ms`);
 - the DDR pool: whether CUDA mapped it into the device's address space (the sync-free gather and scatter) and
   whether a put/get through it round-trips exactly (`ddr_mapped_view` in throughput.json).
 Goals (issue 15): traced/untraced >= 0.9 at B = 1 and >= 0.95 at B = 16.
@@ -59,6 +61,32 @@ def ddr_mapped_view_check(device: str = "cuda") -> dict:
     return {"mapped": mapped, "round_trip_exact": exact, "bytes_per_get": n_bytes}
 
 
+def sample_write_ms(n_steps: int, n_layers: int, rounds: int = 2) -> dict:
+    """What writing one finished sample costs this host, split as traces.WriteBehind splits it: `prepare` (the
+    columns into Arrow tables, on the decode thread, between steps) and `commit` (access encoding, Parquet +
+    zstd, fsync: on a thread when decoding on a GPU, where inline it would leave the GPU idle). A synthetic
+    sample of `n_steps` decode steps x `n_layers` layers after a 256-token prompt, with movements (medians)."""
+    import tempfile
+
+    from traces import TraceWriter
+    from traces.example import example_manifest, example_sample
+
+    ids = [f"w{i}" for i in range(rounds)]
+    times: dict[str, list[float]] = {"prepare": [], "commit": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = TraceWriter(Path(tmp) / "run", example_manifest(sample_ids=ids))
+        for sample_id in ids:
+            parts = example_sample(sample_id, prompt_tokens=256, generated_tokens=n_steps, n_layers=n_layers,
+                                   movements=True)
+            begin = time.perf_counter()
+            prepared = writer.prepare_sample(**parts)
+            middle = time.perf_counter()
+            writer.commit_sample(prepared)
+            times["prepare"].append((middle - begin) * 1e3)
+            times["commit"].append((time.perf_counter() - middle) * 1e3)
+    return {"steps": n_steps, "layers": n_layers} | {k: statistics.median(v) for k, v in times.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="random:qwen2-7b")
@@ -66,6 +94,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--write-steps", type=int, default=2500, help="decode steps of the synthetic sample whose "
+                        "writing is timed (an R1 GSM8K answer's ~2,500)")
     parser.add_argument("--device", default="cuda", help="cuda (the device run), or cpu for a smoke run of this "
                         "script against the current code (tests/test_gpu_scripts.py)")
     args = parser.parse_args()
@@ -164,6 +194,10 @@ def main() -> int:
                 f"{entry['traced_hierarchy_tok_s']:.1f} tok/s, ratio {entry['traced_over_untraced']:.3f} (goal >= {goal}); "
                 f"host syncs/step {entry['host_syncs_per_step']:.1f} (goal <= 1); decode layer us median "
                 f"{statistics.median(entry['decode_layer_us_median']):.0f}, step {entry['decode_step_us_median']:.0f}")
+    results["sample_write_ms"] = sample_write_ms(args.write_steps, n_layers)
+    say(f"writing one sample of {args.write_steps} steps x {n_layers} layers: prepare (decode thread) "
+        f"{results['sample_write_ms']['prepare']:.0f} ms, commit (writer thread on a GPU) "
+        f"{results['sample_write_ms']['commit']:.0f} ms")
     (out / "throughput.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "layer_us.csv").write_text("batch,step,layer,measured_layer_us,measured_step_us\n" + "\n".join(layer_rows) + "\n")
     say(f"done in {time.perf_counter() - started:.0f}s")
