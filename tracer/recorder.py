@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -118,10 +119,9 @@ class StepRows:
         self.quant = None
         nothing = repeated(None, n_rows)
         for e, entry in enumerate(entries):
-            for i, move in enumerate(() if entry.moved is nothing else entry.moved):
-                if move is not None:
-                    codes = move[0].value()[move[1]]
-                    self.moved[i].append((e, _as_ids(codes == 2), _as_ids(codes == 1), _as_ids(codes >= 3)))
+            if entry.moved is not nothing:
+                for i, ids in _moved_ids(entry.moved):
+                    self.moved[i].append((e, *ids))
             for i, error in enumerate(() if entry.errors is nothing else entry.errors):
                 if error is not None:
                     if self.quant is None:
@@ -247,8 +247,27 @@ def _ragged_ids(recalled: list) -> list[list[int]]:
     return out
 
 
-def _as_ids(mask: np.ndarray) -> list[int]:
-    return np.flatnonzero(mask).tolist()
+def _moved_ids(moved: list) -> Iterator[tuple[int, tuple[list[int], list[int], list[int]]]]:
+    """(row, (promoted, offloaded, evicted) block ids) of each row that placed: its codes are its row of a
+    fetched [placed rows, blocks] array (1 offloaded, 2 promoted, 3-4 evicted). The rows of one array are read
+    together: one nonzero per outcome over all of them, split by row (per row and outcome, a nonzero and a list
+    was ~5.6 us: 48 of them per placing layer at B = 16)."""
+    by_source: dict[int, tuple[object, list[int], list[int]]] = {}  # fetched array -> (it, rows, its rows there)
+    for i, move in enumerate(moved):
+        if move is not None:
+            group = by_source.setdefault(id(move[0]), (move[0], [], []))
+            group[1].append(i)
+            group[2].append(move[1])
+    for source, rows, at in by_source.values():
+        codes = source.value()[at]  # [rows placed, blocks]
+        split = []
+        for mask in (codes == 2, codes == 1, codes >= 3):
+            row_of, block = np.nonzero(mask)  # (row-major: each row's ids ascending, rows in order)
+            ends = np.searchsorted(row_of, np.arange(1, len(rows) + 1)).tolist()
+            flat = block.tolist()
+            split.append([flat[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)])
+        for k, i in enumerate(rows):
+            yield i, (split[0][k], split[1][k], split[2][k])
 
 
 class StepRecording:
