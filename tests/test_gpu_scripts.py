@@ -29,6 +29,9 @@ def test_the_tracer_throughput_script_runs_on_a_cpu_and_writes_its_figures(tmp_p
         assert len(entry["decode_layer_us_median"]) == 6  # random:tiny's layers, each timed
     written = results["sample_write_ms"]
     assert written["steps"] == 40 and written["layers"] == 6 and written["prepare"] > 0 and written["commit"] > 0
+    shares = results["host_issue_share"]
+    assert {"untraced B=1", "traced hierarchy B=2", "traced full B=1"} <= set(shares)
+    assert all(0.3 < share <= 1 for share in shares.values())  # a CPU: the forward's return ends its work
     rows = (tmp_path / "layer_us.csv").read_text().splitlines()
     assert rows[0] == "batch,step,layer,measured_layer_us,measured_step_us" and len(rows) > 12
     assert (tmp_path / "log.txt").read_text().strip().endswith("s")

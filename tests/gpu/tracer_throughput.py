@@ -9,6 +9,8 @@ host synchronisations per decode step, and per-layer CUDA event timings.
 - layer times: the traced runs' `measured_layer_us` (timing events read after each step's own sync);
 - writing: what one finished sample of ~2,500 steps costs this host to write, split as traces.WriteBehind
   splits it (prepared on the decode thread, committed on a writer thread on a GPU; `sample_write_ms`);
+- issuing: the share of a decode step the host spends issuing its kernels (forward entry to return, over the
+  step; ~1: launch-bound, where CUDA graphs would help; well below: the GPU's work bounds the step);
 - the DDR pool: whether CUDA mapped it into the device's address space (the sync-free gather and scatter) and
   whether a put/get through it round-trips exactly (`ddr_mapped_view` in throughput.json).
 Goals (issue 15): traced/untraced >= 0.9 at B = 1 and >= 0.95 at B = 16.
@@ -129,13 +131,39 @@ def main() -> int:
                             max_new_tokens=args.steps),
     }
 
+    issue_share: dict[str, list[float]] = {}  # per run: the host's issuing share of each decode step
+
+    class IssueTimer:
+        """Per forward, when the model's forward was entered and when it returned: on a GPU it returns once its
+        kernels are queued, so (return - entry) / (next entry - entry) is the share of a step the host spends
+        issuing it: ~1, the host bounds the step (launch-bound: what CUDA graphs would remove); well below 1,
+        the GPU's work does. (Thread CPU time cannot tell: CUDA's default sync spins while it waits.)"""
+
+        def __init__(self, name: str):
+            self.name, self.marks = name, []
+
+        def __enter__(self):
+            self.hooks = [model.register_forward_pre_hook(lambda *_: self.marks.append([time.perf_counter()])),
+                          model.register_forward_hook(lambda *_: self.marks[-1].append(time.perf_counter()))]
+            return self
+
+        def __exit__(self, *exc):
+            for hook in self.hooks:
+                hook.remove()
+            steps = self.marks[1:]  # (the first: the prefill)
+            shares = [(a[1] - a[0]) / (b[0] - a[0]) for a, b in zip(steps, steps[1:])]
+            if shares:
+                issue_share.setdefault(self.name, []).append(statistics.median(shares))
+
     def untraced(batch: int) -> float:
         model.set_attn_implementation("sdpa")
         ids = prompts[:batch].to(device)
         synchronize()
         begin = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.steps, min_new_tokens=args.steps,
-                       do_sample=False, cache=DynamicCache(config=model.config), pad_token_id=0)
+        with IssueTimer(f"untraced B={batch}"):
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.steps,
+                           min_new_tokens=args.steps, do_sample=False, cache=DynamicCache(config=model.config),
+                           pad_token_id=0)
         synchronize()
         return batch * args.steps / (time.perf_counter() - begin)
 
@@ -145,7 +173,8 @@ def main() -> int:
         jobs = [DecodeJob(i, prompts[i].tolist(), make_settings(config), Recorder()) for i in range(batch)]
         begin = time.perf_counter()
         if counter is None:
-            list(decode_batch(model, jobs, TieredCache(n_layers, jobs[0].settings), batch, args.steps, set()))
+            with IssueTimer(f"traced {policy} B={batch}"):
+                list(decode_batch(model, jobs, TieredCache(n_layers, jobs[0].settings), batch, args.steps, set()))
         else:
             with counter:
                 list(decode_batch(model, jobs, TieredCache(n_layers, jobs[0].settings), batch, args.steps, set()))
@@ -198,6 +227,9 @@ def main() -> int:
     say(f"writing one sample of {args.write_steps} steps x {n_layers} layers: prepare (decode thread) "
         f"{results['sample_write_ms']['prepare']:.0f} ms, commit (writer thread on a GPU) "
         f"{results['sample_write_ms']['commit']:.0f} ms")
+    results["host_issue_share"] = {name: statistics.median(v) for name, v in issue_share.items()}
+    say("share of a decode step the host spends issuing it (median; ~1: launch-bound): " + ", ".join(
+        f"{name} {share:.2f}" for name, share in results["host_issue_share"].items()))
     (out / "throughput.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "layer_us.csv").write_text("batch,step,layer,measured_layer_us,measured_step_us\n" + "\n".join(layer_rows) + "\n")
     say(f"done in {time.perf_counter() - started:.0f}s")
