@@ -170,8 +170,7 @@ class TraceWriter:
         sample_id = sample.get("sample_id")
         if not isinstance(sample_id, str) or not sample_id:
             raise TraceFormatError("samples: `sample_id` must be a non-empty string")
-        if sample_id in self._done:
-            raise TraceFormatError(f"samples: sample {sample_id!r} is already in {self.path}; skip done_sample_ids()")
+        self._refuse_committed(sample_id)
         row = dict(sample)
         row.setdefault("sample_index", self._next_index(sample_id))
         tables = {
@@ -191,14 +190,17 @@ class TraceWriter:
         """Write a prepared sample's parts (Parquet, zstd, fsync, rename; mostly outside the GIL), samples last:
         that part commits the sample."""
         sample_id, tables = prepared
-        if sample_id in self._done:
-            raise TraceFormatError(f"samples: sample {sample_id!r} is already in {self.path}; skip done_sample_ids()")
+        self._refuse_committed(sample_id)
         # (every table built, the access one encoded, before any part is written: a bad one leaves nothing)
         tables = {name: data() if callable(data) else data for name, data in tables.items()}
         for table in ("steps", "tokens", "access", "samples"):  # samples last: it commits the sample
             if table in tables:
                 self._write_part(table, sample_id, tables[table])
         self._done.add(sample_id)
+
+    def _refuse_committed(self, sample_id: str) -> None:
+        if sample_id in self._done:
+            raise TraceFormatError(f"samples: sample {sample_id!r} is already in {self.path}; skip done_sample_ids()")
 
     def _next_index(self, sample_id: str) -> int:
         ids = self.manifest["task"]["sample_ids"]
@@ -226,9 +228,9 @@ class WriteBehind:
     per sample of thousands of steps, which inline would leave a GPU idle, and which run mostly outside the GIL.
     `submit` prepares the sample's tables on the calling thread (`TraceWriter.prepare_sample`: the Python-heavy
     part, which would hold the GIL, so it stays between decode steps, outside any step's measured time) and
-    queues their commit (the access masses' encoding, NumPy, with it). At most `depth` samples wait (submit blocks beyond that): memory stays bounded, and a
-    crash loses at most `depth` decoded samples, which a resumed run decodes again (each still commits
-    atomically, samples part last). The first failure on the thread stops the writing and is raised by the
+    queues their commit (the access masses' encoding, NumPy, with it). At most `depth` samples wait (submit
+    blocks beyond that): memory stays bounded, and a crash loses at most `depth` decoded samples, which a resumed
+    run decodes again (each still commits atomically, samples part last). The first failure on the thread stops the writing and is raised by the
     next `submit` or by `close`; `close` commits every sample already queued (after a Ctrl-C too: the samples
     decoded are committed before the process ends), then raises that failure, if any.
 
@@ -286,14 +288,12 @@ class WriteBehind:
     def __enter__(self) -> WriteBehind:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        if exc_info[0] is None:
+    def __exit__(self, exc_type, *_) -> None:
+        try:  # also when unwinding (an error, a Ctrl-C): commit what was decoded, keeping the original exception
             self.close()
-            return
-        try:  # already unwinding (an error, a Ctrl-C): commit what was decoded, keep the original exception
-            self.close()
-        except BaseException:  # noqa: BLE001, S110
-            pass
+        except BaseException:
+            if exc_type is None:
+                raise
 
 
 def _access_table(access: Mapping | pd.DataFrame, sample_id: str) -> pa.Table:
