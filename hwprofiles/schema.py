@@ -151,6 +151,32 @@ class TransferSpec:
 
 
 @dataclass(frozen=True)
+class HostModel:
+    """The host's side of a decode step on a GPU: the framework's Python, dispatcher and launches that issue the
+    step's GPU work (`simulator/README.md`, "Host model"; the formulas are `simulator.costs.host_times`).
+
+    The host issues `ops_per_layer` ops per decoder layer and `ops_per_step` outside the layers at `op_s` each,
+    plus `step_s` once per step (a CUDA graph's launch, the decode loop's own Python). The GPU runs them as they
+    are issued, so a step costs about max(host, GPU); the GPU cannot start before the host has issued the step's
+    first `lead_ops` ops (and `step_s`), and the token is out no sooner than the host has issued every op (the
+    host waits for it: sampling, stop checks). All zero: no host model (kernel-only, or a measured CPU profile
+    whose calibrated overheads are host time already). `term` names the host cost per op that was used:
+    "cited" (the mode's measured sources) or the measured profile whose calibration timed this host.
+    """
+
+    ops_per_layer: float = 0.0
+    ops_per_step: float = 0.0
+    lead_ops: float = 0.0
+    op_s: float = 0.0
+    step_s: float = 0.0
+    term: str = "none"
+
+    @property
+    def active(self) -> bool:
+        return self.op_s > 0 or self.step_s > 0
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     name: str
     description: str
@@ -162,6 +188,7 @@ class HardwareProfile:
     transfer: TransferSpec = field(default_factory=TransferSpec)
     provenance: dict = field(default_factory=lambda: {"kind": "datasheet"})
     path: str = ""
+    host_model: HostModel = field(default_factory=HostModel)  # set by an overhead mode (overhead_modes.apply_mode)
 
 
 # ---------------------------------------------------------------- units and limits ---------------------------
@@ -278,8 +305,8 @@ class _Section:
         """An efficiency: achievable / peak, in (0, 1]."""
         return self.quantity(key, "ratio", (0.0, 1.0), positive=True)
 
-    def count(self, key: str, limits: tuple[int, int]) -> int:
-        si = self.quantity(key, "count", limits)
+    def count(self, key: str, limits: tuple[int, int], positive: bool = True) -> int:
+        si = self.quantity(key, "count", limits, positive=positive)
         if si != int(si):
             raise ProfileError(f"{self.file}: {self._at(key)}.value: must be a whole number, got {si}")
         return int(si)
@@ -462,22 +489,33 @@ def _parse_transfer(t: _Section | None, link: LinkSpec, host: HostSpec) -> Trans
 
 
 def _parse_curve(c: _Section) -> CopyCurve:
-    """`{bytes: [...], time: [...], time_unit: us, source: ...}` -> a CopyCurve in bytes and seconds."""
-    sizes, times = c._get("bytes"), c._get("time")
-    unit = c.text("time_unit", tuple(UNITS["time"]))
+    """`{bytes: [...], time: [...], time_unit: us, source: ...}`, or `bandwidth: [...], bandwidth_unit: GB/s` in
+    place of the times (what bandwidthTest and nvbandwidth report: time = bytes / bandwidth) -> a CopyCurve in bytes
+    and seconds."""
+    by_rate = "bandwidth" in c.data
+    sizes, values = c._get("bytes"), c._get("bandwidth" if by_rate else "time")
+    unit = c.text("bandwidth_unit" if by_rate else "time_unit", tuple(UNITS["bandwidth" if by_rate else "time"]))
     source = c.text("source")
     del source  # required (every number cites where it comes from) but not kept in the record
     low, high = COPY_CURVE_POINTS
-    if not isinstance(sizes, list) or not isinstance(times, list) or len(sizes) != len(times) \
+    what = "bandwidth" if by_rate else "time"
+    if not isinstance(sizes, list) or not isinstance(values, list) or len(sizes) != len(values) \
             or not low <= len(sizes) <= high:
-        c.fail(f"bytes and time must be lists of the same length ({low}..{high} points)")
-    numbers = [v for v in sizes + times if not isinstance(v, bool) and isinstance(v, int | float)]
+        c.fail(f"bytes and {what} must be lists of the same length ({low}..{high} points)")
+    numbers = [v for v in sizes + values if not isinstance(v, bool) and isinstance(v, int | float)]
     if len(numbers) != 2 * len(sizes) or not all(math.isfinite(v) for v in numbers):
-        c.fail("bytes and time must hold finite numbers only")
-    seconds = [float(v) * UNITS["time"][unit] for v in times]
+        c.fail(f"bytes and {what} must hold finite numbers only")
     if any(b <= a for a, b in zip(sizes, sizes[1:])) or not COPY_CURVE_BYTES[0] <= sizes[0] \
             or sizes[-1] > COPY_CURVE_BYTES[1]:
         c.fail("bytes must be strictly increasing, from >= 1 B to <= 1 TB")
+    if by_rate:
+        rates = [float(v) * UNITS["bandwidth"][unit] for v in values]
+        if not all(LINK_BYTES_PER_S[0] * 1e-3 <= r <= LINK_BYTES_PER_S[1] for r in rates):
+            c.fail(f"bandwidth must lie in [{_show(LINK_BYTES_PER_S[0] * 1e-3, 'bandwidth')}, "
+                   f"{_show(LINK_BYTES_PER_S[1], 'bandwidth')}]; check the values and bandwidth_unit")
+        seconds = [float(b) / r for b, r in zip(sizes, rates)]
+    else:
+        seconds = [float(v) * UNITS["time"][unit] for v in values]
     if any(s <= 0 for s in seconds) or any(b < a for a, b in zip(seconds, seconds[1:])):
         c.fail("time must be positive and never decrease with size (a larger copy is not faster)")
     c.done()
@@ -507,6 +545,88 @@ def _parse_tiers(raw: Any, gpu: GPUSpec, file: str) -> tuple[TierSpec, ...]:
         names.add(tier.name)
         tiers.append(tier)
     return tuple(tiers)
+
+
+# ---------------------------------------------------------------- overhead modes (YAML -> records) ----------
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """One measured decode the host's cost per op is derived from: time per token / ops the code issues per token."""
+
+    run: str
+    time_per_token_s: float
+    ops_per_token: int
+
+    @property
+    def op_s(self) -> float:
+        return self.time_per_token_s / self.ops_per_token
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """An overhead mode's cited figures (`hwprofiles/overheads/<mode>.yaml`; `overhead_modes.apply_mode` uses them).
+
+    `op_s` is the geometric mean of `runs`' time per op (the one figure whose largest relative error over those
+    runs is smallest), 0 when the mode issues no eager op. `decode_hbm_fraction`: the share of a profile's
+    achievable HBM bandwidth a decode step's kernels reach (None: the mode takes another mode's, see there).
+    """
+
+    name: str
+    ops_per_layer: int
+    ops_per_step: int
+    lead_ops: int
+    step_s: float
+    runs: tuple[MeasuredRun, ...] = ()
+    decode_hbm_fraction: float | None = None
+
+    @property
+    def op_s(self) -> float:
+        if not self.runs:
+            return 0.0
+        return math.exp(sum(math.log(r.op_s) for r in self.runs) / len(self.runs))
+
+
+MODE_OPS = (0, 100_000)  # ops a decode step issues per layer / outside the layers
+HOST_OP_S = (1e-7, 1e-3)  # one op's host time derived from a run: 0.1 us .. 1 ms
+TIME_PER_TOKEN_S = (1e-5, 10.0)
+
+
+def mode_from_dict(data: Any, file: str) -> ModeSpec:
+    """An overhead mode file (already parsed by `yaml.safe_load`) -> a validated `ModeSpec` (the same rules as
+    profiles: every number {value, unit, source}, unknown keys refused, absurd values refused)."""
+    top = _Section(data, "", file)
+    name = top.text("mode")
+    h = top.section("host")
+    ops = {key: h.count(key, MODE_OPS, positive=False) for key in ("ops_per_layer", "ops_per_step", "lead_ops")}
+    step_s = h.quantity("step_host", "time", OVERHEAD_S, positive=False)
+    h.done()
+    if ops["lead_ops"] > ops["ops_per_layer"] + ops["ops_per_step"]:
+        h.fail(f"lead_ops ({ops['lead_ops']}) exceeds the ops of a one-layer step; it counts the ops issued before the "
+               "step's first matmul")
+    runs = []
+    raw_runs = top._get("host_op_from", required=False)
+    if raw_runs is not None:
+        if not isinstance(raw_runs, list) or not raw_runs:
+            top.fail("host_op_from: must be a non-empty list of measured runs")
+        for index, item in enumerate(raw_runs):
+            r = _Section(item, f"host_op_from[{index}]", file)
+            run = MeasuredRun(r.text("run"), r.quantity("time_per_token", "time", TIME_PER_TOKEN_S),
+                              r.count("ops_per_token", (1, MODE_OPS[1])))
+            r.done()
+            if not HOST_OP_S[0] <= run.op_s <= HOST_OP_S[1]:
+                r.fail(f"{run.op_s * 1e6:.3g} us per op is not a host's cost per op (0.1 us .. 1 ms); check "
+                       "time_per_token and ops_per_token")
+            runs.append(run)
+    if (ops["ops_per_layer"] or ops["ops_per_step"]) and not runs:
+        top.fail("host_op_from: the mode issues eager ops, so it needs the measured runs its cost per op comes from")
+    g = top.section("gpu", required=False)
+    fraction = None
+    if g is not None:
+        fraction = g.ratio("decode_hbm_fraction")
+        g.done()
+    top.done()
+    return ModeSpec(name, ops["ops_per_layer"], ops["ops_per_step"], ops["lead_ops"], step_s, tuple(runs), fraction)
 
 
 # ---------------------------------------------------------------- records -> YAML ----------------------------

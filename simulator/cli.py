@@ -171,8 +171,8 @@ def _with_option_defaults(old):
 
 
 def table_lines(summaries: list[dict]) -> list[str]:
-    header = (f"{'profile':<16} {'kind':<9} {'engine':<6} {'ms/token':>9} {'tokens/s':>9} {'stall %':>7} "
-              f"{'peak HBM GB':>11} {'max conc. policy/full':>21}  flags")
+    header = (f"{'profile':<16} {'kind':<9} {'overheads (host term)':<24} {'engine':<6} {'ms/token':>9} "
+              f"{'tokens/s':>9} {'stall %':>7} {'peak HBM GB':>11} {'max conc. policy/full':>21}  flags")
     lines = [header, "-" * len(header)]
     for s in summaries:
         flags = []
@@ -183,8 +183,9 @@ def table_lines(summaries: list[dict]) -> list[str]:
         if s["d2h_backlog_s"] > 0:
             flags.append(f"offload backlog {s['d2h_backlog_s'] * 1e3:.1f} ms")
         concurrency = f"{s['max_concurrency_policy']}/{s['max_concurrency_full']}"
+        overheads = f"{s['overhead_mode']} ({s['host_term']})"
         lines.append(
-            f"{s['profile']:<16} {s['result_kind']:<9} {s['engine']:<6} {s['ms_per_token']:>9.3f} "
+            f"{s['profile']:<16} {s['result_kind']:<9} {overheads:<24} {s['engine']:<6} {s['ms_per_token']:>9.3f} "
             f"{s['tokens_per_s']:>9.1f} {100 * s['link_stall_frac']:>7.1f} {s['peak_hbm_bytes'] / 1e9:>11.2f} "
             f"{concurrency:>21}  {' '.join(flags)}"
         )

@@ -28,7 +28,8 @@ RESULT_COLUMNS: dict[str, str] = {
     "policy_key": "the policy's identity (traces.policy.PolicySpec.identity): traced runs and projections join on it",
     "profile": "hardware profile name",
     **{name: f"simulator option {name} (simulator.options.SimOptions)" for name in OPTION_COLUMNS},
-    # overhead_mode (an option column) holds the mode charged: measured | kernel-only | hf-eager
+    # overhead_mode (an option column) holds the mode charged: measured | kernel-only | hf-eager | cuda-graphs;
+    # host_term (an option column) the host's cost per op it used: cited | <measured profile> | none (no host model)
     "engine": "engine that computed the row: des or fast",
     "overhead_set": "which of the profile's overhead sets was charged: streaming or cached",
     "overhead_source": "whose decode path's calibrated overheads were charged (tiered/<policy> or the profile's)",
@@ -43,7 +44,8 @@ RESULT_COLUMNS: dict[str, str] = {
     "tokens_per_s": "batch x decode steps / decode_s",
     "compute_s": "time of compute-bound operations",
     "hbm_s": "time of HBM-bandwidth-bound operations",
-    "overhead_s": "fixed per-step and per-layer overheads",
+    "overhead_s": "fixed per-step and per-layer overheads, and the host time the GPU waits for (host model)",
+    "host_s": "the host's time issuing every step (steps x the host model's step time; 0 without one)",
     "link_stall_s": "total_s - compute_s - hbm_s - overhead_s: the GPU waits for a copy",
     "link_stall_frac": "link_stall_s / total_s",
     "bytes_h2d": "bytes recalled (all copies of a batch)",
@@ -82,8 +84,8 @@ CAPACITY_COLUMNS = ("kv_bytes_per_seq_full", "kv_hbm_bytes_per_seq", "max_concur
 
 # The summary row of a run (samples run one after another): sums, maxima, worst-case capacities.
 SUMMARY_SAMPLE_ID = "ALL"
-SUM_COLUMNS = ("steps", "total_s", "prefill_s", "decode_s", "compute_s", "hbm_s", "overhead_s", "link_stall_s",
-               "bytes_h2d", "bytes_d2h")
+SUM_COLUMNS = ("steps", "total_s", "prefill_s", "decode_s", "compute_s", "hbm_s", "overhead_s", "host_s",
+               "link_stall_s", "bytes_h2d", "bytes_d2h")
 MAX_COLUMNS = ("peak_hbm_bytes", "peak_ddr_bytes", "kv_bytes_per_seq_full", "kv_hbm_bytes_per_seq",
                "kv_ddr_bytes_per_seq", "d2h_backlog_s")
 MIN_COLUMNS = ("max_concurrency_full", "max_concurrency_policy", "max_concurrency_ddr")

@@ -19,6 +19,15 @@ tiered cache's bookkeeping when a block completes under a binding budget) and `r
 with q = query_tokens (1 when decoding, P at the prefill) and a = attended tokens = hbm_tokens +
 recalled_tokens of the trace row (the new tokens included). `pairs(q, a)` counts causal (query, key) pairs.
 Weights are read once per layer-step whatever the batch (that is what batching buys); KV is per sequence.
+
+The host model (`host_times`, an overhead mode's `profile.host_model`): the host issues a step's ops while the GPU
+runs them, so a step (its GPU chain G: operations, recall waits, synchronous offloads) ends at
+
+    end = start + max(lead_s + G, step_s)        lead_s = step_host + lead_ops x op_s
+                                                 step_s = step_host + (L x ops_per_layer + ops_per_step) x op_s
+
+(the GPU starts once the host has issued the ops before the first matmul; the token is out no sooner than the host
+has issued every op, and the host waits for it before the next step). Without a host model both are 0.
 """
 
 from __future__ import annotations
@@ -272,6 +281,32 @@ def add_layer_events(op_s: list[float], events: np.ndarray) -> list[float]:
     if not np.any(events):
         return op_s
     return [*(np.asarray(op_s[:-1]) + events).tolist(), op_s[-1]]
+
+
+@dataclass(frozen=True)
+class HostTimes:
+    """The host's part of every decode step on one profile (0, 0: no host model)."""
+
+    lead_s: float  # host time before the step's GPU work can start
+    step_s: float  # the host's whole step: the token is out no sooner
+
+
+NO_HOST = HostTimes(0.0, 0.0)
+
+
+def host_times(shape: ModelShape, profile: HardwareProfile) -> HostTimes:
+    """lead_s and step_s of the profile's host model for this model (see the module docstring): the host issues
+    the same ops whatever the batch and the context, so one pair serves every step."""
+    h = profile.host_model
+    if not h.active:
+        return NO_HOST
+    return HostTimes(lead_s=h.step_s + h.lead_ops * h.op_s,
+                     step_s=h.step_s + (shape.n_layers * h.ops_per_layer + h.ops_per_step) * h.op_s)
+
+
+def host_step_s(gpu_step_s, host: HostTimes):
+    """A step whose GPU chain takes `gpu_step_s`: max(lead_s + GPU, step_s) (vectorised)."""
+    return np.maximum(host.lead_s + np.asarray(gpu_step_s, dtype=np.float64), host.step_s)
 
 
 def head_times(shape: ModelShape, profile: HardwareProfile, batch: int = 1) -> OpTimes:

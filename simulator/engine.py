@@ -12,7 +12,9 @@ Hardware (`Hardware`):
 
 A sequence process walks the Workload's operations (workload.py). Inside a step it keeps its own clock and
 yields only where another process could observe it: before issuing a copy and at the end of the step (see
-`sequence`); a step with nothing to wait for or issue is one timeout. Overlap modes:
+`sequence`); a step with nothing to wait for or issue is one timeout. With a host model (costs.host_times) a
+step's GPU work starts `lead_s` after the step begins and the step ends no sooner than `step_s` after it (one
+timeout each). Overlap modes:
 
 - `none`: recall, then compute (the recall is on the critical path);
 - `layer-prefetch`: the recall for operation i+1 is issued when operation i starts computing, so it
@@ -287,10 +289,14 @@ def sequence(env: simpy.Environment, hw: Hardware, work: Workload, overlap: str,
         following2 = np.append(work.recall_s[1:], 0.0).reshape(work.n_steps, per_step)
         following_bytes2 = np.append(work.recall_bytes[1:], 0.0).reshape(work.n_steps, per_step)
     timeout = env.timeout
+    lead_s, host_s = work.host.lead_s, work.host.step_s  # the host model (costs.host_times; 0, 0 without)
 
     for s in range(work.n_steps):
         gpu = hw.gpu.request()
         yield gpu
+        host_start_s = env.now  # the previous token is out: the host starts issuing this step
+        if lead_s:
+            yield timeout(lead_s)
         if lean and not has_transfer[s] and timeline is None and (inline or not schedule.pending):
             yield timeout(step_compute[s])  # nothing to wait for or issue: the whole step at once
         elif inline:
@@ -319,6 +325,8 @@ def sequence(env: simpy.Environment, hw: Hardware, work: Workload, overlap: str,
                 compute2[s].tolist(), per_member(recall2[s]), per_member(recall_bytes2[s]), per_member(offload2[s]),
                 per_member(offload_bytes2[s]), members, members, per_member(following2[s]),
                 per_member(following_bytes2[s]), op_offset=s * per_step, track=track, step=s, n_layers=work.n_layers)
+        if host_s and env.now < host_start_s + host_s:  # the token is out once the host has issued every op
+            yield timeout(host_start_s + host_s - env.now)
         hw.gpu.release(gpu)
         step_end_s[s] = env.now
 

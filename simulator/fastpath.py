@@ -17,6 +17,12 @@ end_n = C_n + max_k (ready_k - C_{k-1}) with C the cumulative sum of durations.
 Cases outside these (a lockstep batch, a half-duplex link with async offload, several copy engines per
 direction with async offload) share a resource between transfers of the same sequence; `applies` says so
 and the DES is used instead.
+
+With a host model (costs.host_times: lead_s, step_s) the steps are no longer one cumulative sum: step s begins
+when the previous token is out (T_s = E_{s-1}); its first operation starts at T_s + lead_s + r_first (with
+layer-prefetch: max(T_s + lead_s, S_head(s-1) + r_first), the recall issued as the previous LM head started);
+the operations after it keep their offsets within the step (the same gaps as above), and the step ends at
+E_s = max(GPU end, T_s + step_s). That is a scalar recurrence over steps on top of the per-step cumulative sums.
 """
 
 from __future__ import annotations
@@ -49,13 +55,17 @@ def run_fast(work: Workload, profile: HardwareProfile, overlap: str = "none", as
         gap = np.maximum(c + o, r_next)
     else:
         gap = np.maximum(c, r_next) + o
-    start = r[0] + np.concatenate([[0.0], np.cumsum(gap[:-1])])
-    end = start + c  # end of each operation's compute
     per_step = work.ops_per_step
-    step_end_s = end[per_step - 1 :: per_step]
-    if not async_offload:
-        # A synchronous offload after the LM head (never: head ops move nothing) would extend the step.
-        step_end_s = step_end_s + o[per_step - 1 :: per_step]
+    if work.host.lead_s or work.host.step_s:
+        start, step_end_s = _host_schedule(work, gap, overlap == "layer-prefetch", async_offload)
+        end = start + c
+    else:
+        start = r[0] + np.concatenate([[0.0], np.cumsum(gap[:-1])])
+        end = start + c  # end of each operation's compute
+        step_end_s = end[per_step - 1 :: per_step]
+        if not async_offload:
+            # A synchronous offload after the LM head (never: head ops move nothing) would extend the step.
+            step_end_s = step_end_s + o[per_step - 1 :: per_step]
 
     last_d2h_end = 0.0
     moving = o > 0
@@ -77,3 +87,31 @@ def run_fast(work: Workload, profile: HardwareProfile, overlap: str = "none", as
         h2d_bytes=float(work.recall_bytes.sum()),
         d2h_bytes=float(work.offload_bytes.sum()),
     )
+
+
+def _host_schedule(work: Workload, gap: np.ndarray, prefetch: bool, async_offload: bool):
+    """(start of every operation, end of every step) under a host model (module docstring): the within-step
+    offsets are cumulative sums of `gap`; the steps' starts and ends a scalar recurrence."""
+    n, per_step = work.n_steps, work.ops_per_step
+    lead_s, host_s = work.host.lead_s, work.host.step_s
+    rel = np.zeros((n, per_step))
+    rel[:, 1:] = np.cumsum(gap.reshape(n, per_step)[:, :-1], axis=1)  # offsets from the step's first operation
+    head_c = work.compute_s[per_step - 1 :: per_step]
+    head_o = 0.0 if async_offload else work.offload_s[per_step - 1 :: per_step]
+    gpu_end_rel = (rel[:, -1] + head_c + head_o).tolist()
+    head_rel = rel[:, -1].tolist()
+    r_first = work.recall_s[::per_step].tolist()
+    first = [0.0] * n
+    step_end = [0.0] * n
+    step_start = head_start = 0.0
+    for s in range(n):
+        ready = step_start + lead_s  # the host has issued the ops before the first matmul
+        if prefetch and s > 0 and r_first[s] > 0:
+            first_s = max(ready, head_start + r_first[s])  # issued as the previous LM head started
+        else:
+            first_s = ready + r_first[s]
+        first[s] = first_s
+        head_start = first_s + head_rel[s]
+        step_start = step_end[s] = max(first_s + gpu_end_rel[s], step_start + host_s)
+    start = (np.asarray(first)[:, None] + rel).ravel()
+    return start, np.asarray(step_end)

@@ -30,7 +30,7 @@ OVERLAP_MODES = ("none", "layer-prefetch")
 # Far beyond any study here (a 7B hierarchy at 20 req/s for 600 s is 12,000 requests), far below a hang.
 MAX_BATCH = 1 << 16
 MAX_REQUESTS = 10_000_000
-OVERHEAD_MODES = ("measured", "kernel-only", "hf-eager")  # hwprofiles.overhead_modes (a test keeps them equal)
+OVERHEAD_MODES = ("measured", "kernel-only", "hf-eager", "cuda-graphs")  # hwprofiles.overhead_modes (a test keeps them equal)
 ENGINES = ("auto", "des", "fast")
 # How KV blocks cross the host link: the names of simulator.mechanisms.MECHANISMS (not imported here, to keep
 # `thoughtkv --help` light; tests/test_mechanisms.py keeps the two equal).
@@ -59,13 +59,22 @@ class SimOptions:
 
     overhead_mode: str | None = field(default=None, metadata={
         "help": "framework overheads charged: measured (calibrated), kernel-only (none: kernels and copies only), "
-                "hf-eager (datasheet GPUs + a cited launch-count estimate of a transformers eager loop; "
-                "hwprofiles/overhead_modes.py)", "type": str, "choices": OVERHEAD_MODES,
+                "hf-eager (a transformers eager loop: the host issues every op, a step costs max(host, GPU)), "
+                "cuda-graphs (a captured step: one launch, the GPU at the bandwidth such engines reach); "
+                "hwprofiles/overhead_modes.py, simulator/README.md", "type": str, "choices": OVERHEAD_MODES,
         "default_text": "the profile's own: measured for a calibrated profile, kernel-only for a datasheet one"})
+    host_term: str | None = field(default=None, metadata={
+        "help": "the host's cost per eager op (hf-eager, cuda-graphs): cited (from published measured runs, "
+                "hwprofiles/overheads/hf-eager.yaml) or the name of a measured profile whose `thoughtkv calibrate` "
+                "timed this host (e.g. measured-cpu); ignored by kernel-only and measured", "type": str,
+        "metavar": "TERM", "default_text": "cited"})
 
     def __post_init__(self) -> None:
         if self.overhead_mode is not None and self.overhead_mode not in OVERHEAD_MODES:
             raise OptionError(f"overhead_mode {self.overhead_mode!r} is unknown; use one of {', '.join(OVERHEAD_MODES)}")
+        if self.host_term is not None and (not isinstance(self.host_term, str) or not self.host_term.strip()):
+            raise OptionError(f"host_term must be cited or a measured profile's name, got {self.host_term!r} "
+                              "(--host-term)")
         _choice(self, "overlap")
         _choice(self, "engine")
         _choice(self, "transfer")

@@ -22,7 +22,9 @@ The model (SimPy; the engine's hardware, engine.py, and cost model, costs.py):
   weights once + every request's own FLOPs and KV bytes (`costs.layer_flops_bytes` per request, summed,
   `costs.roofline`); after it, the offloads start on D2H (awaited only without async offload). With
   `layer-prefetch` the recalls of operation i+1 (after the LM head: of the next step's first layer) are
-  issued when operation i starts computing. Every request then emits one token.
+  issued when operation i starts computing. Every request then emits one token. Under a host model
+  (costs.host_times: one host issues the batched step, whose ops do not grow with the batch) the iteration's
+  GPU work starts `lead_s` after it begins and its tokens are out no sooner than `step_s` after it.
 - The link: the engine's `Channel`s (H2D and D2H, or one shared channel when half duplex; a FIFO queue of
   copy engines, with one wire when there are several engines). Every request's copy is queued on them (each with the
   fixed per-copy overhead, as in the engine; `batch_copies` instead moves a batch's blocks of one operation
@@ -47,6 +49,7 @@ import pandas as pd
 import simpy
 
 from hwprofiles import HardwareProfile, load_profile
+from hwprofiles.overhead_modes import apply_mode, mode_of
 from simulator import costs
 from simulator.engine import Hardware, Timeline
 from simulator.errors import ServingError
@@ -337,6 +340,7 @@ class ServingSim:
                                      config.options.async_offload, mechanism.copy_overhead_s(ctx, "h2d"),
                                      offload_mechanism(mechanism).copy_overhead_s(ctx, "d2h"), coalesce,
                                      _add_link_wait)
+        self.host = costs.host_times(shape, profile)  # the host's lead and whole-iteration time (host model)
         self.iterations = 0
         self.tokens = 0  # emitted so far (progress)
         self.env.process(self.arrivals())
@@ -404,7 +408,12 @@ class ServingSim:
             start_s = self.env.now
             with self.hw.gpu.request() as gpu:
                 yield gpu
+                host_start_s = self.env.now  # the host issues one batched step: its ops do not grow with the batch
+                if self.host.lead_s:
+                    yield self.env.timeout(self.host.lead_s)
                 yield from self.iteration(self.running)
+                if self.host.step_s and self.env.now < host_start_s + self.host.step_s:
+                    yield self.env.timeout(host_start_s + self.host.step_s - self.env.now)
             if self.timeline is not None:
                 self.timeline.span("GPU", f"iteration {self.iterations}", start_s, self.env.now,
                                    sequences=len(self.running))
@@ -557,6 +566,8 @@ def summarise(sim: ServingSim, manifest: dict, run_dir: str, overhead_source: st
         "run_dir": str(run_dir), "model": sim.shape.name, "policy": policy["name"],
         "hbm_budget": policy.get("hbm_budget"), "profile": profile.name,
         **{name: getattr(config.options, name) for name in KEY_FIELDS}, "overhead_source": overhead_source,
+        "overhead_mode": mode_of(profile), "host_term": profile.host_model.term,  # what was charged, resolved
+        "host_s_per_iteration": sim.host.step_s,
         "batch_copies": config.batch_copies, "rate_per_s": config.rate_per_s if not config.arrivals_csv else math.nan, "duration_s": config.duration_s, "max_batch": config.max_batch, "seed": config.seed,
         "tbt_slo_s": config.tbt_slo_s, "n_requests": len(requests), "n_rejected": int(requests["rejected"].sum())
         if len(requests) else 0, "n_completed": int(served["finish_s"].notna().sum()) if len(served) else 0,
@@ -606,7 +617,9 @@ def simulate_serving(run_dir: str | Path, profile: str | HardwareProfile, config
     chain = tier_chain(profile, config.options.offload_tier)  # an unknown tier fails before any work
     if config.options.overlap == "layer-prefetch":  # the same validity rule as simulate_run's
         check_prefetch(run, traced_config(run.manifest["policy"]), projected=False)
-    # The same per-policy overheads simulate_run charges (calibrated profiles measure each decode path).
+    # The overhead mode and host term, then the same per-policy overheads simulate_run charges (calibrated
+    # profiles measure each decode path).
+    profile = apply_mode(profile, config.options.overhead_mode, config.options.host_term)
     profile, overhead_source = costs.profile_for_policy(profile, run.manifest["policy"]["name"])
     manifest, shape, works = load_run_work(run_dir, profile, chain.primary, config.options.transfer)
     spill_works = load_run_work(run_dir, profile, chain.spill, config.options.transfer)[2] if chain.spill else None

@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
 def table_lines(summaries: list[dict]) -> list[str]:
     header = (f"{'run':<18} {'profile':<14} {'policy':<10} {'budget':>6} {'reqs':>5} {'tok/s':>8} "
               f"{'TTFT p50/p99 s':>15} {'TBT p50/p99 ms':>15} {'queue s':>8} {'max conc':>8} {'H2D %':>6} "
-              f"{'goodput tok/s':>13}")
+              f"{'goodput tok/s':>13}  overheads (host term)")
     lines = [header, "-" * len(header)]
     for s in summaries:
         budget = s["hbm_budget"] if s["hbm_budget"] is not None else float("nan")
@@ -118,6 +118,6 @@ def table_lines(summaries: list[dict]) -> list[str]:
             f"{s['n_requests']:>5} {s['throughput_tokens_per_s']:>8.1f} "
             f"{s['ttft_p50_s']:>7.2f}/{s['ttft_p99_s']:<7.2f} {s['tbt_p50_s'] * 1e3:>7.1f}/{s['tbt_p99_s'] * 1e3:<7.1f} "
             f"{s['queue_delay_mean_s']:>8.2f} {s['max_concurrency']:>8} {100 * s['link_util_h2d']:>6.1f} "
-            f"{s['goodput_tokens_per_s']:>13.1f}"
+            f"{s['goodput_tokens_per_s']:>13.1f}  {s['overhead_mode']} ({s['host_term']})"
         )
     return lines

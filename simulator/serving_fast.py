@@ -77,6 +77,7 @@ class FastServing:
         self.occupancy: list[tuple] = []
         self.end_s = 0.0
         self.pending: dict[int, float] = {}  # layer-prefetch: request -> end of its in-flight recall
+        self.host = costs.host_times(shape, profile)  # as ServingSim: the host model's lead and iteration time
         self._tables()
 
     def _tables(self) -> None:
@@ -176,7 +177,11 @@ class FastServing:
             if config.options.overlap == "layer-prefetch":  # the next step's first recall, for requests that go on
                 goes_on = step[running] + 1 < n_steps[running]
                 nxt = np.where(goes_on, rows + 1, -1)
+            host_start_s = clock.now
+            clock.now = host_start_s + self.host.lead_s  # (ServingSim.batch_loop: the host model)
             self._iteration(running, rows, nxt, link_wait, len(iteration_end))
+            if clock.now < host_start_s + self.host.step_s:
+                clock.now = host_start_s + self.host.step_s
             iteration_end.append(clock.now)
             for rid in running[first_iteration[running] < 0]:
                 first_iteration[rid] = len(iteration_end) - 1

@@ -83,7 +83,7 @@ def simulate_run(
     if overlap == "layer-prefetch":
         check_prefetch(run, config, projected)
     host_warning = provenance_warning(profile.name, profile.provenance, str(run.path), run.manifest.get("hardware"))
-    profile = apply_mode(profile, options.overhead_mode)  # measured | kernel-only | hf-eager
+    profile = apply_mode(profile, options.overhead_mode, options.host_term)  # measured | kernel-only | hf-eager | cuda-graphs
     geometry_warning = costs.geometry_warning(profile, config, str(run.path)) if mode_of(profile) == "measured" else None
     profile, overhead_source = costs.profile_for_policy(profile, config.policy)
     mechanism = mechanisms.mechanism_for(options.transfer, profile)  # refused on a profile lacking its parameters
@@ -140,6 +140,7 @@ def simulate_run(
         if projection is not None:  # labelled "projected", the source run named
             row.update(result_kind="projected", run_label=projection.label(row["run_label"]))
         row["overhead_mode"] = mode_of(profile)  # the mode charged (the option may leave it to the profile)
+        row["host_term"] = profile.host_model.term  # and the host's cost per op it used (none without a host model)
         rows.append(row)
         if progress is not None:
             progress(1)
@@ -181,7 +182,7 @@ def _sample_row(run, shape, profile, config: PolicySpec, options: SimOptions, wo
     decode_s = total_s - prefill_s
     compute_s = float(work.compute_only_s.sum())
     hbm_s = float(work.hbm_only_s.sum())
-    overhead_s = float(work.overhead_s.sum())
+    overhead_s = float(work.overhead_s.sum() + host_wait_s(work).sum())
     link_stall_s = max(0.0, total_s - compute_s - hbm_s - overhead_s)
     engines = engines_per_channel(profile)
     # Per-sequence footprint for the capacity projection: the decode steps' peak (the prefill's all-prompt
@@ -225,6 +226,7 @@ def _sample_row(run, shape, profile, config: PolicySpec, options: SimOptions, wo
         "compute_s": compute_s,
         "hbm_s": hbm_s,
         "overhead_s": overhead_s,
+        "host_s": work.n_steps * work.host.step_s,
         "link_stall_s": link_stall_s,
         "link_stall_frac": link_stall_s / total_s if total_s else 0.0,
         "bytes_h2d": int(round(timing.h2d_bytes)),
@@ -263,18 +265,28 @@ def _describe(overrides: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(overrides.items())) or "traced policy"
 
 
+def host_wait_s(work: Workload) -> np.ndarray:
+    """[n_steps] the host time the GPU waits for in each step, counted without copies: max(lead + GPU, host) -
+    GPU (costs.host_step_s; 0 without a host model). What copies add beyond it is link stall."""
+    if not (work.host.lead_s or work.host.step_s):
+        return np.zeros(work.n_steps)
+    gpu_s = work.compute_s.reshape(work.n_steps, work.ops_per_step).sum(1)
+    return costs.host_step_s(gpu_s, work.host) - gpu_s
+
+
 def _step_frame(work: Workload, timing: Timing) -> pd.DataFrame:
     per_step = work.ops_per_step
     end = timing.step_end_s
     latency = np.diff(np.concatenate([[0.0], end]))
-    gpu_s = work.compute_s.reshape(work.n_steps, per_step).sum(1)
+    host_wait = host_wait_s(work)
+    gpu_s = work.compute_s.reshape(work.n_steps, per_step).sum(1) + host_wait
     return pd.DataFrame({
         "sample_id": work.sample_id,
         "step": np.arange(work.n_steps, dtype=np.int32),
         "latency_s": latency,
         "compute_s": work.compute_only_s.reshape(work.n_steps, per_step).sum(1),
         "hbm_s": work.hbm_only_s.reshape(work.n_steps, per_step).sum(1),
-        "overhead_s": work.overhead_s.reshape(work.n_steps, per_step).sum(1),
+        "overhead_s": work.overhead_s.reshape(work.n_steps, per_step).sum(1) + host_wait,
         "link_stall_s": np.maximum(latency - gpu_s, 0.0),
         "hbm_kv_bytes": work.step_hbm_kv_bytes,
         "ddr_kv_bytes": work.step_ddr_kv_bytes,

@@ -6,7 +6,8 @@ A decode step is `n_layers` layer operations followed by one LM-head operation. 
     recall_s[i]    the H2D copy attention must wait for before it (0: nothing recalled)
     offload_s[i]   the D2H copy after it (0: nothing offloaded)
 
-per sequence. Both engines (engine.py: the DES; fastpath.py: closed form) read the same arrays, so they can
+per sequence, and every step the host's `host.lead_s` before the GPU can start and `host.step_s` before its
+token is out (costs.host_times; 0 without a host model). Both engines (engine.py: the DES; fastpath.py: closed form) read the same arrays, so they can
 only differ in how they schedule, never in what things cost.
 """
 
@@ -73,6 +74,7 @@ class Workload:
     offload_overhead_s: float
     step_hbm_kv_bytes: np.ndarray  # [n_steps] one sequence's KV in HBM at attention, summed over layers
     step_ddr_kv_bytes: np.ndarray  # [n_steps] one sequence's KV in DDR
+    host: costs.HostTimes = costs.NO_HOST  # the host's lead and whole-step time of every step (costs.host_times)
 
     @property
     def ops_per_step(self) -> int:
@@ -128,6 +130,7 @@ def build_workload(
         offload_overhead_s=overhead,
         step_hbm_kv_bytes=np.asarray(hbm_kv_bytes, dtype=np.float64).sum(1),
         step_ddr_kv_bytes=np.asarray(ddr_kv_bytes, dtype=np.float64).sum(1),
+        host=costs.host_times(shape, profile),
     )
 
 

@@ -71,9 +71,10 @@ def test_shipped_profile_validates_and_cites_every_number(path: Path):
     raw = yaml.safe_load(path.read_text())
     leaves = list(numbers_in(raw))
     # gpu 5 + host 2 + link 7 + overheads 2 numbers, 3 per extra tier, one per transfer-mechanism parameter
-    # (copy curves excluded: a table with one source), each with a non-trivial source
+    # and one per copy curve (a table with one source), each with a non-trivial source
     transfer = {k: v for k, v in raw.get("transfer", {}).items() if k != "copy_curve"}
-    assert len(leaves) == 16 + 3 * len(raw.get("extra_tiers", [])) + len(transfer)
+    curves = raw.get("transfer", {}).get("copy_curve", {})
+    assert len(leaves) == 16 + 3 * len(raw.get("extra_tiers", [])) + len(transfer) + len(curves)
     assert all(len(leaf["source"]) > 20 for _, leaf in leaves)
     # achievable never beats peak, and the link is far slower than HBM on every real machine
     assert profile.link.h2d_bytes_per_s <= profile.link.h2d_peak_bytes_per_s

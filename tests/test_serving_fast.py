@@ -74,8 +74,21 @@ def cases(n: int = 30):
             overlap="layer-prefetch" if run == "hierarchy" and rng.integers(0, 2) else "none",
             async_offload=bool(rng.integers(0, 2)),
             transfer=TRANSFERS[i % len(TRANSFERS)],
+            # the host side of an iteration: none, a shipped mode, or a host model near tiny's GPU step
+            host=[None, "hf-eager", "cuda-graphs", (float(rng.uniform(0, 1e-6)), float(rng.uniform(0, 1e-4)))][
+                (i // 2) % 4],
         ))
     return out
+
+
+def with_host(profile, host):
+    """The profile under an overhead mode (a name) or a scaled host model (op_s, step_s); None: as it is."""
+    from hwprofiles.overhead_modes import apply_mode
+    from hwprofiles.schema import HostModel
+
+    if host is None or isinstance(host, str):
+        return apply_mode(profile, host)
+    return dataclasses.replace(profile, host_model=HostModel(36, 32, 14, host[0], host[1], "test"))
 
 
 def simulate_serving_fast(run, profile, config):
@@ -95,10 +108,11 @@ def assert_same(a, b, what: str):
 
 @pytest.mark.parametrize("case", cases(), ids=lambda c: f"{c['transfer']}-{c['run']}-{c['machine']}-{c['pressure']}"
                          f"-{c['overlap']}"
-                         f"-{'async' if c['async_offload'] else 'sync'}-{'coalesced' if c['batch_copies'] else 'each'}")
+                         f"-{'async' if c['async_offload'] else 'sync'}-{'coalesced' if c['batch_copies'] else 'each'}"
+                         f"-{c['host'] if not isinstance(c['host'], tuple) else 'host-model'}")
 def test_fast_path_equals_the_des(runs, case):
     run = runs[case["run"]]
-    profile = machine(case["machine"], case["pressure"], peak_kv(run))
+    profile = with_host(machine(case["machine"], case["pressure"], peak_kv(run)), case["host"])
     config = ServingConfig(rate_per_s=case["rate_per_s"], duration_s=case["duration_s"], max_batch=case["max_batch"],
                            seed=case["seed"], batch_copies=case["batch_copies"],
                            options=SimOptions(overlap=case["overlap"], async_offload=case["async_offload"],

@@ -10,6 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hwprofiles import load_profile
+from hwprofiles.overhead_modes import apply_mode
+from hwprofiles.schema import HostModel
 from simulator.costs import ModelShape
 from simulator.engine import run_des
 from simulator.fastpath import applies, run_fast
@@ -54,13 +56,25 @@ def link_variant(rng_draw, full_duplex: bool, copy_engines: int):
 
 
 link_numbers = st.tuples(st.floats(1e9, 60e9), st.floats(1e9, 60e9), st.floats(0.0, 50e-6))
+# The host side of a step: none (kernel-only), the shipped modes (host-bound on this small model), or a host model
+# scaled so that steps fall on both sides of max(host, GPU) (tiny's GPU decode step is ~26 us on h100-pcie).
+host_models = st.one_of(st.none(), st.sampled_from(["hf-eager", "cuda-graphs"]),
+                        st.tuples(st.floats(0.0, 2e-6), st.floats(0.0, 2e-4)))
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(trace=random_trace(), numbers=link_numbers, case=st.sampled_from(FAST_CASES))
-def test_fast_path_equals_des(trace, numbers, case):
+def with_host(profile, host):
+    if host is None or isinstance(host, str):
+        return apply_mode(profile, host or "kernel-only")
+    op_s, step_s = host
+    return dataclasses.replace(profile, host_model=HostModel(36, 32, 14, op_s, step_s, "test"))
+
+
+@settings(max_examples=160, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=random_trace(), numbers=link_numbers, case=st.sampled_from(FAST_CASES), host=host_models)
+def test_fast_path_equals_des(trace, numbers, case, host):
+    """Under every overhead mode (the host model included), as well as without one."""
     overlap, async_offload, full_duplex, engines = case
-    profile = link_variant(numbers, full_duplex, engines)
+    profile = with_host(link_variant(numbers, full_duplex, engines), host)
     work = build_workload("s", SHAPE, profile, *trace, trace[4])
     assert applies(work, profile, overlap, async_offload)
     des = run_des(work, profile, overlap, async_offload)
@@ -70,6 +84,8 @@ def test_fast_path_equals_des(trace, numbers, case):
     assert fast.d2h_busy_s == pytest.approx(des.d2h_busy_s, rel=1e-9)
     assert fast.last_d2h_end_s == pytest.approx(des.last_d2h_end_s, rel=1e-9)
     assert fast.h2d_bytes == des.h2d_bytes and fast.d2h_bytes == des.d2h_bytes
+    lean_off = run_des(work, profile, overlap, async_offload, lean=False)  # the DES's shortcuts, host model too
+    np.testing.assert_allclose(lean_off.step_end_s, des.step_end_s, rtol=1e-12, atol=0)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

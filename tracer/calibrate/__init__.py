@@ -254,6 +254,8 @@ def _measure(device_type, architecture, plan, threads, overhead_decoder, statist
         for prefix, stream in (("overhead", None), ("overhead_with_weights", weights)):
             steps.append((f"{prefix} {decoder}", lambda decoder=decoder, prefix=prefix, stream=stream:
                           overheads(decoder, prefix, stream)))
+    from tracer.calibrate.host import host_step  # the host's cost per eager op: the simulator's host term
+    steps.append(host_step(cal.figures, timing))
     from tqdm import tqdm
 
     with tqdm(steps, desc="calibrate", unit="bench", disable=not progress) as bar:

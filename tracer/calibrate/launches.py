@@ -1,7 +1,7 @@
 """Count the kernels a transformers eager decode step launches: per decoder layer and per step outside the
-layers. The `hf-eager` overhead estimate for datasheet GPU profiles (hwprofiles/overheads/hf-eager.yaml) is
-these counts x a cited per-launch cost; `tests/test_overhead_modes.py` holds the shipped counts to this
-measurement.
+layers. The `hf-eager` overhead mode (hwprofiles/overheads/hf-eager.yaml) charges the host these ops (plus
+generate's own, counted by host.py) x a cost per op; `tests/test_overhead_modes.py` holds the shipped counts to
+this measurement.
 
 How: a `TorchDispatchMode` sees every aten op of one decode step (batch 1, a `DynamicCache`, the default
 attention) of a random-weight Qwen2 / Llama with 1 and 2 layers; per layer = the difference, per step = the
