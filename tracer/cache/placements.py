@@ -103,6 +103,9 @@ class Full(Placement):
 
     name, demoted_to = "full", TIER_HBM
 
+    def host_counts(self, leaving: int) -> tuple[int, int, int, int]:
+        return 0, 0, 0, 0
+
     def decide(self, blocks: MovableBlocks) -> Moves:
         was_hbm = (blocks.tier == TIER_HBM) & blocks.in_range
         return Moves(blocks.tier.to(torch.int8), was_hbm, None, None, None, None)
