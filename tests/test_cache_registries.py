@@ -72,8 +72,8 @@ def test_a_recall_rule_picks_what_its_dense_reference_picks(name):
     for row, blocks in enumerate(in_ddr):
         mask[row, blocks] = True
     bounds.mark(torch.arange(rows), mask)
-    store = SimpleNamespace(bounds=bounds)
-    request = RecallRequest(query, slice(0, rows), wanted, N_BLOCKS, store, torch.zeros(rows, N_BLOCKS * BLOCK))
+    layer = SimpleNamespace(ddr=SimpleNamespace(bounds=bounds), token_scores=torch.zeros(rows, N_BLOCKS * BLOCK))
+    request = RecallRequest(query, slice(0, rows), wanted, N_BLOCKS, layer)
 
     choice = rule.select(request)
     assert name in REFERENCES, f"recall rule {name!r} has no reference in this test"

@@ -3,9 +3,10 @@
 One class per rule (`traces.policy.TRACER_RECALL_RULES`), one method: `select(request) -> RecallChoice`, on
 the device, for every recalling row of a layer at once. A request carries the rows' current queries, how many
 blocks each may recall (`wanted`, host-known: `traces.policy.recall_blocks`, at most its DDR blocks) and the
-layer's DDR store (`store.bounds`: Quest's per-block key bounds and the DDR mask, `tracer.transfer.KeyBounds`)
-and token scores, so that a rule may rank by the query (quest), by a true attention (an oracle) or by what
-earlier steps scored. What a rule declares:
+layer (`tracer.cache.layer.PagedLayer`: its DDR store, whose `bounds` are Quest's per-block key bounds and the
+DDR mask, `tracer.transfer.KeyBounds`; its pages; its token scores), so that a rule may rank by a bound under
+the query (quest), by the true attention over every key (an oracle) or by what earlier steps scored. What a
+rule declares:
 - `uses_query`: whether its choice needs this layer's current query; a rule that does not can be decided
   before the layer runs (prefetched, overlapping the copy with earlier compute);
 - `counts_known`: whether each row recalls exactly its `wanted` blocks (the host then sizes the copy without
@@ -33,8 +34,7 @@ class RecallRequest:
     rows: slice | torch.Tensor  # the m rows, into the layer's [rows, ...] tensors (a slice: consecutive)
     wanted: tuple[int, ...]  # blocks each row may recall (> 0, at most its DDR blocks)
     n_blocks: int  # block ids below this (the most blocks any of the rows has)
-    store: object  # the layer's DDR store (`bounds`: `KeyBounds`; `keys`/`values` on the host)
-    token_scores: torch.Tensor  # the layer's [rows, positions] token scores (earlier steps')
+    layer: object  # the `PagedLayer`: `ddr` (its `bounds`: `KeyBounds`), pages, `token_scores` (earlier steps')
     _wanted: torch.Tensor | None = field(default=None, repr=False)
 
     def wanted_tensor(self) -> torch.Tensor:
@@ -68,7 +68,7 @@ class Quest(RecallRule):
     name = "quest"
 
     def select(self, request: RecallRequest) -> RecallChoice:
-        bounds = request.store.bounds.logit_bounds(request.query, request.rows, request.n_blocks)
+        bounds = request.layer.ddr.bounds.logit_bounds(request.query, request.rows, request.n_blocks)
         best = bounds.flatten(1, 2).amax(1)  # [m, blocks]: the max over the query heads
         # By bound, highest first: a row's first `wanted` are its picks, in that order (the trace records them
         # sorted; attention reads them as a set).
@@ -86,11 +86,11 @@ class QuestPerHead(RecallRule):
     counts_known = False
 
     def select(self, request: RecallRequest) -> RecallChoice:
-        bounds = request.store.bounds.logit_bounds(request.query, request.rows, request.n_blocks)
+        bounds = request.layer.ddr.bounds.logit_bounds(request.query, request.rows, request.n_blocks)
         k_max = max(request.wanted)
         rank = torch.arange(k_max, device=bounds.device)
         counts = request.wanted_tensor()
-        in_ddr = request.store.bounds.in_ddr(request.rows, request.n_blocks)
+        in_ddr = request.layer.ddr.bounds.in_ddr(request.rows, request.n_blocks)
         per_head = bounds.amax(2).transpose(1, 2)  # [m, blocks, Hkv] (outside DDR: the lowest value)
         top = per_head.topk(k_max, dim=1).indices  # [m, k_max, Hkv]
         picks = torch.zeros_like(per_head, dtype=torch.bool)
