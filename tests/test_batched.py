@@ -125,6 +125,27 @@ def test_layer_times_are_recorded_per_step_and_layer():
     assert all("forward" not in vars(layer) for layer in model.model.layers)
 
 
+@pytest.mark.parametrize("rule", ["quest", "quest-per-head"])
+def test_the_deferred_work_of_layers_placed_together_is_timed_apart(rule):
+    """A decode step whose layers are scored, recorded and placed together (quest, H2O) runs that work inside its
+    last layer's forward: `measured_deferred_us` holds it on that layer's row (part of its layer time) and 0 on
+    the others. Under the per-head rule each layer places after its own attention: nothing is deferred."""
+    model = tiny_model("qwen2")
+    spec = PolicySpec(policy="hierarchy", hbm_budget=0.3, recall_k=2, recall_rule=rule, block_size=4, sink_tokens=4,
+                      window_tokens=8)
+    job = DecodeJob(0, prompts()[3], TierSettings(spec=spec, scorer=build_scorer("h2o")), Recorder())
+    list(decode_batch(model, [job], TieredCache(2, job.settings), 1, 8, set()))
+    table = job.recorder.steps_table()
+    rows = list(zip(table["step"], table["layer"], table["measured_layer_us"], table["measured_deferred_us"],
+                    strict=True))
+    assert len(rows) == 16  # 8 steps x 2 layers
+    for step, layer, layer_us, deferred_us in rows:
+        if rule == "quest" and step > 0 and layer == 1:  # a decode step's last layer ran every layer's work
+            assert 0 < deferred_us < layer_us
+        else:
+            assert deferred_us == 0.0
+
+
 def test_nested_layer_timers_time_each_layer_and_leave_the_model_as_it_was():
     from tracer.decode import LayerTimer
 

@@ -162,7 +162,7 @@ def test_thoughtkv_trace_writes_behind_what_it_writes_inline(tmp_path, monkeypat
     assert len(Behind.threads) == 1 and Behind.threads[0] is not None and not Behind.threads[0].is_alive()
     assert inline.sample_ids() == behind.sample_ids() and len(inline.sample_ids()) == 7
     behind.validate()
-    timing = ["measured_step_us", "measured_layer_us", "wall_s"]
+    timing = ["measured_step_us", "measured_layer_us", "measured_deferred_us", "wall_s"]
     for table in ("samples", "steps", "tokens", "access"):
         got, want = (getattr(run, table)() for run in (behind, inline))
         got, want = (frame.drop(columns=[c for c in timing if c in frame]) for frame in (got, want))

@@ -17,7 +17,7 @@ Host synchronisation (counted by `HostSyncCounter`, tests/test_host_syncs.py): o
 fetched in the same copy as every layer's recorded rows. The tiered cache adds none under the full, evict and
 default hierarchy policies (paged pools sized from host-known counts, placement and recall as device masks,
 DDR gathers by device-side ids); where a count is data-dependent it reads it back once per layer that places
-or recalls (tracer/cache.py).
+or recalls (docs/design/tracer.md, "Sync-free steps").
 
 CUDA graphs: a decode step is not captured. What still stops it: (1) shapes that change between steps: the
 slots attended follow the fullest row's resident blocks and the recall count, the batch shrinks at a stop;
@@ -335,6 +335,12 @@ class LayerTimer:
     own synchronisation (`read_us`), so timing adds no host sync; the time is the GPU time between the layer's
     first and last kernel. CPU: the wall time of the layer's forward. A batched step's layer time covers all its
     rows (as the step time does).
+
+    A decode step of layers alike defers every layer's scoring, recording and placement to the end of its last
+    layer's forward (tracer.cache.step.after_attention_of_layers), so that layer's time includes them: the cache
+    brackets that work with `begin_deferred` / `end_deferred` (`TieredCache.layer_timer`), and `read_deferred_us`
+    gives it per layer (`measured_deferred_us`: the deferred work that ran inside each layer's forward, 0 where
+    none did; a layer's own time is `measured_layer_us - measured_deferred_us`).
     """
 
     def __init__(self, model):
@@ -347,6 +353,9 @@ class LayerTimer:
         if self.cuda:
             self.events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
         self.begun, self.ended = [0.0] * n, [0.0] * n
+        self.current = 0  # the layer whose forward runs (deferred work is timed against it)
+        # This forward's deferred runs: (layer, begin, end) as clock stamps (CPU) or a pair of events (CUDA).
+        self.deferred: list[list] = []
         self.wrappers = [self._timed(index, layer.forward) for index, layer in enumerate(self.layers)]
         for layer, wrapper in zip(self.layers, self.wrappers, strict=True):
             layer.forward = wrapper
@@ -363,10 +372,39 @@ class LayerTimer:
         return timed_forward
 
     def _mark(self, index: int, end: int) -> None:
+        if not end:
+            self.current = index
+            if index == 0:  # a forward begins
+                self.deferred.clear()
         if self.cuda:
             self.events[index][end].record()
         else:
             (self.ended if end else self.begun)[index] = self.clock()
+
+    def begin_deferred(self) -> None:
+        if self.cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            self.deferred.append([self.current, begin, end])
+        else:
+            self.deferred.append([self.current, self.clock(), None])
+
+    def end_deferred(self) -> None:
+        run = self.deferred[-1]
+        if self.cuda:
+            run[2].record()
+        else:
+            run[2] = self.clock()
+
+    def read_deferred_us(self) -> list[float] | None:
+        """The last forward's deferred work per layer (µs, by the layer whose forward ran it); call after the step
+        has synchronised. None when the timer is closed."""
+        if not self.layers:
+            return None
+        out = [0.0] * len(self.layers)
+        for layer, begin, end in self.deferred:
+            out[layer] += begin.elapsed_time(end) * 1e3 if self.cuda else (end - begin) * 1e6
+        return out
 
     def read_us(self) -> list[float] | None:
         """The last forward's per-layer times (µs); call after the step has synchronised."""
@@ -396,6 +434,7 @@ def decode_step(model, cache: TieredCache, rows: list[int], input_ids: torch.Ten
     benchmark (tracer/calibrate/tiered.py), so the overhead it fits is this path's."""
     started = clock()
     cache.set_active(rows, new_tokens)
+    cache.layer_timer = timer  # (times the layers' deferred work apart: `LayerTimer.read_deferred_us`)
     logits = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     # The step's one device->host copy: each row's next token and whether its logits were finite, fetched
     # together with the values every layer recorded this step (tracer.cache.DeferredCopies).
@@ -439,13 +478,14 @@ def _decode_batch(model, jobs, cache, batch_size, max_new_tokens, eos_ids, progr
              new_tokens: list[int] | None = None) -> Iterator[tuple[DecodeJob, DecodeResult]]:
         logits, tokens, finite, wall_us, layer_us = decode_step(model, cache, rows, input_ids, position_ids, timer,
                                                                 clock, synchronize, new_tokens)
+        deferred_us = timer.read_deferred_us()
         wall_us += earlier[0]  # a chunked prefill: the chunks before this last one belong to the same step
         if earlier[1] is not None and layer_us is not None:
             layer_us = [a + b for a, b in zip(layer_us, earlier[1], strict=True)]
         for index, row_id in enumerate(rows):
             row = active[row_id]
             if row.job.recorder is not None:
-                row.job.recorder.end_step(wall_us, layer_us)
+                row.job.recorder.end_step(wall_us, layer_us, deferred_us)
             if progress is not None:
                 progress.update(1)
             if row.logits is not None:
