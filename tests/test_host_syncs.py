@@ -97,7 +97,7 @@ def test_a_tiered_step_costs_one_sync(spec, batch_size):
     (dict(recall_rule="quest-per-head"), "recall"),  # the union's size
 ])
 def test_data_dependent_counts_cost_one_read_per_layer_and_no_more(extra, per_layer):
-    """The documented exceptions (tracer/cache.py): one read-back per layer that places (or recalls), never
+    """The documented exceptions (docs/design/tracer.md, "Sync-free steps"): one read-back per layer that places (or recalls), never
     more, so a step costs at most 1 + layers x (placing + recalling) syncs."""
     spec = PolicySpec(policy="hierarchy", hbm_budget=0.3, block_size=4, sink_tokens=4, window_tokens=8, recall_k=2,
                       **extra)
