@@ -75,7 +75,7 @@ class PagedLayer(PagePool):
         self.positions, self.targets, self.step_plans = shared.positions, shared.targets, shared.plans
         self.rows: list[RowState | None] = []
         self.flat_rows = FlatRows()
-        self.score_plan = ScorePlan([], [], False)
+        self.last_score_plan = ScorePlan([], [], False)
         self.entry_constants = EntryConstants(None, None)
         self.staged_pages = 0  # staging pages this step's recall filled (the last ones before the main pages)
         self.pads = None  # a left-padded prefill of several rows: each row's pad count (else None)

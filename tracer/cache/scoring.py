@@ -34,7 +34,7 @@ def score_plan(layer, states: list[RowState]) -> ScorePlan:
     """(Decided once per set of rows: the same states step after step.) Rows whose scorers keep no per-sample
     state and have the same settings share a call; the others (oracle, gradient, AlsoScore) are scored one row
     at a time, with the same code. Scorers are compared by identity and repr (dataclasses that may hold tensors)."""
-    plan = layer.score_plan
+    plan = layer.last_score_plan
     if len(plan.states) == len(states) and all(map(operator.is_, plan.states, states)):
         return plan
     scorers = [s.settings.scorer for s in states]
@@ -43,8 +43,8 @@ def score_plan(layer, states: list[RowState]) -> ScorePlan:
     first = scorers[active[0]] if active else None
     shared = bool(active) and first.batchable and all(
         type(scorers[i]) is type(first) and repr(scorers[i]) == repr(first) for i in active)
-    layer.score_plan = ScorePlan(list(states), active, shared)
-    return layer.score_plan
+    layer.last_score_plan = ScorePlan(list(states), active, shared)
+    return layer.last_score_plan
 
 
 def _subset(rows: list[int], device: torch.device) -> slice | torch.Tensor:
