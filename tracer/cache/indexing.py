@@ -4,7 +4,7 @@
 CUDA a pinned, non-blocking copy (`tracer.transfer.host_to_device`), never a tensor indexed with a Python list
 (which copies from pageable memory inside the op: a blocking host-to-device copy). The step path builds each
 such index once per step, in the plans its layers share (`tracer.cache.step`), or once per distinct value
-(`cached_device_index`); `tests/test_tracer_cache.py` counts them. The rest are small host-side helpers of
+(`cached_device_index`); `tests/test_host_syncs.py` counts them. The rest are small host-side helpers of
 the ragged layouts (rows of unequal counts laid end to end) and the per-row ranking the placement uses.
 """
 
