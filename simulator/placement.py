@@ -221,7 +221,7 @@ class Placement:
         return recalled & in_ddr
 
     def _rebalance(self, n_blocks: int, logical_len: int, recalled: np.ndarray):
-        """After attention (tracer/cache.py `_place`): evict to the eviction target, then keep the budget's
+        """After attention (tracer/cache/placement.py `place`): evict to the eviction target, then keep the budget's
         best movable blocks in HBM and offload (hierarchy) or evict (evict) the other resident ones."""
         cfg = self.config
         none = np.zeros_like(recalled)

@@ -125,6 +125,27 @@ def test_layer_times_are_recorded_per_step_and_layer():
     assert all("forward" not in vars(layer) for layer in model.model.layers)
 
 
+@pytest.mark.parametrize("rule", ["quest", "quest-per-head"])
+def test_the_deferred_work_of_layers_placed_together_is_timed_apart(rule):
+    """A decode step whose layers are scored, recorded and placed together (quest, H2O) runs that work inside its
+    last layer's forward: `measured_deferred_us` holds it on that layer's row (part of its layer time) and 0 on
+    the others. Under the per-head rule each layer places after its own attention: nothing is deferred."""
+    model = tiny_model("qwen2")
+    spec = PolicySpec(policy="hierarchy", hbm_budget=0.3, recall_k=2, recall_rule=rule, block_size=4, sink_tokens=4,
+                      window_tokens=8)
+    job = DecodeJob(0, prompts()[3], TierSettings(spec=spec, scorer=build_scorer("h2o")), Recorder())
+    list(decode_batch(model, [job], TieredCache(2, job.settings), 1, 8, set()))
+    table = job.recorder.steps_table()
+    rows = list(zip(table["step"], table["layer"], table["measured_layer_us"], table["measured_deferred_us"],
+                    strict=True))
+    assert len(rows) == 16  # 8 steps x 2 layers
+    for step, layer, layer_us, deferred_us in rows:
+        if rule == "quest" and step > 0 and layer == 1:  # a decode step's last layer ran every layer's work
+            assert 0 < deferred_us < layer_us
+        else:
+            assert deferred_us == 0.0
+
+
 def test_nested_layer_timers_time_each_layer_and_leave_the_model_as_it_was():
     from tracer.decode import LayerTimer
 
@@ -336,19 +357,20 @@ def test_steps_resolved_together_record_what_each_step_alone_records(policy, mon
 @pytest.mark.parametrize("policy", ["evict", "hierarchy-exact", "per-head-exact"])
 def test_layers_sharing_a_forwards_host_plans_decode_as_layers_making_their_own(policy, monkeypatch):
     """Under a policy whose counts follow from the lengths, a decode step's first layer makes the host plans
-    (append, recall, placement, recording: tracer.cache.PagedLayer._plan) and the other layers reuse them, and
+    (append, recall, placement, recording: tracer.cache.PagedLayer.plan) and the other layers reuse them, and
     (H2O, the quest rule) every layer is scored, recorded and placed together after the last one has attended
-    (tracer.cache._after_attention_of_layers). Each layer making its own plans, and each layer scoring and
+    (tracer.cache.step.after_attention_of_layers). Each layer making its own plans, and each layer scoring and
     placing after its own attention, must give the same logits, tokens, recorded rows and tiers, at B = 5 with
     refill."""
-    import tracer.cache as cache_module
+    import tracer.cache.layer as cache_module
+    import tracer.cache.step as step_module
 
     specs = {"evict": POLICIES["evict"], "hierarchy-exact": dict(policy="hierarchy", hbm_budget=0.3, recall_k=2),
              "per-head-exact": dict(policy="hierarchy", hbm_budget=0.3, recall_k=2, recall_rule="quest-per-head")}
     monkeypatch.setitem(POLICIES, policy, specs[policy])
     model = tiny_model("qwen2")
     made, together = [], []
-    shared_plan, of_layers = cache_module.PagedLayer._plan, cache_module._after_attention_of_layers
+    shared_plan, of_layers = cache_module.PagedLayer.plan, step_module.after_attention_of_layers
 
     def counting(self, name, n_new, make, reads_recall=False):
         return shared_plan(self, name, n_new, lambda: made.append(name) or make(), reads_recall)
@@ -367,16 +389,16 @@ def test_layers_sharing_a_forwards_host_plans_decode_as_layers_making_their_own(
                             result.cache.layers[1].final_tiers().tolist())
         return out
 
-    monkeypatch.setattr(cache_module.PagedLayer, "_plan", counting)
-    monkeypatch.setattr(cache_module, "_after_attention_of_layers", lambda entries: together.append(1) or of_layers(entries))
+    monkeypatch.setattr(cache_module.PagedLayer, "plan", counting)
+    monkeypatch.setattr(step_module, "after_attention_of_layers", lambda entries: together.append(1) or of_layers(entries))
     shared = decoded()
     layers = model.config.num_hidden_layers
     decode_steps = sum(len(out[0]) - 1 for out in shared.values()) / 5  # about: rows share steps
     assert made.count("recall") < 0.75 * layers * decode_steps, "the layers did not share the recall plan"
     if policy != "per-head-exact":  # (its recall counts differ by layer: each layer places after its attention)
         assert len(together) > 0.5 * decode_steps, "the layers were not scored and placed together"
-    monkeypatch.setattr(cache_module.PagedLayer, "_plan", lambda self, name, n_new, make, reads_recall=False: make())
-    monkeypatch.setattr(cache_module.PagedLayer, "_layers_alike", lambda self, rows, states: False)
+    monkeypatch.setattr(cache_module.PagedLayer, "plan", lambda self, name, n_new, make, reads_recall=False: make())
+    monkeypatch.setattr(cache_module.PagedLayer, "layers_alike", lambda self, rows, states: False)
     alone = decoded()
     assert shared.keys() == alone.keys()
     for key, (tokens, stop, logits, *recorded) in shared.items():
@@ -426,7 +448,7 @@ def test_pools_are_sized_once_at_the_policys_peak(policy, monkeypatch):
 
     model = tiny_model("qwen2")
     sizes, held = [], []
-    resize, update = PagedLayer._resize_pages, PagedLayer.update
+    resize, update = PagedLayer.resize_pages, PagedLayer.update
 
     def recording_resize(layer, *args, **kwargs):
         before = (layer.n_pages, layer.n_staging_pages)
@@ -438,7 +460,7 @@ def test_pools_are_sized_once_at_the_policys_peak(policy, monkeypatch):
         update(layer, rows, key_states, *args, **kwargs)
         held.append(max(layer.rows[r].hbm_blocks() for r in rows))
 
-    monkeypatch.setattr(PagedLayer, "_resize_pages", recording_resize)
+    monkeypatch.setattr(PagedLayer, "resize_pages", recording_resize)
     monkeypatch.setattr(PagedLayer, "update", recording_update)
     sample_prompts = prompts()
     jobs = [DecodeJob(i, p, settings(policy), Recorder()) for i, p in enumerate(sample_prompts)]

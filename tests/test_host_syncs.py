@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 import tracer.attention  # noqa: F401  (registers the "thoughtkv" attention function)
-from tracer.cache import TieredCache, TierSettings
+from tracer.cache import TieredCache, TierSettings, indexing
 from tracer.decode import DecodeJob, HostSyncCounter, decode_batch
 from tracer.recorder import Recorder
 from tracer.scorers import build_scorer
@@ -96,7 +97,7 @@ def test_a_tiered_step_costs_one_sync(spec, batch_size):
     (dict(recall_rule="quest-per-head"), "recall"),  # the union's size
 ])
 def test_data_dependent_counts_cost_one_read_per_layer_and_no_more(extra, per_layer):
-    """The documented exceptions (tracer/cache.py): one read-back per layer that places (or recalls), never
+    """The documented exceptions (docs/design/tracer.md, "Sync-free steps"): one read-back per layer that places (or recalls), never
     more, so a step costs at most 1 + layers x (placing + recalling) syncs."""
     spec = PolicySpec(policy="hierarchy", hbm_budget=0.3, block_size=4, sink_tokens=4, window_tokens=8, recall_k=2,
                       **extra)
@@ -104,3 +105,67 @@ def test_data_dependent_counts_cost_one_read_per_layer_and_no_more(extra, per_la
     bound = 1 + SHAPES["num_hidden_layers"]
     print(f"{extra}: {per_step:.2f} host syncs per step ({per_layer}): {by_op}")
     assert 1 < per_step <= bound, by_op
+
+
+class _Uploads(TorchDispatchMode):
+    """Counts the tensors made from Python lists or arrays (`aten.lift_fresh` of one or more dimensions; a Python
+    scalar written into a tensor is made a 0-dim one, filled on the device): an index built by
+    `tracer.cache.indexing.device_index`, or a tensor indexed with a Python list (which, on CUDA, copies the list
+    from pageable memory inside the op: a blocking upload)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.lift_fresh.default and args[0].dim() > 0:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def uploads_per_decode_step(model, n_layers: int) -> list[int]:
+    """The index tensors built from host data in each decode step of a mixed-length batch (the prompts differ in
+    length, so at a step some rows open a block and others not, some recall and others not, some recall fewer
+    blocks, some add to their importance), under the default hierarchy."""
+    spec = PolicySpec(policy="hierarchy", hbm_budget=0.3, block_size=4, sink_tokens=4, window_tokens=8, recall_k=2)
+    generator = torch.Generator().manual_seed(2)
+    jobs = [DecodeJob(i, torch.randint(3, 320, (13 + 7 * i,), generator=generator).tolist(),
+                      TierSettings(spec=spec, scorer=build_scorer("h2o"), track_importance=i % 2 == 0), Recorder())
+            for i in range(5)]
+    for kept in (indexing.cached_device_index, indexing.flat_selection_index, indexing.staging_pages):
+        kept.cache_clear()  # (the indices kept per distinct value: built anew for each run compared)
+    counter, per_step = _Uploads(), []
+
+    def begin(module, args, kwargs):
+        if kwargs["input_ids"].shape[1] == 1:  # a decode step (the prefill's uploads are per layer: its prompts)
+            per_step.append(counter.n)
+
+    handle = model.register_forward_pre_hook(begin, with_kwargs=True)
+    try:
+        with counter:
+            list(decode_batch(model, jobs, TieredCache(n_layers, jobs[0].settings), 5, 24, set()))
+    finally:
+        handle.remove()
+    per_step.append(counter.n)
+    assert all(len(job.recorder.steps_table()["step"]) == 24 * n_layers for job in jobs)  # no early stop
+    return [b - a for a, b in zip(per_step, per_step[1:])]
+
+
+def test_a_mixed_length_step_builds_its_index_tensors_once_not_per_layer():
+    """Every index a decode step builds from host-known values goes through `device_index` once per step (in the
+    plans the layers share, or kept per distinct value), never per layer: a model with two more layers, which
+    attend but add nothing to the residual (so the tokens, lengths and counts are the same), builds exactly as
+    many per step. Indexing a device tensor with a Python list would add one per layer (and on CUDA block)."""
+    torch.manual_seed(0)
+    deep = AutoModelForCausalLM.from_config(Qwen2Config(**{**SHAPES, "num_hidden_layers": 4}),
+                                            attn_implementation="thoughtkv", dtype=torch.float32).eval()
+    shallow = AutoModelForCausalLM.from_config(Qwen2Config(**SHAPES), attn_implementation="thoughtkv",
+                                               dtype=torch.float32).eval()
+    shallow.load_state_dict(deep.state_dict(), strict=False)  # (layers 0 and 1, embeddings, norm, head)
+    with torch.no_grad():
+        for layer in deep.model.layers[2:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    two, four = uploads_per_decode_step(shallow, 2), uploads_per_decode_step(deep, 4)
+    print(f"index tensors built per decode step, 2 layers: {two}; 4 layers: {four}")
+    assert len(two) == 23 and two == four

@@ -477,11 +477,11 @@ def test_a_batch_allocates_its_rows_once_and_exactly():
 
 def test_a_forward_that_raises_midway_leaves_the_layers_that_attended_placed(monkeypatch):
     """A decode step's layers are placed together after its last layer attends
-    (tracer.cache._after_attention_of_layers); when a forward raises before that, the next forward first places
+    (tracer.cache.step.after_attention_of_layers); when a forward raises before that, the next forward first places
     the layers that did attend, as placing each after its own attention would have: the same tiers, scores and
     recorded rows as the per-layer path after the same failure (a cache a forward raised in is not one to go on
     decoding with, its layers hold different lengths: what matters is that nothing is lost or left half-made)."""
-    import tracer.cache as cache_module
+    import tracer.cache.layer as cache_module
 
     model = tiny_model("qwen2", "thoughtkv")
     n_layers = model.config.num_hidden_layers
@@ -495,7 +495,7 @@ def test_a_forward_that_raises_midway_leaves_the_layers_that_attended_placed(mon
 
     def run(per_layer: bool):
         if per_layer:
-            monkeypatch.setattr(cache_module.PagedLayer, "_layers_alike", lambda self, rows, states: False)
+            monkeypatch.setattr(cache_module.PagedLayer, "layers_alike", lambda self, rows, states: False)
         recorder = Recorder()
         cache = TieredCache(n_layers, settings(hierarchy(0.3), recall_k=2), recorder)
         ids, position = prompt_ids(), torch.arange(PROMPT_LEN)[None]

@@ -76,11 +76,12 @@ def test_queue_is_bounded_and_submit_waits_for_room(tmp_path):
 def test_failure_on_the_thread_surfaces_on_the_next_submit_and_keeps_earlier_samples(tmp_path):
     writer = GatedWriter(tmp_path / "run", example_manifest(sample_ids=IDS), fail_on=IDS[1])
     behind = WriteBehind(writer, depth=2)
-    for _ in range(len(IDS)):
-        writer.gate.release()
     behind.submit(**parts(IDS[0], 0))
+    assert writer.started.acquire(timeout=30)  # held at the gate, so the failure cannot surface before all three
     behind.submit(**parts(IDS[1], 1))
     behind.submit(**parts(IDS[2], 2))  # queued behind the failure: dropped, decoded again on resume
+    for _ in range(3):
+        writer.gate.release()
     with pytest.raises(OSError, match="No space left"):
         behind.close()
     with pytest.raises(OSError, match="No space left"):
@@ -162,7 +163,7 @@ def test_thoughtkv_trace_writes_behind_what_it_writes_inline(tmp_path, monkeypat
     assert len(Behind.threads) == 1 and Behind.threads[0] is not None and not Behind.threads[0].is_alive()
     assert inline.sample_ids() == behind.sample_ids() and len(inline.sample_ids()) == 7
     behind.validate()
-    timing = ["measured_step_us", "measured_layer_us", "wall_s"]
+    timing = ["measured_step_us", "measured_layer_us", "measured_deferred_us", "wall_s"]
     for table in ("samples", "steps", "tokens", "access"):
         got, want = (getattr(run, table)() for run in (behind, inline))
         got, want = (frame.drop(columns=[c for c in timing if c in frame]) for frame in (got, want))

@@ -17,7 +17,7 @@ Host synchronisation (counted by `HostSyncCounter`, tests/test_host_syncs.py): o
 fetched in the same copy as every layer's recorded rows. The tiered cache adds none under the full, evict and
 default hierarchy policies (paged pools sized from host-known counts, placement and recall as device masks,
 DDR gathers by device-side ids); where a count is data-dependent it reads it back once per layer that places
-or recalls (tracer/cache.py).
+or recalls (docs/design/tracer.md, "Sync-free steps").
 
 CUDA graphs: a decode step is not captured. What still stops it: (1) shapes that change between steps: the
 slots attended follow the fullest row's resident blocks and the recall count, the batch shrinks at a stop;
@@ -49,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tracer.attention import ATTN_IMPLEMENTATION
 from tracer.cache import TieredCache, UnsupportedBatch
 from tracer.recorder import Recorder
+from tracer.timing import LayerTimer, step_clock
 from tracer.transfer import host_to_device
 
 
@@ -83,16 +84,6 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
-
-
-def step_clock(device) -> tuple[str, callable]:
-    """The clock a step's `measured_step_us` is read with, and its name (recorded in run.json): on a CPU with one
-    intra-op thread, the decode thread's CPU time — all of a step's work runs on it, it is what `thoughtkv
-    calibrate` times, and other processes' turns on a shared machine do not inflate it; otherwise (CUDA, or
-    several CPU threads whose work this thread's CPU time would miss) the wall clock."""
-    if torch.device(device).type == "cpu" and torch.get_num_threads() == 1:
-        return "thread_cpu", time.thread_time
-    return "wall", time.perf_counter
 
 
 @contextlib.contextmanager
@@ -326,69 +317,6 @@ def _advance(row: _Row, token: int, finite: bool, max_new_tokens: int, eos_ids: 
         row.stop_reason = "max_new_tokens"
 
 
-class LayerTimer:
-    """Each decoder layer's time in a forward pass (`measured_layer_us`), from a timing wrapper around each
-    layer's `forward` (an instance attribute, removed by `close`). Not forward hooks: a module with hooks runs
-    every call through `Module._call_impl`'s slow path (6.8 against 3.0 us per call of an empty module here).
-
-    CUDA: a pair of timing events per layer, recorded on the compute stream and read only after the step's
-    own synchronisation (`read_us`), so timing adds no host sync; the time is the GPU time between the layer's
-    first and last kernel. CPU: the wall time of the layer's forward. A batched step's layer time covers all its
-    rows (as the step time does).
-    """
-
-    def __init__(self, model):
-        from tracer.models import decoder_layers
-
-        self.cuda = model.device.type == "cuda"
-        self.clock = step_clock(model.device)[1]  # the step's own clock, so layer times add up within it
-        self.layers = decoder_layers(model)
-        n = len(self.layers)
-        if self.cuda:
-            self.events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-        self.begun, self.ended = [0.0] * n, [0.0] * n
-        self.wrappers = [self._timed(index, layer.forward) for index, layer in enumerate(self.layers)]
-        for layer, wrapper in zip(self.layers, self.wrappers, strict=True):
-            layer.forward = wrapper
-
-    def _timed(self, index: int, forward):
-        def timed_forward(*args, **kwargs):
-            if not self.layers:  # closed while another timer's wrapper sat on top: pass through
-                return forward(*args, **kwargs)
-            self._mark(index, 0)
-            out = forward(*args, **kwargs)
-            self._mark(index, 1)
-            return out
-        timed_forward.unwrapped, timed_forward.timer = forward, self
-        return timed_forward
-
-    def _mark(self, index: int, end: int) -> None:
-        if self.cuda:
-            self.events[index][end].record()
-        else:
-            (self.ended if end else self.begun)[index] = self.clock()
-
-    def read_us(self) -> list[float] | None:
-        """The last forward's per-layer times (µs); call after the step has synchronised."""
-        if not self.layers:
-            return None
-        if self.cuda:
-            return [start.elapsed_time(end) * 1e3 for start, end in self.events]
-        return [(end - begin) * 1e6 for begin, end in zip(self.begun, self.ended, strict=True)]
-
-    def close(self) -> None:
-        for layer, wrapper in zip(self.layers, self.wrappers, strict=True):
-            if vars(layer).get("forward") is wrapper:  # ours is the outermost: restore what it wrapped
-                forward = wrapper.unwrapped
-                while getattr(forward, "timer", None) is not None and not forward.timer.layers:
-                    forward = forward.unwrapped  # (a timer closed beneath ours: it goes too)
-                if getattr(forward, "__func__", None) is type(layer).forward and forward.__self__ is layer:
-                    del layer.forward
-                else:
-                    layer.forward = forward
-        self.layers = []
-
-
 def decode_step(model, cache: TieredCache, rows: list[int], input_ids: torch.Tensor, position_ids: torch.Tensor,
                 timer: LayerTimer, clock, synchronize, new_tokens: list[int] | None = None):
     """One forward of the active `rows`, as the trace times it: (logits [rows, vocab], next tokens, finite flags,
@@ -396,6 +324,7 @@ def decode_step(model, cache: TieredCache, rows: list[int], input_ids: torch.Ten
     benchmark (tracer/calibrate/tiered.py), so the overhead it fits is this path's."""
     started = clock()
     cache.set_active(rows, new_tokens)
+    cache.layer_timer = timer  # (times the layers' deferred work apart: `LayerTimer.read_deferred_us`)
     logits = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     # The step's one device->host copy: each row's next token and whether its logits were finite, fetched
     # together with the values every layer recorded this step (tracer.cache.DeferredCopies).
@@ -439,13 +368,14 @@ def _decode_batch(model, jobs, cache, batch_size, max_new_tokens, eos_ids, progr
              new_tokens: list[int] | None = None) -> Iterator[tuple[DecodeJob, DecodeResult]]:
         logits, tokens, finite, wall_us, layer_us = decode_step(model, cache, rows, input_ids, position_ids, timer,
                                                                 clock, synchronize, new_tokens)
+        deferred_us = timer.read_deferred_us()
         wall_us += earlier[0]  # a chunked prefill: the chunks before this last one belong to the same step
         if earlier[1] is not None and layer_us is not None:
             layer_us = [a + b for a, b in zip(layer_us, earlier[1], strict=True)]
         for index, row_id in enumerate(rows):
             row = active[row_id]
             if row.job.recorder is not None:
-                row.job.recorder.end_step(wall_us, layer_us)
+                row.job.recorder.end_step(wall_us, layer_us, deferred_us)
             if progress is not None:
                 progress.update(1)
             if row.logits is not None:

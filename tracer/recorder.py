@@ -310,6 +310,9 @@ class Recorder:
     pending: list[tuple] = field(default_factory=list)  # (StepRows, index, step)
     _parts: list[tuple] = field(default_factory=list)  # ended steps' (StepRows, index, step), not yet in `_columns`
     layer_us: list[list[float] | None] = field(default_factory=list)  # per step: each decoder layer's time
+    # per step: the deferred scoring, recording and placement of the step's layers that ran inside each layer's
+    # forward (tracer.decode.LayerTimer.read_deferred_us: all in the last layer's), included in its layer time
+    deferred_us: list[list[float] | None] = field(default_factory=list)
 
     def add_step_rows(self, rows: StepRows, index: int) -> None:
         """This sample is row `index` of the step's `rows` (every layer of the step that records it)."""
@@ -376,7 +379,8 @@ class Recorder:
         self.columns  # noqa: B018  (resolves and extends)
         return self._block_mass
 
-    def end_step(self, wall_us: float, layer_us: list[float] | None = None) -> None:
+    def end_step(self, wall_us: float, layer_us: list[float] | None = None,
+                 deferred_us: list[float] | None = None) -> None:
         for rows, _, step in reversed(self.pending):  # this step's rows are complete
             if step != self.step:
                 break
@@ -385,6 +389,7 @@ class Recorder:
             self._resolve()
         self.step_us.append(wall_us)
         self.layer_us.append(layer_us)
+        self.deferred_us.append(deferred_us)
         self.step += 1
 
     def steps_table(self) -> dict[str, list]:
@@ -392,6 +397,10 @@ class Recorder:
         table["measured_step_us"] = [self.step_us[s] for s in self.columns["step"]]
         table["measured_layer_us"] = [
             None if self.layer_us[s] is None else self.layer_us[s][layer]
+            for s, layer in zip(self.columns["step"], self.columns["layer"], strict=True)
+        ]
+        table["measured_deferred_us"] = [
+            None if self.deferred_us[s] is None else self.deferred_us[s][layer]
             for s, layer in zip(self.columns["step"], self.columns["layer"], strict=True)
         ]
         return table

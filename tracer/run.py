@@ -141,7 +141,7 @@ def protected_excess_note(spec, lengths) -> dict | None:
     return worst
 
 
-# The tiered layer's page pool is allocated at the peak below as the decode loop admits a sample (tracer/cache.py
+# The tiered layer's page pool is allocated at the peak below as the decode loop admits a sample (tracer/cache/pool.py
 # `reserve_length`; past it, e.g. a promotion beyond its room, it grows by an eighth) and the DDR pool doubles
 # (tracer/transfer.py `PinnedBlockStore.reserve`), so a sample holds at most twice what it needs.
 GROWTH_SLACK = 2
@@ -318,7 +318,7 @@ def trace_samples(loaded, task, samples, config: TraceConfig, progress: bool = F
     eos_ids = eos_token_ids(model, loaded.tokenizer)
     jobs = (prepare_job(loaded, task, sample, config) for sample in samples)
     first = TieredCache(model.config.num_hidden_layers, make_settings(config))
-    # No more rows than samples (fewer pools; and a step of every row places its layers together, tracer/cache.py)
+    # No more rows than samples (fewer pools; and a step of every row places its layers together, tracer/cache/step.py)
     batch_size = min(config.batch_size, len(samples)) if hasattr(samples, "__len__") else config.batch_size
     with tqdm(desc="decode", unit="tok", leave=False, disable=not progress) as bar:
         for job, result in decode_batch(model, jobs, first, max(1, batch_size), config.max_new_tokens, eos_ids, bar,

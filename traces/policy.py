@@ -290,7 +290,7 @@ def peak_hbm_tokens(spec: PolicySpec, max_prompt: int, max_len: int) -> int:
     `max_len`: the whole prompt before its placement (prefill), then at each length the blocks placement keeps
     (sink, window, partial block and the movable blocks the room allows) plus the block the next token opens
     before placement (every token under the full policy). Recall's staging comes on top (`max_recall_blocks`).
-    The tracer sizes its page pools with it once (tracer/cache.py) and the preflight their bytes
+    The tracer sizes its page pools with it once (tracer/cache/pool.py) and the preflight their bytes
     (tracer/run.py `kv_buffer_bytes`)."""
     bs, resident = spec.block_size, max_prompt
     for length in range(max_prompt, max_len + 1):

@@ -50,7 +50,7 @@ SAMPLES = pa.schema(
 )
 
 # Nullable columns added to a table after v1 shipped: a part without them is still v1 (they read as null).
-LATER_COLUMNS = {"samples": ("grader", "answered_after_think")}
+LATER_COLUMNS = {"samples": ("grader", "answered_after_think"), "steps": ("measured_deferred_us",)}
 
 STEPS = pa.schema(
     [
@@ -86,6 +86,9 @@ STEPS = pa.schema(
         pa.field("mass_evicted", pa.float32()),  # on evicted entries: null unless a shadow pass measured it
         pa.field("measured_step_us", pa.float64()),  # whole step (all layers), repeated per layer row
         pa.field("measured_layer_us", pa.float64()),  # this layer, when per-layer timing was on
+        # Of which the step's deferred scoring, recording and placement of every layer (run inside the last
+        # layer's forward: tracer.decode.LayerTimer); 0 on the other layers. Added later (LATER_COLUMNS).
+        pa.field("measured_deferred_us", pa.float64()),
     ]
 )
 

@@ -8,7 +8,7 @@ GPU estimate charges a traced step for recording), and the recording's own funct
 occupancy (block masses on the device, the rows' counts), the end of step (tracer.recorder.StepRows, built for
 every row and layer at once, every `RESOLVE_EVERY` steps) and the tables a finished sample hands the writer (which
 build the steps left). On a GPU the occupancy's device ops (per layer, or once per step for layers placed
-together: tracer.cache._after_attention_of_layers) are launches, which the kernel counts of collect_throughput.py
+together: tracer.cache.step.after_attention_of_layers) are launches, which the kernel counts of collect_throughput.py
 already charge: the per-row-layer figure here is an upper bound of the host's recording work there.
 
     OMP_NUM_THREADS=1 .venv/bin/python tests/bench/recording_cost.py [--batches 1,16] [--layers 28] [--rounds 3]
@@ -26,7 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 import tracer.attention  # noqa: F401  (registers the "thoughtkv" attention function)
-import tracer.cache as cache_module
+import tracer.cache.layer as layer_module
 import tracer.recorder as recorder_module
 from tracer.cache import TieredCache
 from tracer.decode import DecodeJob, decode_batch, frozen_heap
@@ -34,7 +34,7 @@ from tracer.recorder import Recorder
 from tracer.run import TraceConfig, make_settings
 
 PROMPT, STEPS = 128, 64
-TIMED = ((cache_module.PagedLayer, "_occupancy"), (recorder_module.Recorder, "end_step"),
+TIMED = ((layer_module, "occupancy"), (recorder_module.Recorder, "end_step"),
          (recorder_module.Recorder, "steps_table"), (recorder_module.Recorder, "access_table"))
 
 

@@ -20,7 +20,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-import tracer.cache as cache_module
+import tracer.cache.layer as cache_module
 from tracer.cache import TieredCache
 from tracer.decode import DecodeJob, decode_batch, frozen_heap, greedy_decode, use_tiered_attention
 from tracer.models import load_model
@@ -123,7 +123,7 @@ def main() -> None:
         cache_module.attend = attend
     first, repeat = statistics.median(inside) * 1e6, statistics.median(again) * 1e6
     # (a decode step's: the empty-slot mask, the logits GEMM that adds it, softmax, the output GEMM; the layers'
-    # mean and max over heads run once per step, after the last layer: tracer.cache._after_attention_of_layers)
+    # mean and max over heads run once per step, after the last layer: tracer.cache.step.after_attention_of_layers)
     print(f"tiered attention (4 ops: mask, GEMM, softmax, GEMM): {first:.0f} us inside a step, "
           f"{repeat:.0f} us repeated at once "
           f"({first / repeat:.1f}x): about {first / 4:.0f} us per op in context")

@@ -61,7 +61,7 @@ def tiered_decoder_factory(
             before = moved_so_far()
             _, tokens, _finite, wall_us, layer_us = decode_step(model, cache, [0], state["ids"], state["positions"],
                                                                timer, clock, synchronize)
-            recorder.end_step(wall_us, layer_us)
+            recorder.end_step(wall_us, layer_us, timer.read_deferred_us())
             state["ids"] = torch.tensor([[tokens[0]]], device=prompt_ids.device)
             state["positions"] = torch.tensor([[cache.rows[0][0].logical_len]], device=prompt_ids.device)
             # The step's time as the trace records it (measured_step_us: the forward and the step's one copy;

@@ -39,7 +39,7 @@ class Observation:
     weights_mean: torch.Tensor  # [rows, q, n] float32: softmax of each new query, mean over query heads
     weights_max: torch.Tensor  # [rows, q, n] float32: same, max over query heads
     # [rows, n_kv_heads, n, head_dim]: the attended keys (post-RoPE); None when the cache scores a decode step's
-    # layers in one call (tracer.cache._after_attention_of_layers), which it does only for a scorer that
+    # layers in one call (tracer.cache.step.after_attention_of_layers), which it does only for a scorer that
     # `adds_weights_only` (reads the weights and positions alone)
     keys: torch.Tensor | None
     values: torch.Tensor | None = None  # [rows, n_kv_heads, n, head_dim]: the attended values (vatp)

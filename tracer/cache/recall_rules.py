@@ -1,0 +1,106 @@
+"""Recall rules: which DDR blocks a recalling row's attention reads at a decode step (a registry).
+
+One class per rule (`traces.policy.TRACER_RECALL_RULES`), one method: `select(request) -> RecallChoice`, on
+the device, for every recalling row of a layer at once. A request carries the rows' current queries, how many
+blocks each may recall (`wanted`, host-known: `traces.policy.recall_blocks`, at most its DDR blocks) and the
+layer (`tracer.cache.layer.PagedLayer`: its DDR store, whose `bounds` are Quest's per-block key bounds and the
+DDR mask, `tracer.transfer.KeyBounds`; its pages; its token scores), so that a rule may rank by a bound under
+the query (quest), by the true attention over every key (an oracle) or by what earlier steps scored. What a
+rule declares:
+- `uses_query`: whether its choice needs this layer's current query; a rule that does not can be decided
+  before the layer runs (prefetched, overlapping the copy with earlier compute);
+- `counts_known`: whether each row recalls exactly its `wanted` blocks (the host then sizes the copy without
+  reading the device, and the layers of a step share their recall plans);
+- a per-head choice returns `head_picks` (which KV heads attend each recalled block; the others' attention
+  masks it out).
+The copy of the chosen blocks into the staging pages is `tracer.cache.recall`'s, whatever the rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, NamedTuple
+
+import torch
+
+from tracer.cache.indexing import cached_device_index
+
+
+@dataclass
+class RecallRequest:
+    """A layer's recalling rows at a decode step."""
+
+    query: torch.Tensor  # [m, Hkv, group, d]: the rows' current queries, grouped by KV head
+    rows: slice | torch.Tensor  # the m rows, into the layer's [rows, ...] tensors (a slice: consecutive)
+    wanted: tuple[int, ...]  # blocks each row may recall (> 0, at most its DDR blocks)
+    n_blocks: int  # block ids below this (the most blocks any of the rows has)
+    layer: object  # the `PagedLayer`: `ddr` (its `bounds`: `KeyBounds`), pages, `token_scores` (earlier steps')
+    _wanted: torch.Tensor | None = field(default=None, repr=False)
+
+    def wanted_tensor(self) -> torch.Tensor:
+        """`wanted` on the device (kept per distinct counts: built once, not per layer)."""
+        if self._wanted is None:
+            self._wanted = cached_device_index(self.wanted, str(self.query.device))
+        return self._wanted
+
+
+class RecallChoice(NamedTuple):
+    ids: torch.Tensor  # [m, width] block ids: row i's first `per_row[i]` are its picks (width = max(per_row))
+    per_row: tuple[int, ...] | list[int]  # picks per row (host)
+    head_picks: torch.Tensor | None = None  # [m, width, Hkv] bool: which KV heads attend each pick (per-head)
+
+
+class RecallRule:
+    name: ClassVar[str]
+    uses_query: ClassVar[bool] = True
+    counts_known: ClassVar[bool] = True
+
+    def select(self, request: RecallRequest) -> RecallChoice:
+        raise NotImplementedError
+
+
+class Quest(RecallRule):
+    """Quest (Tang et al., 2024, arXiv:2406.10774): every DDR block gets the upper bound `max over query heads of
+    sum_d max(q_d * kmin_d, q_d * kmax_d)` of its attention logit under the current query (one GEMM,
+    `KeyBounds.logit_bounds`, every block outside DDR at the dtype's lowest value); each row recalls its top
+    `wanted` blocks, and every head attends them."""
+
+    name = "quest"
+
+    def select(self, request: RecallRequest) -> RecallChoice:
+        bounds = request.layer.ddr.bounds.logit_bounds(request.query, request.rows, request.n_blocks)
+        best = bounds.flatten(1, 2).amax(1)  # [m, blocks]: the max over the query heads
+        # By bound, highest first: a row's first `wanted` are its picks, in that order (the trace records them
+        # sorted; attention reads them as a set).
+        return RecallChoice(best.topk(max(request.wanted), dim=1).indices, request.wanted)
+
+
+class QuestPerHead(RecallRule):
+    """Each KV head ranks the DDR blocks by the Quest bound maximised over its own query group and picks its own
+    top `wanted`; a block is copied once when any head picks it (the union is what moves and what the trace
+    records), and each KV head attends only the recalled blocks it picked (`head_picks`; the others' are masked
+    out of its softmax, so its accuracy is the per-head rule's, not the union's). The union's size is
+    data-dependent: one read-back per layer."""
+
+    name = "quest-per-head"
+    counts_known = False
+
+    def select(self, request: RecallRequest) -> RecallChoice:
+        bounds = request.layer.ddr.bounds.logit_bounds(request.query, request.rows, request.n_blocks)
+        k_max = max(request.wanted)
+        rank = torch.arange(k_max, device=bounds.device)
+        counts = request.wanted_tensor()
+        in_ddr = request.layer.ddr.bounds.in_ddr(request.rows, request.n_blocks)
+        per_head = bounds.amax(2).transpose(1, 2)  # [m, blocks, Hkv] (outside DDR: the lowest value)
+        top = per_head.topk(k_max, dim=1).indices  # [m, k_max, Hkv]
+        picks = torch.zeros_like(per_head, dtype=torch.bool)
+        picks.scatter_(1, top, (rank < counts[:, None])[:, :, None].expand_as(top))
+        picks &= in_ddr[:, :, None]
+        union = picks.any(2)
+        per_row = union.sum(1).tolist()  # (the read-back)
+        ids = torch.argsort((~union).to(torch.int8), dim=1, stable=True)[:, : max(per_row)]
+        head_picks = picks.gather(1, ids[:, :, None].expand(-1, -1, picks.shape[2]))
+        return RecallChoice(ids, per_row, head_picks)
+
+
+RECALL_RULES: dict[str, RecallRule] = {rule.name: rule for rule in (Quest(), QuestPerHead())}
