@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 TORCH_CPU_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench clean gpu-rehearsal
 
 setup: $(STAMP)
 
@@ -29,6 +29,10 @@ test: setup lint
 
 bench: setup
 	for f in tests/bench/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+
+# The lent GPU machine's environment rehearsed here, and .gpu-wheels/ made for it (tests/gpu/README.md).
+gpu-rehearsal:
+	bash tests/gpu/rehearse.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

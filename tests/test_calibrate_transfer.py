@@ -1,6 +1,8 @@
 """tracer.transfer (the DDR tier's real data movement): blocks survive put -> get bit for bit at their (row,
-block) address, bytes are the bytes of the tensors moved, the unmapped fallback moves the same blocks. CPU here;
-the same code runs on CUDA through the mapped pinned pool (tests/gpu/ checks the mapping there)."""
+block) address, bytes are the bytes of the tensors moved, the copy-engine path (also the unmapped fallback) moves
+the same blocks as the kernel path, and a decode gives the same logits and traffic on either; the mapping probe
+tells a mapped view from a copy. CPU here; the same code runs on CUDA through the mapped pinned pool
+(tests/gpu/ runs this file there)."""
 
 from __future__ import annotations
 
@@ -11,16 +13,19 @@ HEADS, BLOCK, DIM = 2, 4, 8
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 
 
+@pytest.mark.parametrize("copy_mode", ["kernel", "copy-engine"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_pinned_store_behaves_like_the_tracer_store(device):
+def test_pinned_store_behaves_like_the_tracer_store(device, copy_mode):
     """Differential: the same puts and gets on one plain reference store per row (below) and on the batched
-    PinnedBlockStore, which addresses every row's blocks by (row, block id) in one call."""
+    PinnedBlockStore, which addresses every row's blocks by (row, block id) in one call, either way of moving
+    them (on CUDA the copy engine's offloads land on the host later, on a side stream)."""
     from tracer.transfer import PinnedBlockStore
 
     device = torch.device(device)
     n_rows = 3
     references = [HostBlockStore(HEADS, BLOCK, DIM, torch.float32, device) for _ in range(n_rows)]
-    store = PinnedBlockStore(HEADS, BLOCK, DIM, torch.float32, device)
+    store = PinnedBlockStore(HEADS, BLOCK, DIM, torch.float32, device, copy_mode=copy_mode)
+    assert store.asynchronous_offload == (device.type == "cuda" and copy_mode == "copy-engine")
     store.reserve(n_rows, 100)  # the bounds, as the cache names them
     g = torch.Generator().manual_seed(1)
     for round_ in range(6):
@@ -84,8 +89,7 @@ class HostBlockStore:
             self._grow(needed)
         self.key_min[block_ids.to(self.device)] = keys.amin(dim=2)
         self.key_max[block_ids.to(self.device)] = keys.amax(dim=2)
-        host_keys = keys.to("cpu", non_blocking=self.pin)
-        host_values = values.to("cpu", non_blocking=self.pin)
+        host_keys, host_values = keys.cpu(), values.cpu()  # (blocking: read on the host at once below)
         host_ids = block_ids.cpu()
         self.keys[host_ids], self.values[host_ids] = host_keys, host_values
         return host_keys.numel() * host_keys.element_size() + host_values.numel() * host_values.element_size()
@@ -202,3 +206,115 @@ def test_a_get_told_its_one_row_returns_what_the_general_get_does(ddr_dtype):
     general = store.get(torch.full((3,), 2), wanted)
     told = store.get(torch.full((3,), 2), wanted, 2)
     assert torch.equal(general[0], told[0]) and torch.equal(general[1], told[1]) and general[2] == told[2]
+
+
+def moves(store, g: torch.Generator) -> list:
+    """A fixed sequence of puts and every kind of get (growth past the first capacity included) on `store`:
+    what each returned, and the blocks put as the host holds them at the end."""
+    out, put = [], []
+    store.reserve(3, 20)
+    for round_ in range(5):
+        n = 4 + 3 * round_
+        rows, ids = torch.randint(0, 3, (n,), generator=g), torch.randperm(40 + 30 * round_, generator=g)[:n]
+        store.reserve(3, int(ids.max()) + 1)
+        out.append(store.put_blocks(rows, ids, torch.randn(n, 2, HEADS, BLOCK, DIM, generator=g)))
+        put.append((rows, ids))
+        wanted = torch.randperm(n, generator=g)[:3]
+        out.append(store.get_blocks(rows[wanted], ids[wanted]))
+        one = ids[rows == rows[0]][:2]
+        out.append(store.get_blocks(None, one, int(rows[0])))
+        pages = torch.zeros(2, HEADS, 4, BLOCK, DIM)  # [K/V, heads, pages, block, d]: one row's blocks in pages 1-2
+        out += [store.get_into(int(rows[0]), one, pages[:, :, 1 : 1 + len(one)].permute(2, 0, 1, 3, 4)), pages]
+        pool = torch.zeros(2, 2, HEADS, 3, BLOCK, DIM)  # two rows' blocks into their pages, page by page
+        page_rows, page_ids = rows[:2], torch.stack([ids[:2], ids[:2]], 1)  # (each row's own blocks)
+        views = [pool[:, :, :, page].transpose(0, 1) for page in (0, 1)]
+        out += [store.get_pages_into(page_rows, page_ids, views), pool]
+    rows, ids = (torch.cat(parts) for parts in zip(*put, strict=True))
+    return out + [store.keys[rows, ids], store.values[rows, ids]]
+
+
+def test_the_copy_engine_path_moves_what_the_kernel_path_moves():
+    """`THOUGHTKV_DDR_COPY=copy-engine` (pinned staging, copies, offloads landing on the host later) against the
+    default kernel path: every put and get returns the same blocks and bytes, and the pools end equal."""
+    from tracer.transfer import PinnedBlockStore
+
+    stores = {mode: PinnedBlockStore(HEADS, BLOCK, DIM, torch.float32, torch.device("cpu"), copy_mode=mode)
+              for mode in ("kernel", "copy-engine")}
+    assert stores["kernel"].view is not None and stores["copy-engine"].view is None  # the two paths, really
+    got = {mode: moves(store, torch.Generator().manual_seed(11)) for mode, store in stores.items()}
+    for want, have in zip(got["kernel"], got["copy-engine"], strict=True):
+        pairs = zip(want, have, strict=True) if isinstance(want, tuple) else [(want, have)]
+        for a, b in pairs:
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_the_copy_mode_comes_from_the_caller_or_the_environment(monkeypatch):
+    from thoughtkv_base import UserError
+    from tracer.transfer import DDR_COPY_ENV, PinnedBlockStore, ddr_copy_mode
+
+    monkeypatch.delenv(DDR_COPY_ENV, raising=False)
+    assert ddr_copy_mode() == "kernel"
+    monkeypatch.setenv(DDR_COPY_ENV, "copy-engine")
+    assert ddr_copy_mode() == "copy-engine" and ddr_copy_mode("kernel") == "kernel"
+    assert PinnedBlockStore(HEADS, BLOCK, DIM, torch.float32, torch.device("cpu")).view is None
+    monkeypatch.setenv(DDR_COPY_ENV, "dma")
+    with pytest.raises(UserError, match=f"'dma'.*{DDR_COPY_ENV}"):
+        ddr_copy_mode()
+
+
+def test_a_decode_on_the_copy_engine_path_equals_the_kernel_paths(monkeypatch):
+    """The flag end to end, through the cache as it builds its stores (`tracer.quant.make_block_store`): a batched
+    hierarchy decode with recall gives the same tokens, logits and recorded traffic with either path, and blocks
+    really moved through DDR."""
+    from test_batched import settings, tiny_model
+
+    from tracer.cache import TieredCache
+    from tracer.decode import DecodeJob, decode_batch
+    from tracer.recorder import Recorder
+    from tracer.transfer import DDR_COPY_ENV
+
+    model = tiny_model("qwen2")
+    prompts = [torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (29, 12, 40)]
+    runs = {}
+    for mode in ("kernel", "copy-engine"):
+        monkeypatch.setenv(DDR_COPY_ENV, mode)
+        jobs = [DecodeJob(i, ids, settings("hierarchy"), Recorder()) for i, ids in enumerate(prompts)]
+        cache = TieredCache(model.config.num_hidden_layers, jobs[0].settings)
+        runs[mode] = {job.key: (result.generated_ids, torch.stack(result.logits),
+                                {k: job.recorder.columns[k] for k in ("recalled_block_ids", "bytes_h2d", "bytes_d2h")})
+                      for job, result in decode_batch(model, jobs, cache, 2, 30, set(), keep_logits=True)}
+        assert (cache.paged[0].ddr.view is None) == (mode == "copy-engine")
+    for key in runs["kernel"]:
+        (tokens, logits, traffic), (tokens_ce, logits_ce, traffic_ce) = runs["kernel"][key], runs["copy-engine"][key]
+        assert tokens == tokens_ce and torch.equal(logits, logits_ce) and traffic == traffic_ce
+        assert sum(traffic["bytes_h2d"]) > 0 and sum(traffic["bytes_d2h"]) > 0  # blocks really went both ways
+
+
+def test_the_mapping_probe_tells_a_view_of_the_bytes_from_anything_else():
+    """`kernels_use_mapping` (what `probe_mapping` runs on CUDA, once): a view of the same bytes passes; a copy
+    (a kernel's writes never reach the host) and other bytes fail, each with its reason. Bytes, not values: a
+    NaN-filled float buffer under the view reads equal."""
+    from tracer.transfer import kernels_use_mapping, mapped_view, probe_mapping
+
+    host = torch.full((1024,), float("nan")).view(torch.uint8)  # NaN bit patterns: torch.equal on floats says no
+    copy = kernels_use_mapping(host.clone(), host)
+    assert not copy.mapped and "write" in copy.reason
+    other = kernels_use_mapping(torch.zeros_like(host), host)
+    assert not other.mapped and "read" in other.reason
+    assert kernels_use_mapping(host, host).mapped
+    assert probe_mapping(torch.device("cpu")).mapped and mapped_view(host, torch.device("cpu")) is host
+
+
+def test_the_move_timer_times_each_stores_recalls_and_offloads_once_per_call():
+    from tracer.transfer import MoveTimer, PinnedBlockStore
+
+    store = PinnedBlockStore(HEADS, BLOCK, DIM, torch.float32, torch.device("cpu"))
+    original = PinnedBlockStore.get_blocks
+    with MoveTimer("cpu") as timer:
+        moves(store, torch.Generator().manual_seed(2))
+    assert PinnedBlockStore.get_blocks is original  # unwrapped on exit
+    times = timer.us(store)
+    # per round: one put; get_blocks twice, get_into, get_pages_into (`get` inside none of them: once per call)
+    assert len(times["offload"]) == 5 and len(times["recall"]) == 4 * 5
+    assert all(us > 0 for calls in times.values() for us in calls)
+    assert timer.us(object()) == {"recall": [], "offload": []}

@@ -48,6 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tracer.attention import ATTN_IMPLEMENTATION
 from tracer.cache import TieredCache, UnsupportedBatch
+from tracer.compat import cache_kwargs
 from tracer.recorder import Recorder
 from tracer.timing import LayerTimer, step_clock
 from tracer.transfer import host_to_device
@@ -142,7 +143,8 @@ def _greedy_decode(model, prompt_ids, cache, max_new_tokens, eos_ids, recorder, 
     _, clock = step_clock(device)
     for _ in range(max_new_tokens):
         step_started = clock()
-        logits = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        logits = model(input_ids=input_ids, position_ids=position_ids, **cache_kwargs(model, cache), use_cache=True,
+                       logits_to_keep=1).logits[0, -1]
         token, finite = int(logits.argmax()), bool(torch.isfinite(logits).all())
         synchronize()
         if recorder is not None:
@@ -325,7 +327,8 @@ def decode_step(model, cache: TieredCache, rows: list[int], input_ids: torch.Ten
     started = clock()
     cache.set_active(rows, new_tokens)
     cache.layer_timer = timer  # (times the layers' deferred work apart: `LayerTimer.read_deferred_us`)
-    logits = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    logits = model(input_ids=input_ids, position_ids=position_ids, **cache_kwargs(model, cache), use_cache=True,
+                   logits_to_keep=1).logits[:, -1]
     # The step's one device->host copy: each row's next token and whether its logits were finite, fetched
     # together with the values every layer recorded this step (tracer.cache.DeferredCopies).
     # Finite logits: x * 0 is 0 for a finite x and NaN for inf or NaN, and a sum of zeros cannot overflow (in
@@ -483,7 +486,7 @@ def _prefill_front(model, cache: TieredCache, row_id: int, front: list[int], chu
         for chunk in prefill_chunks(len(front), chunk_tokens):
             started = clock()
             cache.set_active([row_id])
-            model(input_ids=host_to_device([front[chunk]], device), cache=cache, use_cache=True,
+            model(input_ids=host_to_device([front[chunk]], device), **cache_kwargs(model, cache), use_cache=True,
                   position_ids=torch.arange(chunk.start, chunk.stop, device=device)[None], logits_to_keep=1)
             synchronize()
             total_us += (clock() - started) * 1e6

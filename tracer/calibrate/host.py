@@ -86,14 +86,17 @@ def generate_step_ops(sample: bool = False) -> dict:
     import torch
     from transformers import DynamicCache
 
+    from tracer.compat import cache_kwargs
+
     one, two = (generate_ops_per_token(tiny_llama(n), sample) for n in (1, 2))
     model = tiny_llama(1)
     cache = DynamicCache()
     counter = _counter()
     with torch.no_grad():
-        model(input_ids=torch.tensor([[1, 2, 3, 4]]), cache=cache, use_cache=True)
+        model(input_ids=torch.tensor([[1, 2, 3, 4]]), **cache_kwargs(model, cache), use_cache=True)
         with counter:
-            model(input_ids=torch.tensor([[5]]), cache=cache, use_cache=True, position_ids=torch.tensor([[4]]))
+            model(input_ids=torch.tensor([[5]]), **cache_kwargs(model, cache), use_cache=True,
+                  position_ids=torch.tensor([[4]]))
     lead = next(i for i, name in enumerate(counter.names) if name in MATMUL_OPS)
     return {"per_layer": round(two - one), "per_step": round(one - (two - one)), "lead": lead}
 

@@ -24,6 +24,8 @@ def _decode_step_ops(family: str, n_layers: int) -> int:
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    from tracer.compat import cache_kwargs
+
     classes = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
     config_cls, model_cls = classes[family]
 
@@ -41,10 +43,11 @@ def _decode_step_ops(family: str, n_layers: int) -> int:
     model = model_cls(config).eval()
     cache = DynamicCache()
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([[1, 2, 3, 4]]), cache=cache, use_cache=True).logits
+        logits = model(input_ids=torch.tensor([[1, 2, 3, 4]]), **cache_kwargs(model, cache), use_cache=True).logits
         counter = Count()
         with counter:
-            model(input_ids=logits[:, -1:].argmax(-1), cache=cache, use_cache=True, position_ids=torch.tensor([[4]]))
+            model(input_ids=logits[:, -1:].argmax(-1), **cache_kwargs(model, cache), use_cache=True,
+                  position_ids=torch.tensor([[4]]))
     return counter.n
 
 

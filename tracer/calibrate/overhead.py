@@ -58,16 +58,18 @@ def dynamic_cache_decoder(model: torch.nn.Module, prompt_ids: torch.Tensor) -> C
     """Greedy decode with transformers' DynamicCache and true position ids: the untraced baseline loop."""
     from transformers import DynamicCache
 
+    from tracer.compat import cache_kwargs
+
     cache = DynamicCache(config=model.config)
     state = {"position": prompt_ids.shape[1]}
     with torch.inference_mode():
-        logits = model(input_ids=prompt_ids, cache=cache, use_cache=True).logits
+        logits = model(input_ids=prompt_ids, **cache_kwargs(model, cache), use_cache=True).logits
     state["token"] = logits[:, -1:].argmax(-1)
 
     @torch.inference_mode()
     def step() -> None:
         position = torch.tensor([[state["position"]]], device=prompt_ids.device)
-        out = model(input_ids=state["token"], position_ids=position, cache=cache, use_cache=True)
+        out = model(input_ids=state["token"], position_ids=position, **cache_kwargs(model, cache), use_cache=True)
         state["token"] = out.logits[:, -1:].argmax(-1)  # argmax forces the step to finish, as a real loop does
         state["position"] += 1
 

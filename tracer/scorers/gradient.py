@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from tracer.compat import cache_kwargs
 from tracer.scorers.base import BadScorerOption, Observation, Scorer, _grown
 
 
@@ -48,7 +49,7 @@ def gradient_importance(
     with torch.enable_grad():
         cache = DynamicCache(ddp_cache_data=leaves)
         logits = model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache, use_cache=True,
+            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True,
             logits_to_keep=n_query,
         ).logits[0]
         loss = torch.nn.functional.cross_entropy(logits.float(), target_ids, reduction="sum")
