@@ -76,15 +76,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--evict-ratios", default="0", metavar="E,E",
                         help="the hierarchy's eviction ratios: 0 offloads everything over budget, 0.1 also drops "
                              "the least important 10%% (default: 0)")
-    parser.add_argument("--max-new-tokens", type=int, default=768, help="decode limit per sample (default: 768)")
-    # Small blocks and a short protected window so that the budget, not the protected tokens, decides what
-    # stays in HBM (the shipped sample traces use the same; traces/samples/README.md).
-    parser.add_argument("--block-size", type=int, default=4, help="tokens per KV block (default: 4)")
-    parser.add_argument("--window-tokens", type=int, default=16,
-                        help="recent tokens always kept in HBM (default: 16)")
-    parser.add_argument("--recall-budget", default="0.2", metavar="R",
+    # The decode limit, the cache geometry and the recall come with the model (its trace_defaults.json; micro_long:
+    # blocks of 4 and a 16-token window, so that the budget, not the protected tokens, decides what stays in HBM).
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="decode limit per sample (default: the model's trace_defaults.json; micro_long: 600)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per KV block (default: the model's trace_defaults.json; micro_long: 4)")
+    parser.add_argument("--window-tokens", type=int, default=None,
+                        help="recent tokens always kept in HBM (default: the model's trace_defaults.json; micro_long: 16)")
+    parser.add_argument("--recall-budget", default=None, metavar="R",
                         help="hierarchy: recall per layer and step at most this fraction of the context (or a token "
-                             "count), in whole blocks (default: 0.2)")
+                             "count), in whole blocks (default: the model's trace_defaults.json; micro_long: 0.2)")
     parser.add_argument("--calibrate", choices=("quick", "smoke", "none"), default="quick",
                         help="calibrate this machine first (quick: <= 60 s) and cross-check against it; smoke: "
                              "seconds, for tests; none: no measured profile, no Figure 6 (default: quick)")
@@ -111,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
 
     args.device = resolve_device(args.device)  # the one --device check, before anything is written
     check_model_spec(args.model)
+    resolve_model_defaults(args)
     out = args.out
     _claim_out_dir(out, vars(args))
     cells = grid(budgets, evict_ratios)
@@ -126,6 +129,28 @@ def run(args: argparse.Namespace) -> int:
     mechanisms_figure(cells, run_dirs, out / "report", args.overhead_mode)
     print_summary(report, time.perf_counter() - started)
     return 0
+
+
+def resolve_model_defaults(args: argparse.Namespace) -> None:
+    """Fill the settings left unset from the model's trace_defaults.json (tracer.model_defaults, the one home:
+    the runs' TraceConfig reads the same), so that calibration times the runs' cache geometry and the summary
+    names them."""
+    from tracer.model_defaults import resolve
+    from traces.policy import PolicyError, PolicySpec
+
+    given = {"block_size": args.block_size, "window_tokens": args.window_tokens,
+             "max_new_tokens": args.max_new_tokens, "recall_budget": args.recall_budget}
+    args.given_settings = {k: v for k, v in given.items() if v is not None}  # what the runs' TraceConfig gets
+    values, args.from_model = resolve(args.model, given)
+    try:
+        PolicySpec(policy="hierarchy", **{k: values[k] for k in ("block_size", "sink_tokens", "window_tokens",
+                                                                 "recall_k", "recall_budget")})
+    except PolicyError as error:
+        raise DemoError(str(error)) from None
+    if values["max_new_tokens"] < 1:
+        raise DemoError(f"--max-new-tokens {values['max_new_tokens']} must be at least 1")
+    for key in ("block_size", "sink_tokens", "window_tokens", "max_new_tokens", "recall_k", "recall_budget"):
+        setattr(args, key, values[key])
 
 
 def _parse_list(text: str, option: str, field: str) -> list[float]:
@@ -176,7 +201,8 @@ def calibrate_here(profiles_dir: Path, args: argparse.Namespace) -> Path | None:
 
     device_type = args.device.split(":")[0]
     architecture = architecture_for_model(args.model, device_type)  # weight reads with the traced model's shapes
-    geometry = cache_geometry(block_size=args.block_size, window_tokens=args.window_tokens)  # the runs' blocks
+    geometry = cache_geometry(block_size=args.block_size, sink_tokens=args.sink_tokens,
+                              window_tokens=args.window_tokens)  # the runs' blocks
     path = profiles_dir / f"measured-here-{device_type}.yaml"
     if path.is_file():
         provenance = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("provenance", {})
@@ -223,8 +249,7 @@ def trace_all(cells: list[Cell], runs_dir: Path, args: argparse.Namespace) -> di
         config = TraceConfig(
             model=args.model, task=args.task, out=str(run_dirs[cell.label]), n_samples=args.n_samples,
             policy=cell.policy, hbm_budget=cell.hbm_budget, evict_ratio=cell.evict_ratio,
-            max_new_tokens=args.max_new_tokens, device=args.device, block_size=args.block_size,
-            window_tokens=args.window_tokens, recall_budget=args.recall_budget,
+            device=args.device, **args.given_settings,  # the rest from the model (recorded per run)
         )
         config.validate()  # before any model loads: a bad option fails in a second, not a minute
         configs.append(config)

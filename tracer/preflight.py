@@ -153,7 +153,9 @@ def check_fits(spec: str, config, dtype: str, dtype_bytes: int, device: str) -> 
 def check_model_spec(spec: str) -> None:
     """Refuse, before a command writes anything, a --model that cannot load: an unknown `random:` architecture,
     a missing directory, an HF id that is neither cached nor downloadable here."""
-    if spec in ("micro", "micro_long"):  # tracer.models.BUNDLED_MODELS (not imported here: it imports torch)
+    from tracer.model_defaults import BUNDLED_MODELS
+
+    if spec in BUNDLED_MODELS:
         return
     if spec.startswith("random:"):
         from traces.architectures import get_architecture
