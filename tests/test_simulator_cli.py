@@ -67,7 +67,7 @@ def test_simulate_cli_table_and_results(synth_dir, tmp_path, capsys):
     assert "h100-sxm" in printed and "gh200-96gb" in printed
     results = pd.read_parquet(out / "results.parquet")
     assert set(REQUIRED_COLUMNS) <= set(results.columns)
-    assert len(results) == 4 and set(results["result_kind"]) == {"traced"}
+    assert len(results) == 4 and set(results["result_kind"]) == {"synthetic"}  # a synth run, never "traced"
     assert results["mass_lost_evicted"].isna().all()
     steps = pd.read_parquet(out / "steps.parquet")
     assert {"sample_id", "step", "latency_s", "compute_s", "link_stall_s"} <= set(steps.columns)
