@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from hwprofiles import list_profiles, load_profile
+    from hwprofiles import load_profile
+    from hwprofiles.loader import contention_note, default_profiles
     from simulator.engine import Timeline
     from simulator.simulate import simulate_run
     from traces.reader import open_run
@@ -73,7 +74,17 @@ def run(args: argparse.Namespace) -> int:
         raise SimulateOptionError(damage)
     if damage is not None:  # a replay reads the steps only (a missing steps part is refused where it is read)
         print(f"warning: {damage}; replaying from the steps", file=sys.stderr)
-    profiles = list_profiles() if args.all_profiles else [load_profile(name) for name in args.profile]
+    if args.all_profiles:
+        profiles, left_out = default_profiles()
+        if left_out:
+            print(f"note: --all-profiles leaves out {', '.join(left_out)}, calibrated under CPU contention; name "
+                  "it with --profile to use it anyway", file=sys.stderr)
+    else:
+        profiles = [load_profile(name) for name in args.profile]
+        for profile in profiles:
+            note = contention_note(profile)
+            if note is not None:
+                print(f"warning: profile {profile.name} was {note}", file=sys.stderr)
     out = args.out if args.out is not None else args.run_dir / "sim"
     _check_writable_dir(out, "--out")
     for name in RESULT_FILES:  # an unreadable earlier results file fails now, before any simulation

@@ -298,13 +298,13 @@ SERVE_OPTION_EXCLUDE = ("batch", "engine", "arrivals_csv")  # serving batches it
 GRID_KEYS: dict[str, dict[str, str]] = {
     "simulate": {
         "runs": "trace run directories (relative to the grid file); list or one path",
-        "profiles": "hardware profile names, or `all`",
+        "profiles": "hardware profile names, or `all` (every profile not calibrated under contention)",
         "what_if": "mapping of what-if axes (e.g. budget: [0.1, 0.3]); omit to replay as traced",
         **grid_keys(SimOptions),
     },
     "serve": {
         "runs": "trace run directories (relative to the grid file)",
-        "profiles": "hardware profile names, or `all`",
+        "profiles": "hardware profile names, or `all` (every profile not calibrated under contention)",
         **grid_keys(ServingConfig, exclude=SERVE_OPTION_EXCLUDE),
         **grid_keys(SimOptions, exclude=SERVE_OPTION_EXCLUDE),
     },
@@ -368,14 +368,15 @@ def _as_list(value: Any) -> list:
 def _simulation_cells(kind: str, data: dict, base_dir: Path, where: str) -> list:
     """The cross product of the grid's axes, every cell validated (options, serving config, what-if against
     its run) before any runs: a bad value anywhere fails the whole grid in one line."""
-    from hwprofiles import list_profiles, load_profile
+    from hwprofiles import load_profile
+    from hwprofiles.loader import default_profiles
 
     if "runs" not in data or "profiles" not in data:
         raise SweepError(f"{where}: a {kind} grid needs `runs:` and `profiles:`; add them")
     runs = [_resolve_run(base_dir, run, where) for run in _as_list(data["runs"])]
     profiles = _as_list(data["profiles"])
-    if profiles == ["all"]:
-        profiles = [p.name for p in list_profiles()]
+    if profiles == ["all"]:  # as --all-profiles: profiles calibrated under contention only when named
+        profiles = [p.name for p in default_profiles()[0]]
     loaded = {name: load_profile(name) for name in profiles}  # unknown profile -> ProfileError (one line)
     option_names = [f.name for f in fields(SimOptions) if f.name in data]
     config_names = [f.name for f in fields(ServingConfig) if f.name in data] if kind == "serve" else []
