@@ -314,10 +314,15 @@ def pareto_frame(latency: pd.DataFrame) -> pd.DataFrame:
     if latency.empty or "accuracy" not in latency:
         return pd.DataFrame()
     points = latency.dropna(subset=["accuracy"]).reset_index(drop=True)
-    points["on_frontier_latency"] = stats.pareto_frontier(points, "ms_per_token", "accuracy")
+    # A policy at 0% accuracy is never a trade-off, however fast or small: it stays off the frontier (a frontier
+    # through it reads as "the cheapest option"); the report's caption counts such points.
+    answers = points["accuracy"] > 0
+    points["on_frontier_latency"] = stats.pareto_frontier(points[answers], "ms_per_token", "accuracy").reindex(
+        points.index, fill_value=False)
     # HBM bytes do not depend on the profile: one point per run.
     per_run = points.drop_duplicates("run_dir").copy()
-    per_run["on_frontier_bytes"] = stats.pareto_frontier(per_run, "kv_hbm_bytes_per_seq", "accuracy")
+    per_run["on_frontier_bytes"] = stats.pareto_frontier(per_run[per_run["accuracy"] > 0], "kv_hbm_bytes_per_seq",
+                                                         "accuracy").reindex(per_run.index, fill_value=False)
     return points.merge(per_run[["run_dir", "on_frontier_bytes"]], on="run_dir", how="left")
 
 

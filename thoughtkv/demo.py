@@ -406,6 +406,12 @@ def what_if_of(run_dir: Path) -> dict:
     return what_if
 
 
+def open_run_model(run_dir: Path) -> str:
+    from traces import open_run
+
+    return str(open_run(run_dir).manifest["model"]["id"])
+
+
 def mechanisms_figure(cells: list[Cell], run_dirs: dict[str, Path], report_dir: Path, overhead_mode: str) -> None:
     """Issue 17's figure in the demo's report: the smallest-budget hierarchy run projected to qwen2-7b shapes at
     8k and 32k context, ms/token and sequences in HBM per transfer mechanism x profile (analysis/mechanisms.py)."""
@@ -416,16 +422,32 @@ def mechanisms_figure(cells: list[Cell], run_dirs: dict[str, Path], report_dir: 
 
     cell = hierarchy[0]
     written = write_mechanism_figure(run_dirs[cell.label], report_dir / "figures", overhead_mode=overhead_mode)
-    caption = (f"Transfer mechanisms x hardware: the {cell.label} run projected to qwen2-7b shapes (bf16) at 8k and "
+    model = open_run_model(run_dirs[cell.label])
+    caption = (f"Transfer mechanisms x hardware: the {cell.label} run of `{model}` projected to qwen2-7b shapes (bf16) at 8k and "
                f"32k context, every step keeping its tier shares; top ms/token of one sequence, bottom sequences "
                f"whose decode-peak footprint fits in HBM (black: full cache); framework overheads {overhead_mode}. "
                f"Numbers: figures/mechanisms.csv; who wins where and why: docs/mechanisms/README.md.")
     with open(report_dir / "report.md", "a", encoding="utf-8") as handle:
         handle.write(f"\n## Transfer mechanisms\n\n![Transfer mechanisms](figures/mechanisms.png)\n\n{caption}\n")
+    from analysis.report import add_owned_files
+
+    add_owned_files(report_dir, written)  # a later `plot --out` here removes it unless it draws it again
     print(f"  wrote {', '.join(str(p) for p in written if p.suffix == '.png')}", file=sys.stderr)
 
 
 # -- 4. summary -----------------------------------------------------------------------------------------------
+
+
+def separation_note(best) -> str:
+    """One line: on how many profiles the choice is one the samples can make (no faster policy's 95% CI overlaps
+    it), and the n that would take, when some cannot."""
+    unseparated = int(best["not_separated_from"].map(bool).sum())
+    n = int(best["n"].min())
+    if not unseparated:
+        return f"separated: on every profile the choice's 95% CI is clear of every faster policy's at n = {n}"
+    return (f"not separated: on {unseparated} of {len(best)} profiles a faster policy's 95% CI overlaps the choice's "
+            f"at n = {n}, so these samples cannot tell them apart ('no' above); rerun with a larger --n-samples "
+            "(the 95% CI half-width shrinks as 1/sqrt(n)) before reading a winner off this table")
 
 
 def print_summary(report, elapsed_s: float) -> None:
@@ -433,7 +455,7 @@ def print_summary(report, elapsed_s: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from analysis.report import best_per_profile
+    from analysis.report import best_per_profile, priced_text
     from traces.stats import REFERENCE_ARCHITECTURE, bytes_text
 
     def percent(value) -> str:
@@ -447,21 +469,25 @@ def print_summary(report, elapsed_s: float) -> None:
         console.print("No accuracy to rank policies by (unscored samples); see the report for latency.")
     else:
         table = Table(title="Best policy per profile: the fastest within 5 points of the best accuracy (95% CI), "
-                            "with its traffic (decode steps)")
+                            f"with its traffic (decode steps); ms/token {priced_text(report.latency, report.run_table)}",
+                      title_justify="left")
         columns = ("profile", "overheads", "policy", "budget", "accuracy [CI]", "n", "ms/token", "attended",
-                   "recalled/step", f"H2D/token ({REFERENCE_ARCHITECTURE})")
+                   "recalled/step", f"H2D/token ({REFERENCE_ARCHITECTURE})", "separated at this n?")
         for column in columns:
             table.add_column(column, justify="left" if column in ("profile", "overheads", "policy") else "right",
                              no_wrap=True)
         for row in best.to_dict("records"):
             h2d_ref = row.get("h2d_bytes_per_token_ref", float("nan"))
+            unseparated = row.get("not_separated_from") or []
             table.add_row(row["profile"], str(row.get("overhead_mode", "?")), row["method"], f"{row['hbm_budget']:.0%}",
                           f"{row['accuracy']:.0%} [{row['ci_low']:.0%}, {row['ci_high']:.0%}]", str(int(row["n"])),
                           f"{row['ms_per_token']:.3g}", percent(row.get("attended_frac", float("nan"))),
                           percent(row.get("recalled_frac", float("nan"))),
-                          "-" if h2d_ref != h2d_ref else bytes_text(h2d_ref))
+                          "-" if h2d_ref != h2d_ref else bytes_text(h2d_ref),
+                          f"no: CI overlaps {unseparated[0]}" if unseparated else "yes")
         console.print(table)
         console.print("overheads: measured = this machine's in-run calibration; hf-eager = datasheet GPU + a cited "
                       "estimate of a transformers eager loop's kernel launches; kernel-only = kernels and copies only")
+        console.print(separation_note(best), markup=False)
     drawn = sum(1 for f in report.figures if f.paths)
     console.print(f"report: {report.path} ({drawn} of {len(report.figures)} figures) in {elapsed_s:.0f} s")
