@@ -22,6 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # (traces/policy.py), whose defaults they show; the spec validates them once. The cache geometry, the decode
     # limit and the recall setting left unset come from the model's trace_defaults.json (tracer/model_defaults.py).
     add_policy_arguments(parser)
+    from tracer.model_defaults import KEYS
+
+    for action in parser._actions:  # their help says where the default comes from
+        if action.dest in KEYS and action.help and "(default: " in action.help:
+            action.help = action.help.replace("(default: ", "(default: the model's trace_defaults.json, else ")
     parser.add_argument("--batch-size", type=int, default=1,
                         help="samples decoded per step, freed rows refilled at once; per-sample results as at 1 (default: 1)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
