@@ -82,7 +82,7 @@ def test_simulate_cli_table_and_results(synth_dir, tmp_path, capsys):
     assert main(["simulate", str(synth_dir), "--profile", "h100-sxm", "--out", str(out), "--what-if",
                  "budget=0.2"]) == 0
     merged = pd.read_parquet(out / "results.parquet")
-    assert len(merged) == 6 and set(merged["result_kind"]) == {"traced", "projected"}
+    assert len(merged) == 6 and set(merged["result_kind"]) == {"synthetic", "projected"}
 
 
 @pytest.mark.parametrize(
