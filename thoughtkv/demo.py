@@ -439,13 +439,13 @@ def mechanisms_figure(cells: list[Cell], run_dirs: dict[str, Path], report_dir: 
 
 
 def separation_note(best) -> str:
-    """One line: on how many profiles the choice is one the samples can make (no faster policy's 95% CI overlaps
-    it), and the n that would take, when some cannot."""
+    """One line: on how many profiles the choice is one the samples can make (no other policy's 95% CI overlaps
+    it), and what would, when some cannot."""
     unseparated = int(best["not_separated_from"].map(bool).sum())
     n = int(best["n"].min())
     if not unseparated:
-        return f"separated: on every profile the choice's 95% CI is clear of every faster policy's at n = {n}"
-    return (f"not separated: on {unseparated} of {len(best)} profiles a faster policy's 95% CI overlaps the choice's "
+        return f"separated: on every profile the choice's 95% CI is clear of every other policy's at n = {n}"
+    return (f"not separated: on {unseparated} of {len(best)} profiles another policy's 95% CI overlaps the choice's "
             f"at n = {n}, so these samples cannot tell them apart ('no' above); rerun with a larger --n-samples "
             "(the 95% CI half-width shrinks as 1/sqrt(n)) before reading a winner off this table")
 
