@@ -12,6 +12,7 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import (
     EngFormatter,
+    FixedLocator,
     FuncFormatter,
     LogLocator,
     MaxNLocator,
@@ -64,6 +65,28 @@ def _log_if_wide(axis, values: pd.Series, which: str = "y", ratio: float = 20.0)
     ticks.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if decades < 2.5 else (1.0,)))
     ticks.set_major_formatter(_plain_number_formatter())
     ticks.set_minor_formatter(NullFormatter())
+
+
+# Ratios a reader takes in at a glance on a log axis of simulated/measured, by how far the data spread: decades
+# (1-2-5) across orders of magnitude, finer steps within one (a 0.8x-1.3x histogram got a single "1x" label from a
+# decade locator).
+RATIO_SERIES = (
+    (30.0, tuple(m * 10.0**e for e in range(-2, 3) for m in (1, 2, 5))),
+    (3.0, (0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0, 5.0, 7.0, 10.0)),
+    (0.0, (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 1.5, 1.7, 2.0)),
+)
+
+
+def ratio_ticks(low: float, high: float, most: int = 8) -> list[float]:
+    """At least 3 readable ticks in [low, high] on a log axis: the series that fits the spread (decades only when
+    even 1-2-5 is too dense), else 4 points spaced evenly in log, rounded to 2 significant digits."""
+    series = next(values for spread, values in RATIO_SERIES if high / low >= spread)
+    inside = [float(f"{t:.3g}") for t in series if low <= t <= high]
+    if len(inside) > most:
+        inside = [t for t in inside if np.isclose(np.log10(t), round(np.log10(t)))]
+    if len(inside) < 3:
+        return sorted({float(f"{t:.2g}") for t in np.geomspace(low, high, 6)[1:-1]} | set(inside))
+    return inside
 
 
 def _plain_number_formatter():
@@ -351,7 +374,8 @@ def sim_vs_measured(frame: pd.DataFrame, errors: dict) -> Figure:
     ax_hist.axvline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax_hist.set_xscale("log")
     ax_hist.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax_hist.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax_hist.set_xlim(bins[0], bins[-1])
+    ax_hist.xaxis.set_major_locator(FixedLocator(ratio_ticks(bins[0], bins[-1])))
     ax_hist.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}x"))
     ax_hist.xaxis.set_minor_formatter(NullFormatter())
     ax_hist.set_xlabel("simulated / measured time (log scale; 1x = exact)")

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import stats
-from simulator.columns import CAPACITY_COLUMNS, OPTION_COLUMNS, SUMMARY_SAMPLE_ID, TIME_PARTS
+from simulator.columns import CAPACITY_COLUMNS, OPTION_COLUMNS, REPLAY_KINDS, SUMMARY_SAMPLE_ID, TIME_PARTS
 
 FULL_LABEL = "full cache"
 EVICTION_POLICIES = {"evict", "eviction", "pure_eviction", "pure-eviction"}
@@ -182,7 +182,7 @@ def pooled_accuracy(frame: pd.DataFrame) -> pd.DataFrame:
 
 def headline_config(sim: pd.DataFrame) -> dict:
     """The (overlap, async_offload, batch) the latency figures show: batch 1 if simulated, else the most common."""
-    traced = sim[sim["result_kind"] == "traced"] if "result_kind" in sim else sim
+    traced = sim[sim["result_kind"].isin(REPLAY_KINDS)] if "result_kind" in sim else sim
     if traced.empty:
         return {}
     configs = traced[["overlap", "async_offload", "batch"]].astype(str).value_counts()
@@ -218,7 +218,7 @@ def latency_frame(sim: pd.DataFrame, runs: pd.DataFrame | None = None, config: d
     columns (compute_ms, hbm_ms, link_stall_ms per token) likewise. `accuracy` comes from `runs`, joined on
     run_dir, when given.
     """
-    traced = sim[sim["result_kind"] == "traced"] if "result_kind" in sim else sim
+    traced = sim[sim["result_kind"].isin(REPLAY_KINDS)] if "result_kind" in sim else sim
     config = headline_config(traced) if config is None else config
     rows = _per_sample_rows(_select_config(traced, config))
     if rows.empty:
@@ -314,10 +314,15 @@ def pareto_frame(latency: pd.DataFrame) -> pd.DataFrame:
     if latency.empty or "accuracy" not in latency:
         return pd.DataFrame()
     points = latency.dropna(subset=["accuracy"]).reset_index(drop=True)
-    points["on_frontier_latency"] = stats.pareto_frontier(points, "ms_per_token", "accuracy")
+    # A policy at 0% accuracy is never a trade-off, however fast or small: it stays off the frontier (a frontier
+    # through it reads as "the cheapest option"); the report's caption counts such points.
+    answers = points["accuracy"] > 0
+    points["on_frontier_latency"] = stats.pareto_frontier(points[answers], "ms_per_token", "accuracy").reindex(
+        points.index, fill_value=False)
     # HBM bytes do not depend on the profile: one point per run.
     per_run = points.drop_duplicates("run_dir").copy()
-    per_run["on_frontier_bytes"] = stats.pareto_frontier(per_run, "kv_hbm_bytes_per_seq", "accuracy")
+    per_run["on_frontier_bytes"] = stats.pareto_frontier(per_run[per_run["accuracy"] > 0], "kv_hbm_bytes_per_seq",
+                                                         "accuracy").reindex(per_run.index, fill_value=False)
     return points.merge(per_run[["run_dir", "on_frontier_bytes"]], on="run_dir", how="left")
 
 
@@ -348,7 +353,7 @@ def capacity_frame(latency: pd.DataFrame, sim: pd.DataFrame | None = None) -> pd
 
 def _batched_throughput(sim: pd.DataFrame) -> pd.DataFrame:
     """Aggregate tokens/s of every traced (run, profile, batch > 1): all sequences' decode tokens over decode time."""
-    traced = sim[sim["result_kind"] == "traced"] if "result_kind" in sim else sim
+    traced = sim[sim["result_kind"].isin(REPLAY_KINDS)] if "result_kind" in sim else sim
     rows = _per_sample_rows(traced[pd.to_numeric(traced["batch"]) > 1])
     if rows.empty or "decode_s" not in rows:
         return pd.DataFrame(columns=["run_dir", "profile", "batch", "tokens_per_s"])
@@ -368,7 +373,7 @@ def sim_vs_measured_frame(sim: pd.DataFrame, measured: pd.DataFrame) -> pd.DataF
     """
     if measured.empty or sim.empty:
         return pd.DataFrame()
-    traced = sim[sim["result_kind"] == "traced"] if "result_kind" in sim else sim
+    traced = sim[sim["result_kind"].isin(REPLAY_KINDS)] if "result_kind" in sim else sim
     traced = _per_sample_rows(_select_config(traced, headline_config(traced)))  # one sequence, as measured
     joined = traced.merge(measured, on=["run_dir", "sample_id", "profile"], how="inner")
     joined = joined.rename(columns={"total_s": "simulated_s"})

@@ -200,6 +200,11 @@ def run_row(run: TraceRun) -> dict:
         "run_label": run.path.name,
         "kind": manifest["kind"],
         "model": model["id"],
+        # The shapes a projection of this run prices (report captions name them: a 1.45M-parameter model is not a 7B)
+        "model_n_params": model.get("n_params"),
+        "model_n_layers": model.get("n_layers"),
+        "model_dtype": model.get("dtype"),
+        "model_kv_bytes_per_token": model.get("kv_bytes_per_token"),
         "task": manifest["task"]["name"],
         "policy": policy["name"],
         "policy_key": spec.identity(),  # what projections of this policy join on

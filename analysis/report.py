@@ -23,6 +23,10 @@ from traces import TraceRun
 from traces.stats import REFERENCE_ARCHITECTURE, bytes_text
 
 REPORT_NAME = "report.md"
+# The files a report wrote, relative to its directory: a rebuild into the same --out removes those it does not
+# write again (a figure the new data no longer support must not sit beside a report.md saying "not drawn"), and
+# never touches anything else there.
+FILES_NAME = "report_files.json"
 TOP_FRAC = 0.2
 NO_SIM = "no simulator results (pass --sim with what `thoughtkv simulate RUN --all-profiles --out DIR` wrote)"
 
@@ -165,11 +169,72 @@ def _capacity_accuracy(data: Data) -> tuple[Figure, str]:
     return figures.capacity_accuracy(pooled), caption
 
 
+def shapes_text(model: str, run_table: pd.DataFrame, dtype: str = "bfloat16") -> str:
+    """`micro_long (1.45M parameters, 3 layers, float32 KV 2.3 kB/token)`: a model id with the shapes a
+    projection prices, from the runs (or traces.architectures for a --as-model target, in `dtype`); the id alone
+    when neither knows it."""
+    rows = run_table[run_table["model"] == model] if not run_table.empty and "model_n_params" in run_table else None
+    if rows is not None and not rows.empty and pd.notna(rows["model_n_params"].iloc[0]):
+        row = rows.iloc[0]
+        params, layers, dtype, kv = (row["model_n_params"], row["model_n_layers"], row["model_dtype"],
+                                     row["model_kv_bytes_per_token"])
+    else:
+        from traces.architectures import ARCHITECTURES
+
+        arch = ARCHITECTURES.get(model)
+        if arch is None:
+            return f"`{model}`"
+        params, layers, kv = arch.n_params(), arch.n_layers, arch.kv_bytes_per_token(dtype)
+    return f"`{model}` ({_count_text(params)} parameters, {int(layers)} layers, {dtype} KV {bytes_text(kv)}/token)"
+
+
+def _count_text(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{int(n)}"
+
+
+AS_MODEL_LABEL = r"\[as (?P<arch>[^\s\]]+) (?P<dtype>[^\s,\]]+)"  # simulator.project.Projection.label
+
+
+def priced_text(rows: pd.DataFrame, run_table: pd.DataFrame) -> str:
+    """Which model shapes these simulator rows priced, for every projected caption and table: the traced model's
+    own (`priced at micro_long (1.45M parameters, ...)'s shapes`), or, under --as-model, the architecture named
+    (`projected to qwen2-7b (7.62B parameters, ...) from the micro_long run(s)`)."""
+    if rows.empty or "model" not in rows:
+        return "model shapes not recorded"
+    traced = dict(zip(run_table["run_dir"], run_table["model"])) if {"run_dir", "model"} <= set(run_table) else {}
+    labels = rows["run_label"].astype(str) if "run_label" in rows else pd.Series("", index=rows.index)
+    as_model = labels.str.extract(AS_MODEL_LABEL)
+    parts = []
+    projected = rows[as_model["arch"].notna()]
+    for (arch, dtype), group in projected.groupby([as_model["arch"], as_model["dtype"]], sort=True):
+        sources = sorted({traced[d] for d in group["run_dir"] if d in traced})
+        origin = f" from the {', '.join(f'`{s}`' for s in sources)} run(s)" if sources else ""
+        parts.append(f"projected to {shapes_text(arch, pd.DataFrame(), dtype)}{origin}")
+    for model in sorted(rows.loc[as_model["arch"].isna(), "model"].dropna().unique()):
+        parts.append(f"priced at {shapes_text(model, run_table)}'s shapes")
+    return "; ".join(parts) or "model shapes not recorded"
+
+
+def _rows_of(sim: pd.DataFrame, frame: pd.DataFrame) -> pd.DataFrame:
+    """The simulator rows behind a derived frame (same runs and profiles), for naming what they priced."""
+    return sim[sim["run_dir"].isin(frame["run_dir"]) & sim["profile"].isin(frame["profile"])]
+
+
+def _zero_text(points: pd.DataFrame) -> str:
+    """Figure 4 leaves 0%-accuracy points off the frontier (frames.pareto_frame); the caption says how many."""
+    zero = int((points["accuracy"] == 0).sum())
+    return (f"; {plural(zero, 'point')} at 0% accuracy left off the frontier (a policy that answers nothing buys no "
+            "trade-off, however fast)" if zero else "")
+
+
 def _need_latency(data: Data) -> pd.DataFrame:
     if data.sim.empty:
         raise Skip(NO_SIM)
     if data.latency.empty:
-        raise Skip("the simulator results hold no replayed (result_kind=traced) rows")
+        raise Skip("the simulator results hold no replayed (result_kind traced or synthetic) rows")
     return data.latency
 
 
@@ -181,8 +246,8 @@ def _projected_latency(data: Data) -> tuple[Figure, str]:
     breakdown = frames.breakdown_frame(latency, data.budget, focus)
     fastest, slowest = breakdown.iloc[0], breakdown.iloc[-1]
     caption = (
-        f"Projected ms/token vs HBM budget on {latency['profile'].nunique()} hardware profiles "
-        f"({_config_text(latency)}); right: where the time goes for {breakdown['method'].iloc[0]} at "
+        f"Projected ms/token vs HBM budget on {latency['profile'].nunique()} hardware profiles, "
+        f"{priced_text(latency, data.run_table)} ({_config_text(latency)}); right: where the time goes for {breakdown['method'].iloc[0]} at "
         f"{breakdown['hbm_budget'].iloc[0]:.0%}, from {fastest['ms_per_token']:.3g} ms ({fastest['profile']}) to "
         f"{slowest['ms_per_token']:.3g} ms ({slowest['profile']})."
     )
@@ -236,8 +301,8 @@ def _pareto(data: Data) -> tuple[Figure, str]:
     names = ", ".join(f"{r.method} @ {r.hbm_budget:.0%} on {r.profile}" for r in frontier.head(3).itertuples())
     caption = (
         f"Accuracy vs projected latency ({plural(len(points), 'policy x profile point')}) and vs KV bytes in HBM per "
-        f"sequence; the black step line is the Pareto frontier (fastest frontier points: {names}); "
-        f"{overheads_text(latency)}."
+        f"sequence, {priced_text(latency, data.run_table)}; the black step line is the Pareto frontier (fastest "
+        f"frontier points: {names}){_zero_text(points)}; {overheads_text(latency)}."
     )
     return figures.pareto(points), caption
 
@@ -257,8 +322,8 @@ def _capacity(data: Data) -> tuple[Figure, str]:
     source = (f"throughput simulated with batched replays for {simulated} of {plural(len(capacity), 'point')}, elsewhere "
               "bounded by max sequences x single-sequence tokens/s" if simulated else
               "throughput is the bound max sequences x single-sequence tokens/s (no batched replays simulated)")
-    caption = (f"Max concurrent sequences (HBM and DDR limits) vs HBM budget for {method}, per profile{gain}; {source}; "
-               f"{overheads_text(latency)}.")
+    caption = (f"Max concurrent sequences (HBM and DDR limits) vs HBM budget for {method}, per profile{gain}, "
+               f"{priced_text(latency, data.run_table)}; {source}; {overheads_text(latency)}.")
     return figures.capacity(capacity, method), caption
 
 
@@ -293,8 +358,8 @@ def _sim_vs_measured(data: Data) -> tuple[Figure, str]:
     errors = stats.error_stats(frame["simulated_s"], frame["measured_s"])
     caption = (
         f"Simulated vs measured decode time per sample on the measured profile(s) {', '.join(sorted(frame['profile'].unique()))}: "
-        f"median |error| {errors['median_abs_rel_err']:.1%}, p95 {errors['p95_abs_rel_err']:.1%} (n={errors['n']}); "
-        f"{_trust_text(frame)}."
+        f"median |error| {errors['median_abs_rel_err']:.1%}, p95 {errors['p95_abs_rel_err']:.1%} (n={errors['n']}), "
+        f"{priced_text(_rows_of(data.sim, frame), data.run_table)}; {_trust_text(frame)}."
     )
     return figures.sim_vs_measured(frame, errors), caption
 
@@ -322,7 +387,8 @@ def _mass_lost(data: Data) -> tuple[Figure, str]:
     rho_text = (f"Spearman rho = {rho:.2f}" if np.isfinite(rho)
                 else "no rank correlation (fewer than 3 points, or accuracy or mass lost does not vary)")
     caption = (
-        f"Projected attention mass lost (evicted + not recalled, from what-if replays) vs the measured accuracy "
+        f"Projected attention mass lost (evicted + not recalled, from what-if replays of the runs, "
+        f"{priced_text(data.sim[data.sim['result_kind'] == 'projected'], data.run_table)}) vs the measured accuracy "
         f"of the same policy, {plural(len(frame), 'policy', 'policies')}: {rho_text}."
     )
     return figures.mass_lost_vs_accuracy(frame, rho), caption
@@ -356,7 +422,8 @@ def _tables(data: Data) -> list[tuple[str, str, pd.DataFrame]]:
                         tables.display_completion(data.run_table)))
     if not data.latency.empty:
         budget = data.budget if data.budget is not None else _default_budget(data.latency)
-        out.append(("table_latency", f"Projected ms/token per profile (budget nearest {budget:.0%})",
+        out.append(("table_latency", f"Projected ms/token per profile (budget nearest {budget:.0%}), "
+                    f"{priced_text(data.latency, data.run_table)}",
                     tables.display_latency(tables.latency_table(data.latency, budget))))
     if data.top_share is not None and not data.top_share.empty:
         out.append(("table_importance", f"Share of attention mass held by the top {TOP_FRAC:.0%} of tokens, per layer",
@@ -366,7 +433,8 @@ def _tables(data: Data) -> list[tuple[str, str, pd.DataFrame]]:
     except Skip:
         pass
     else:
-        out.append(("table_sim_vs_measured", "Simulated vs measured time per sample: relative error",
+        out.append(("table_sim_vs_measured", "Simulated vs measured time per sample: relative error, "
+                    f"{priced_text(_rows_of(data.sim, pairs), data.run_table)}",
                     tables.display_sim_vs_measured(tables.sim_vs_measured_table(pairs))))
     return out
 
@@ -449,7 +517,49 @@ def build_report(
     out_dir.mkdir(parents=True, exist_ok=True)  # even when nothing could be drawn: the report says why
     report_path.write_text(render_markdown(out_dir, entries, table_entries, inputs, run_table, sim))
     log(f"wrote {report_path}")
+    written = [report_path, *(p for e in entries for p in e.paths), *(p for e in table_entries for p in e.paths)]
+    for stale in replace_owned_files(out_dir, written):
+        log(f"removed {stale} (not redrawn from these inputs)")
     return Report(out_dir, report_path, entries, table_entries, run_table, latency, inputs.ignored)
+
+
+def owned_files(out_dir: Path) -> list[str]:
+    """The files the last report into `out_dir` wrote (relative paths), from its FILES_NAME; [] when none."""
+    import json
+
+    try:
+        listed = json.loads((out_dir / FILES_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    return [p for p in listed if isinstance(p, str)] if isinstance(listed, list) else []
+
+
+def replace_owned_files(out_dir: Path, written: list[Path]) -> list[Path]:
+    """Remove the files an earlier report here wrote that this one did not (only those: listed, regular files,
+    inside `out_dir`), then record what this one wrote; returns what was removed."""
+    import json
+
+    root = out_dir.resolve()
+    keep = {p.resolve().relative_to(root).as_posix() for p in written}
+    removed = []
+    for name in owned_files(out_dir):
+        path = (root / name).resolve()
+        if name in keep or not path.is_relative_to(root) or path == root or not path.is_file() or path.is_symlink():
+            continue
+        path.unlink()
+        removed.append(path)
+    (out_dir / FILES_NAME).write_text(json.dumps(sorted(keep), indent=1) + "\n", encoding="utf-8")
+    return removed
+
+
+def add_owned_files(out_dir: Path, paths: list[Path]) -> None:
+    """Record files written into a report directory after build_report (the demo's mechanisms figure), so that
+    the next report there removes them when it does not write them again."""
+    import json
+
+    root = out_dir.resolve()
+    names = set(owned_files(out_dir)) | {p.resolve().relative_to(root).as_posix() for p in paths}
+    (out_dir / FILES_NAME).write_text(json.dumps(sorted(names), indent=1) + "\n", encoding="utf-8")
 
 
 def render_markdown(out_dir: Path, entries: list[FigureEntry], table_entries: list[TableEntry], inputs: load.Inputs,
@@ -464,6 +574,12 @@ def render_markdown(out_dir: Path, entries: list[FigureEntry], table_entries: li
     ]
     if not run_table.empty:
         lines += ["Runs: " + ", ".join(f"`{label}`" for label in run_table["run_label"]) + ".", ""]
+        models = ", ".join(shapes_text(m, run_table) for m in sorted(run_table["model"].dropna().unique()))
+        lines += [f"Traced model: {models}. Every projected number below is for the model shapes its caption names; "
+                  "a small model's ms/token and concurrent sequences are not a 7B's (`thoughtkv simulate --as-model` "
+                  "prices the same access pattern at another architecture's shapes).", ""]
+    if not sim.empty:
+        lines += [f"Simulator results: {priced_text(sim, run_table)}.", ""]
     for number, entry in enumerate(entries, start=1):
         lines.append(f"## Figure {number}. {entry.title}")
         lines.append("")
@@ -494,9 +610,14 @@ def best_per_profile(latency: pd.DataFrame, max_accuracy_drop: float = 0.05) -> 
     for profile, group in latency.dropna(subset=["accuracy"]).groupby("profile"):
         eligible = group[group["accuracy"] >= group["accuracy"].max() - max_accuracy_drop - 1e-9]
         best = eligible.sort_values(["ms_per_token", "accuracy"], ascending=[True, False]).iloc[0]
+        # Other policies whose 95% CI overlaps the choice's: at this n the samples cannot tell their accuracies
+        # apart (the 5-point rule compares point estimates), and the summary says so instead of naming a winner.
+        others = group[(group["method"] != best["method"]) | (group["hbm_budget"] != best["hbm_budget"])]
+        overlapping = others[(others["ci_high"] >= best["ci_low"]) & (others["ci_low"] <= best["ci_high"])]
+        unseparated = [f"{r.method} @ {r.hbm_budget:.0%}" for r in overlapping.sort_values("ms_per_token").itertuples()]
         rows.append({"profile": profile, "method": best["method"], "hbm_budget": best["hbm_budget"],
                      "accuracy": best["accuracy"], "ci_low": best["ci_low"], "ci_high": best["ci_high"],
-                     "ms_per_token": best["ms_per_token"], "n": best["n_scored"],
-                     **{c: best[c] for c in ("overhead_mode", *frames.TRAFFIC_COLUMNS) if c in best}})
+                     "ms_per_token": best["ms_per_token"], "n": best["n_scored"], "not_separated_from": unseparated,
+                     **{c: best[c] for c in ("overhead_mode", "model", *frames.TRAFFIC_COLUMNS) if c in best}})
     return pd.DataFrame(rows).sort_values("ms_per_token").reset_index(drop=True)
 

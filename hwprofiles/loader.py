@@ -165,3 +165,24 @@ def list_profiles(profiles_dir: str | Path | None = None) -> list[HardwareProfil
     """Every profile in the search directories, validated, sorted by name; duplicates are an error."""
     by_name = _profile_files(search_dirs(profiles_dir))
     return [load_profile_file(_single(name, paths)) for name, paths in sorted(by_name.items())]
+
+
+def contention_note(profile: HardwareProfile) -> str | None:
+    """Why a measured profile's timings are not to be trusted by default: `thoughtkv calibrate` recorded that
+    other work competed for the CPUs while it measured (provenance.host_facts.contended, load average above the
+    usable CPUs); None for an uncontended or datasheet profile."""
+    facts = profile.provenance.get("host_facts") or {}
+    if facts.get("contended") is not True:
+        return None
+    return (f"calibrated under CPU contention (load {facts.get('load_avg_1m')} on {facts.get('usable_cpus')} "
+            "CPUs): its timings are slower than the machine")
+
+
+def default_profiles(profiles_dir: str | Path | None = None) -> tuple[list[HardwareProfile], list[str]]:
+    """The set `--all-profiles` (and a sweep's `profiles: all`) means: every profile but those calibrated under
+    contention, which a user names explicitly to use; returns (profiles, the names left out). A quiet machine
+    cannot be promised where profiles are calibrated (shared CI boxes), so the contended mark, recorded by
+    calibrate itself, decides rather than a recalibration."""
+    profiles = list_profiles(profiles_dir)
+    left_out = [p.name for p in profiles if contention_note(p) is not None]
+    return [p for p in profiles if p.name not in left_out], left_out

@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from hwprofiles import list_profiles, load_profile
+    from hwprofiles import load_profile
+    from hwprofiles.loader import contention_note, default_profiles
     from simulator.engine import Timeline
     from simulator.simulate import simulate_run
     from traces.reader import open_run
@@ -68,7 +69,22 @@ def run(args: argparse.Namespace) -> int:
     if options.engine == "fast" and args.timeline is not None:
         raise SimulateOptionError("--timeline records the DES; drop --engine fast")
     run_ = open_run(args.run_dir)  # checks run.json and its schema version before anything else
-    profiles = list_profiles() if args.all_profiles else [load_profile(name) for name in args.profile]
+    damage = missing_parts_line(run_)
+    if damage is not None and args.what_if is not None:  # a what-if reads the access parts
+        raise SimulateOptionError(damage)
+    if damage is not None:  # a replay reads the steps only (a missing steps part is refused where it is read)
+        print(f"warning: {damage}; replaying from the steps", file=sys.stderr)
+    if args.all_profiles:
+        profiles, left_out = default_profiles()
+        if left_out:
+            print(f"note: --all-profiles leaves out {', '.join(left_out)}, calibrated under CPU contention; name "
+                  "it with --profile to use it anyway", file=sys.stderr)
+    else:
+        profiles = [load_profile(name) for name in args.profile]
+        for profile in profiles:
+            note = contention_note(profile)
+            if note is not None:
+                print(f"warning: profile {profile.name} was {note}", file=sys.stderr)
     out = args.out if args.out is not None else args.run_dir / "sim"
     _check_writable_dir(out, "--out")
     for name in RESULT_FILES:  # an unreadable earlier results file fails now, before any simulation
@@ -94,6 +110,24 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     print(f"results: {', '.join(str(p) for p in written)}" + (f"; timeline: {args.timeline}" if timeline else ""))
     return 0
+
+
+def missing_parts_line(run) -> str | None:
+    """One line, as `thoughtkv traces validate` words it (which refuses such a run), when committed samples lack
+    a part of a table the run records (a deleted access.parquet, a copy that left a folder out); else None. A
+    directory listing per table: the deep read stays validate's."""
+    from traces.cli import repair_command
+    from traces.layout import list_parts
+
+    committed = run.sample_ids()
+    tables = ["steps", "tokens", *(["access"] if run.has_access else [])]
+    for table in tables:
+        missing = [s for s in committed if s not in list_parts(run.path, table)]
+        if missing:
+            return (f"{run.path}: {len(missing)} of {len(committed)} committed sample(s) have no {table} part (first: "
+                    f"{missing[0]!r}); `thoughtkv traces validate` refuses this run; to repair, rerun "
+                    f"`{repair_command(run.manifest, run.path)}`")
+    return None
 
 
 def _check_writable_dir(path: Path, what: str) -> None:

@@ -16,7 +16,8 @@ OPTION_COLUMNS = KEY_FIELDS
 RESULT_COLUMNS: dict[str, str] = {
     "run_dir": "the trace run simulated (as given)",
     "run_label": "the run's label, + ' [what-if ...]' for a projection",
-    "result_kind": "traced (the run's own placement) or projected (a what-if re-placement)",
+    "result_kind": "traced (a traced run's own placement), synthetic (a `traces synth` run's own placement) or "
+    "projected (a what-if re-placement or --as-model)",
     "model": "model id from run.json",
     "policy": "placement policy simulated (full | evict | hierarchy)",
     "hbm_budget": "HBM budget: fraction of the logical length (<= 1) or tokens (> 1)",
@@ -69,6 +70,8 @@ RESULT_COLUMNS: dict[str, str] = {
     "mass_lost_not_recalled": "projected: mean attention mass on DDR blocks not recalled",
 }
 
+# Replays of a run's own placement: a traced run's, or a synthetic run's (labelled so, never as traced).
+REPLAY_KINDS = ("traced", "synthetic")
 # What makes two result rows the same result (rerunning into an --out replaces rows with an equal key).
 KEY_COLUMNS = ("run_dir", "run_label", "result_kind", "profile", *OPTION_COLUMNS, "sample_id")
 # The policy columns (with the model, they name a method).

@@ -25,6 +25,7 @@ import math
 from dataclasses import MISSING, dataclass, field, fields
 
 from simulator.errors import OptionError
+from thoughtkv_base import UserError, check_seed
 
 OVERLAP_MODES = ("none", "layer-prefetch")
 # Far beyond any study here (a 7B hierarchy at 20 req/s for 600 s is 12,000 requests), far below a hang.
@@ -130,12 +131,14 @@ class ServingConfig:
         if self.arrivals_csv is None and expected > MAX_REQUESTS:  # every request is simulated one by one
             raise OptionError(f"rate_per_s x duration_s = {expected:.3g} requests, more than {MAX_REQUESTS:,} "
                               "(--rate-per-s, --duration-s); shorten the window or lower the rate")
-        for name, low in (("max_batch", 1), ("seed", 0)):
-            value = getattr(self, name)
-            # Below 2**32: numpy's seeds and C longs end there (10**40 raised OverflowError deep in numpy).
-            if not isinstance(value, int) or isinstance(value, bool) or value < low or value >= 2**32:
-                raise OptionError(f"{name} must be a whole number in [{low}, 2**32), got {value!r} "
-                                  f"(--{name.replace('_', '-')})")
+        value = self.max_batch
+        # Below 2**32: C longs end there (10**40 raised OverflowError deep in numpy).
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value >= 2**32:
+            raise OptionError(f"max_batch must be a whole number in [1, 2**32), got {value!r} (--max-batch)")
+        try:
+            check_seed(self.seed)  # the one rule for seeds (thoughtkv_base)
+        except UserError as exc:
+            raise OptionError(str(exc)) from None
         if not isinstance(self.batch_copies, bool):
             raise OptionError(f"batch_copies must be true or false, got {self.batch_copies!r} (--batch-copies)")
         if self.arrivals_csv is not None and (not isinstance(self.arrivals_csv, str) or not self.arrivals_csv):

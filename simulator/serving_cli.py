@@ -106,18 +106,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def time_text(seconds: float) -> str:
+    """A duration in the unit that fits it, 3 significant digits: 41.2 µs, 3.05 ms, 1.27 s (a fixed unit
+    would print a fast model's TBT as 0.0 ms)."""
+    if seconds != seconds:  # NaN: no request got that far
+        return "-"
+    magnitude = abs(seconds)
+    if magnitude == 0:
+        return "0 s"
+    if magnitude < 1e-3:
+        return f"{seconds * 1e6:.3g} µs"
+    if magnitude < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds:.3g} s"
+
+
 def table_lines(summaries: list[dict]) -> list[str]:
     header = (f"{'run':<18} {'profile':<14} {'policy':<10} {'budget':>6} {'reqs':>5} {'tok/s':>8} "
-              f"{'TTFT p50/p99 s':>15} {'TBT p50/p99 ms':>15} {'queue s':>8} {'max conc':>8} {'H2D %':>6} "
+              f"{'TTFT p50/p99':>21} {'TBT p50/p99':>21} {'queue':>9} {'max conc':>8} {'H2D %':>6} "
               f"{'goodput tok/s':>13}  overheads (host term)")
     lines = [header, "-" * len(header)]
     for s in summaries:
         budget = s["hbm_budget"] if s["hbm_budget"] is not None else float("nan")
+        ttft = f"{time_text(s['ttft_p50_s'])}/{time_text(s['ttft_p99_s'])}"
+        tbt = f"{time_text(s['tbt_p50_s'])}/{time_text(s['tbt_p99_s'])}"
         lines.append(
             f"{Path(s['run_dir']).name[:18]:<18} {s['profile'][:14]:<14} {str(s['policy'])[:10]:<10} {budget:>6.2f} "
-            f"{s['n_requests']:>5} {s['throughput_tokens_per_s']:>8.1f} "
-            f"{s['ttft_p50_s']:>7.2f}/{s['ttft_p99_s']:<7.2f} {s['tbt_p50_s'] * 1e3:>7.1f}/{s['tbt_p99_s'] * 1e3:<7.1f} "
-            f"{s['queue_delay_mean_s']:>8.2f} {s['max_concurrency']:>8} {100 * s['link_util_h2d']:>6.1f} "
+            f"{s['n_requests']:>5} {s['throughput_tokens_per_s']:>8.1f} {ttft:>21} {tbt:>21} "
+            f"{time_text(s['queue_delay_mean_s']):>9} {s['max_concurrency']:>8} {100 * s['link_util_h2d']:>6.1f} "
             f"{s['goodput_tokens_per_s']:>13.1f}  {s['overhead_mode']} ({s['host_term']})"
         )
     return lines

@@ -200,7 +200,7 @@ def _sample_row(run, shape, profile, config: PolicySpec, options: SimOptions, wo
     values = {
         "run_dir": str(run.path),
         "run_label": label,
-        "result_kind": "projected" if projected else "traced",
+        "result_kind": "projected" if projected else "synthetic" if run.manifest.get("kind") == "synthetic" else "traced",
         "model": shape.name,
         "policy": config.policy,
         "hbm_budget": config.hbm_budget,

@@ -23,6 +23,7 @@ See `examples/sweeps/` and GRID_KEYS below for the keys each kind accepts.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import itertools
@@ -32,7 +33,8 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, fields
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -128,18 +130,62 @@ CELL_KINDS: dict[str, type] = {"simulate": SimulateCell, "serve": ServeCell, "co
 NOT_IN_KEY = ("num_gpus", "out_root", "cwd")
 
 
+_SNAPSHOT: dict | None = None  # set inside `inputs_snapshot()`: cell -> key, and each distinct input's digests
+
+
+@contextmanager
+def inputs_snapshot():
+    """Within the block each distinct input (a trace run, a profile file) is digested once and each cell's key
+    computed once: the inputs as they were when the sweep was planned. A grid of 10,000 cells names a few runs
+    and profiles thousands of times each; digesting them per cell (~2 ms) kept the sweep silent for 20 s."""
+    global _SNAPSHOT
+    outer, _SNAPSHOT = _SNAPSHOT, {} if _SNAPSHOT is None else _SNAPSHOT
+    try:
+        yield
+    finally:
+        _SNAPSHOT = outer
+
+
 def cell_key(cell) -> str:
     """Stable 16-hex key of what a cell computes: the file name of its cached result. It covers the cell's
     parameters and the *content* of what it reads (`cell_inputs`), so a cached result is reused only while the
     trace run, the profile file and the project version it was computed from are unchanged."""
-    params = {name: value for name, value in asdict(cell).items() if name not in NOT_IN_KEY}
+    if _SNAPSHOT is not None and ("key", cell) in _SNAPSHOT:
+        return _SNAPSHOT[("key", cell)]
+    params = {f.name: _as_plain(getattr(cell, f.name)) for f in fields(cell) if f.name not in NOT_IN_KEY}
     text = json.dumps({"kind": cell_kind(cell), **params, "inputs": cell_inputs(cell)}, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    key = hashlib.sha256(text.encode()).hexdigest()[:16]
+    if _SNAPSHOT is not None:
+        _SNAPSHOT[("key", cell)] = key
+    return key
+
+
+@functools.lru_cache(maxsize=4096)
+def _options_dict(options) -> dict:
+    return asdict(options)
+
+
+def _as_plain(value):
+    """A cell field as `dataclasses.asdict` gives it (the key text is unchanged), options dicts computed once."""
+    if is_dataclass(value):
+        return _options_dict(value)
+    return value
 
 
 def cell_inputs(cell) -> dict:
     """Digests of what a cell's result depends on besides its parameters: the project version (the code),
     and for simulations the trace run (run.json and every committed sample's parts) and the profile file."""
+    where = ("inputs", type(cell), getattr(cell, "run_dir", None), getattr(cell, "profile", None),
+             getattr(getattr(cell, "config", None), "arrivals_csv", None))
+    if _SNAPSHOT is not None and where in _SNAPSHOT:
+        return dict(_SNAPSHOT[where])
+    inputs = _cell_inputs(cell)
+    if _SNAPSHOT is not None:
+        _SNAPSHOT[where] = dict(inputs)
+    return inputs
+
+
+def _cell_inputs(cell) -> dict:
     import thoughtkv_base
     from hwprofiles.loader import profile_file
 
@@ -152,12 +198,37 @@ def cell_inputs(cell) -> dict:
     return inputs
 
 
+_RUN_DIGESTS: dict[tuple, str] = {}  # (run dir, run.json and table-directory stats) -> digest, per process
+
+
 def run_digest(run_dir: str | Path) -> str:
     """sha256 over run.json and the part files of the run's committed samples (those with a samples part), in
-    every table: a sample added, removed or rewritten changes it; a sample still being written does not."""
-    from traces.layout import MANIFEST_NAME, list_parts
+    every table: a sample added, removed or rewritten changes it; a sample still being written does not.
+
+    Computed once per distinct run and state: a grid names each run in thousands of cells, and listing and
+    hashing its parts for each (~16 ms) kept a 10,000-cell sweep silent for minutes. The state is the stat of
+    run.json and of every table directory (a part committed, replaced or removed renames into its directory,
+    which changes the directory's mtime)."""
+    from traces.layout import MANIFEST_NAME
 
     run_dir = Path(run_dir)
+    state = (str(run_dir.resolve()), *(_stat_key(p) for p in [run_dir / MANIFEST_NAME, *sorted(run_dir.glob("*.parquet"))]))
+    if state not in _RUN_DIGESTS:
+        _RUN_DIGESTS[state] = _run_digest(run_dir)
+    return _RUN_DIGESTS[state]
+
+
+def _stat_key(path: Path) -> tuple:
+    try:
+        stat = path.stat()
+    except OSError:
+        return (path.name, "missing")
+    return (path.name, stat.st_size, stat.st_mtime_ns, stat.st_ino)
+
+
+def _run_digest(run_dir: Path) -> str:
+    from traces.layout import MANIFEST_NAME, list_parts
+
     digest = hashlib.sha256(file_digest(run_dir / MANIFEST_NAME).encode())
     committed = set(list_parts(run_dir, "samples"))
     for table in sorted(p.name.removesuffix(".parquet") for p in run_dir.glob("*.parquet") if p.is_dir()):
@@ -227,13 +298,13 @@ SERVE_OPTION_EXCLUDE = ("batch", "engine", "arrivals_csv")  # serving batches it
 GRID_KEYS: dict[str, dict[str, str]] = {
     "simulate": {
         "runs": "trace run directories (relative to the grid file); list or one path",
-        "profiles": "hardware profile names, or `all`",
+        "profiles": "hardware profile names, or `all` (every profile not calibrated under contention)",
         "what_if": "mapping of what-if axes (e.g. budget: [0.1, 0.3]); omit to replay as traced",
         **grid_keys(SimOptions),
     },
     "serve": {
         "runs": "trace run directories (relative to the grid file)",
-        "profiles": "hardware profile names, or `all`",
+        "profiles": "hardware profile names, or `all` (every profile not calibrated under contention)",
         **grid_keys(ServingConfig, exclude=SERVE_OPTION_EXCLUDE),
         **grid_keys(SimOptions, exclude=SERVE_OPTION_EXCLUDE),
     },
@@ -297,24 +368,32 @@ def _as_list(value: Any) -> list:
 def _simulation_cells(kind: str, data: dict, base_dir: Path, where: str) -> list:
     """The cross product of the grid's axes, every cell validated (options, serving config, what-if against
     its run) before any runs: a bad value anywhere fails the whole grid in one line."""
-    from hwprofiles import list_profiles, load_profile
+    from hwprofiles import load_profile
+    from hwprofiles.loader import default_profiles
 
     if "runs" not in data or "profiles" not in data:
         raise SweepError(f"{where}: a {kind} grid needs `runs:` and `profiles:`; add them")
     runs = [_resolve_run(base_dir, run, where) for run in _as_list(data["runs"])]
     profiles = _as_list(data["profiles"])
-    if profiles == ["all"]:
-        profiles = [p.name for p in list_profiles()]
+    if profiles == ["all"]:  # as --all-profiles: profiles calibrated under contention only when named
+        profiles = [p.name for p in default_profiles()[0]]
     loaded = {name: load_profile(name) for name in profiles}  # unknown profile -> ProfileError (one line)
     option_names = [f.name for f in fields(SimOptions) if f.name in data]
     config_names = [f.name for f in fields(ServingConfig) if f.name in data] if kind == "serve" else []
     what_ifs = _what_if_combinations(data.get("what_if"), where) if kind == "simulate" else [()]
     cells = []
+    checks = CellChecks()  # each distinct check once: a run is opened once, a what-if parsed once per run
+    opened = {}
+    for run_dir in runs:
+        try:
+            opened[run_dir] = _open_with_samples(run_dir)
+        except UserError as exc:
+            raise SweepError(f"{where}: run {Path(run_dir).name}: {exc}") from None
     for run_dir, profile, what_if, option_values, config_values in itertools.product(
             runs, profiles, what_ifs, _combinations(data, option_names), _combinations(data, config_names)):
         try:
             options = SimOptions(**option_values)
-            _check_cell(run_dir, loaded[profile], options, what_if)
+            checks.check(opened[run_dir], loaded[profile], options, what_if)
             if kind == "simulate":
                 cells.append(SimulateCell(run_dir=run_dir, profile=profile, options=options, what_if=what_if))
             else:
@@ -337,22 +416,42 @@ def _describe_cell(run_dir: str, profile: str, what_if: tuple, *values: dict) ->
     return "cell " + ", ".join(parts)
 
 
-def _check_cell(run_dir: str, profile, options: SimOptions, what_if: tuple) -> None:
-    """What simulate_run / simulate_serving check before they work, for one cell: the run has samples, the
-    what-if against its traced policy, the offload tier on the profile, layer-prefetch against the recall rule."""
-    from simulator.simulate import check_prefetch
-    from simulator.tiers import tier_chain
-    from simulator.whatif import parse_what_if, traced_config, what_if_config
+def _open_with_samples(run_dir: str):
+    """The run, opened once for every cell that replays it; refused when it has no committed sample."""
     from traces.reader import open_run
 
     run = open_run(run_dir)
     if not run.sample_ids():
         raise SweepError(f"{run.path}: no committed samples to simulate; let the trace run finish (or resume it)")
-    policy = run.manifest["policy"]
-    config = what_if_config(policy, parse_what_if(dict(what_if))) if what_if else traced_config(policy)
-    tier_chain(profile, options.offload_tier)  # a tier, or a spill chain ddr+TIER
-    if options.overlap == "layer-prefetch":
-        check_prefetch(run, config, bool(what_if))
+    return run
+
+
+class CellChecks:
+    """What simulate_run / simulate_serving check before they work, for each cell of a grid (its run opened once
+    by `_open_with_samples`): the what-if against its traced policy, the offload tier on the profile, layer-prefetch
+    against the recall rule. Each part depends on a few of the cell's axes, so each distinct part is checked once:
+    a grid crosses them (10,000 cells from 4 runs x 14 profiles x 200 what-ifs)."""
+
+    def __init__(self) -> None:
+        self.configs: dict[tuple, object] = {}  # (run, what-if) -> the placement it replays
+        self.done: set[tuple] = set()
+
+    def check(self, run, profile, options: SimOptions, what_if: tuple) -> None:
+        from simulator.simulate import check_prefetch
+        from simulator.tiers import tier_chain
+        from simulator.whatif import parse_what_if, traced_config, what_if_config
+
+        placement = (str(run.path), what_if)
+        if placement not in self.configs:
+            policy = run.manifest["policy"]
+            self.configs[placement] = (what_if_config(policy, parse_what_if(dict(what_if))) if what_if
+                                       else traced_config(policy))
+        if ("tier", profile.name, options.offload_tier) not in self.done:
+            tier_chain(profile, options.offload_tier)  # a tier, or a spill chain ddr+TIER
+            self.done.add(("tier", profile.name, options.offload_tier))
+        if options.overlap == "layer-prefetch" and ("prefetch", placement) not in self.done:
+            check_prefetch(run, self.configs[placement], bool(what_if))
+            self.done.add(("prefetch", placement))
 
 
 def _what_if_combinations(spec: Any, where: str) -> list[tuple]:
@@ -466,6 +565,97 @@ def execute_ray(cells: list, workers: int, address: str | None = None,
 # ---------------------------------------------------------------- the sweep ----------------------------------
 
 
+# ---------------------------------------------------------------- size and time, before the sweep starts -----
+# What a cell costs, measured on the 2-core development machine (tests/test_sweep.py checks the estimate against a
+# small sweep's own files): a simulate cell replays its run in ~10 ms per sample + ~4 us per layer-step; a what-if
+# re-places the recorded masses, ~20 ms per sample + ~0.12 us per layer-block more (the shipped micro runs: 0.2-0.35
+# s a replay, 0.5-1.3 s a what-if; a 4-sample qwen2-7b synth run of 2,000 steps: 0.9 s and 5.3 s). Each cached result
+# is a ~34 kB Parquet file; the merge reads them all (~6 ms and ~60 kB of memory a cell); a worker process holds
+# ~200 MiB of libraries plus its run (~30 B per layer-block of its longest sample under a what-if).
+SIM_SECONDS_PER_SAMPLE, SIM_SECONDS_PER_LAYER_STEP = 0.010, 4e-6
+WHAT_IF_SECONDS_PER_SAMPLE, WHAT_IF_SECONDS_PER_LAYER_BLOCK = 0.020, 0.12e-6
+CELL_FILE_BYTES, RESULT_ROW_BYTES = 34_000, 1_000
+MERGE_SECONDS_PER_CELL, MERGE_BYTES_PER_CELL = 0.006, 60_000
+WORKER_BASE_BYTES, WORKER_BYTES_PER_LAYER_BLOCK = 200 * 2**20, 30
+
+
+@dataclass(frozen=True)
+class SweepEstimate:
+    cells: int  # to compute
+    workers: int
+    seconds: float | None  # None when no cell's time can be estimated
+    untimed: int  # cells whose time is not estimated (serve, collect)
+    disk_bytes: int
+    memory_bytes: int
+
+    def text(self) -> str:
+        from simulator.synth import duration_text, size_text
+
+        if self.seconds is None:
+            time = "time not estimated (serving and collection cells)"
+        else:
+            time = f"~{duration_text(self.seconds)}" + (f" + {self.untimed:,} untimed serve/collect cells"
+                                                        if self.untimed else "")
+        return (f"{self.cells:,} cells to compute on {self.workers} worker(s): {time}, ~{size_text(self.disk_bytes)} "
+                f"on disk, ~{size_text(self.memory_bytes)} peak memory")
+
+
+def estimate_sweep(cells: list, todo: list, workers: int) -> SweepEstimate:
+    """Time, disk and memory of computing `todo` and merging `cells`, from each run's size (the constants above)."""
+    sizes: dict[str, dict] = {}
+    seconds, untimed, worker_bytes = 0.0, 0, WORKER_BASE_BYTES
+    for cell in todo:
+        if not isinstance(cell, SimulateCell):
+            untimed += 1
+            continue
+        if cell.run_dir not in sizes:
+            sizes[cell.run_dir] = _run_size(cell.run_dir)
+        size = sizes[cell.run_dir]
+        seconds += SIM_SECONDS_PER_SAMPLE * size["samples"] + SIM_SECONDS_PER_LAYER_STEP * size["layer_steps"]
+        if cell.what_if:
+            seconds += WHAT_IF_SECONDS_PER_SAMPLE * size["samples"] + WHAT_IF_SECONDS_PER_LAYER_BLOCK * size["layer_blocks"]
+            worker_bytes = max(worker_bytes, WORKER_BASE_BYTES + WORKER_BYTES_PER_LAYER_BLOCK * size["max_sample_layer_blocks"])
+    workers = max(1, min(workers, len(todo) or 1))
+    timed = len(todo) - untimed
+    total = seconds / workers + MERGE_SECONDS_PER_CELL * len(cells) if timed or not todo else None
+    return SweepEstimate(cells=len(todo), workers=workers, seconds=total, untimed=untimed,
+                         disk_bytes=CELL_FILE_BYTES * len(todo) + RESULT_ROW_BYTES * len(cells),
+                         memory_bytes=MERGE_BYTES_PER_CELL * len(cells) + workers * worker_bytes)
+
+
+def _run_size(run_dir: str) -> dict:
+    """Samples, layer-steps and layer-blocks (blocks attended per layer and step, summed) of a trace run."""
+    import numpy as np
+
+    from traces.reader import open_run
+
+    run = open_run(run_dir)
+    samples = run.samples()
+    n_layers, block_size = run.n_layers, run.block_size
+    blocks = [int((-(-(int(p) + np.arange(int(g) + 1)) // block_size)).sum()) * n_layers
+              for p, g in zip(samples["prompt_tokens"], samples["generated_tokens"])]
+    return {"samples": len(samples), "layer_steps": int((samples["generated_tokens"] + 1).sum()) * n_layers,
+            "layer_blocks": sum(blocks), "max_sample_layer_blocks": max(blocks, default=0)}
+
+
+def check_estimate(estimate: SweepEstimate, out_dir: Path, allow_large: bool) -> None:
+    """Refuse, before any cell runs, a sweep whose estimate exceeds the memory available or the disk free."""
+    import shutil
+
+    from simulator.synth import size_text
+    from traces.host import available_memory_bytes
+
+    if allow_large:
+        return
+    existing = next((p for p in [out_dir, *out_dir.parents] if p.exists()), Path("."))
+    limits = (("memory", estimate.memory_bytes, available_memory_bytes(), "available"),
+              ("disk space", estimate.disk_bytes, shutil.disk_usage(existing).free, f"free at {existing}"))
+    for what, need, have, where in limits:
+        if need > have:
+            raise SweepError(f"the sweep needs ~{size_text(need)} of {what} ({estimate.text()}) but {size_text(have)} "
+                             f"is {where}; split the grid, use fewer --workers, or --allow-large to try anyway")
+
+
 @dataclass
 class SweepReport:
     table: pd.DataFrame
@@ -490,7 +680,8 @@ def run_sweep(
     if executor not in ("local", "ray"):
         raise SweepError(f"executor {executor!r} is unknown; use local or ray")
     workers = workers or os.cpu_count() or 1
-    paths = {cell: cell_result_path(out_dir, cell) for cell in cells}  # keys from the inputs as they are now
+    with inputs_snapshot():
+        paths = {cell: cell_result_path(out_dir, cell) for cell in cells}  # keys from the inputs as they are now
     if len(set(paths.values())) != len(cells):
         raise SweepError("the grid lists the same cell twice; remove duplicate values from its axes")
     (out_dir / "cells").mkdir(parents=True, exist_ok=True)

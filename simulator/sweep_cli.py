@@ -21,10 +21,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="parallel cells (default: CPU count; with Ray: CPUs of the local Ray it starts)")
     parser.add_argument("--out", default=None, help="output directory (default: sweeps/<grid file stem>)")
     parser.add_argument("--dry-run", action="store_true", help="list the cells and which are cached; run none")
+    parser.add_argument("--allow-large", action="store_true",
+                        help="run even when the estimate says the sweep will not fit in this machine's memory or "
+                             "disk (default: refuse)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from simulator.sweep import SweepError, cell_key, is_cached, load_grid, run_sweep
+    from simulator.sweep import inputs_snapshot
+
+    with inputs_snapshot():  # each run and profile digested once, each cell's key computed once
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import os
+
+    from simulator.sweep import (
+        SweepError,
+        cell_key,
+        check_estimate,
+        estimate_sweep,
+        is_cached,
+        load_grid,
+        run_sweep,
+    )
 
     if args.address is not None and args.executor != "ray":
         raise SweepError("--address joins a Ray cluster; add --executor ray or drop --address")
@@ -33,13 +53,17 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out) if args.out else Path("sweeps") / Path(args.grid).stem
     if out_dir.exists() and not out_dir.is_dir():
         raise SweepError(f"--out {out_dir} exists and is not a directory; pass a directory")
-    grid = load_grid(args.grid, out_dir=out_dir)
-    cached = sum(is_cached(out_dir, c) for c in grid.cells)
-    print(f"{grid.source}: {len(grid.cells)} {grid.kind} cells, {cached} already done, out={out_dir}")
+    grid = load_grid(args.grid, out_dir=out_dir)  # every cell validated, each distinct check once
+    print(f"{grid.source}: {len(grid.cells):,} {grid.kind} cells, out={out_dir}", flush=True)
+    done = {cell: is_cached(out_dir, cell) for cell in grid.cells}
+    todo = [cell for cell in grid.cells if not done[cell]]
+    estimate = estimate_sweep(grid.cells, todo, args.workers or os.cpu_count() or 1)
+    print(f"{len(grid.cells) - len(todo):,} already done; estimate: {estimate.text()}", flush=True)
+    if not args.dry_run:
+        check_estimate(estimate, out_dir, args.allow_large)  # before any cell runs
     if args.dry_run:
         for cell in grid.cells:
-            state = "done" if is_cached(out_dir, cell) else "todo"
-            print(f"  {cell_key(cell)} {state} {cell}")
+            print(f"  {cell_key(cell)} {'done' if done[cell] else 'todo'} {cell}")
         return 0
     report = run_sweep(grid.cells, out_dir, executor=args.executor, workers=args.workers, address=args.address)
     where = f"{len(report.table)} rows -> {report.results_path}" if report.results_path else \

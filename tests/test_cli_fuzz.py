@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 SAMPLE_RUN = str(REPO / "traces" / "samples" / "micro-hierarchy-b30-e0")
 PROFILE_YAML = str(REPO / "hwprofiles" / "profiles" / "h100-pcie.yaml")
 GRID = str(REPO / "examples" / "sweeps" / "simulate_budgets.yaml")
+GSM8K = str(REPO.parent / "shared" / "data" / "gsm8k" / "test.jsonl")
 CALL_LIMIT_S = 30.0  # a loaded 2-core machine: one micro trace or one report, imports already done
 
 # Options that take numbers as text (budgets as fractions or token counts, lists of them).
@@ -56,6 +57,9 @@ COMMANDS: dict[str, tuple[list[str], list[str]]] = {
                       "--out", "{out}"], ["--out"]),
     "trace": (["trace", "--model", "micro", "--task", "chains", "--max-new-tokens", "2", "--block-size", "4",
                "--window-tokens", "8", "--out", "{out}", "--quiet"], ["--model", "--data-file", "--out"]),
+    # A dataset task, so that --data-file is read (chains is generated and refuses any data file at once).
+    "trace gsm8k": (["trace", "--model", "micro", "--task", "gsm8k", "--data-file", GSM8K, "--max-new-tokens", "2",
+                     "--out", "{out}", "--quiet"], ["--data-file"]),
     "simulate": (["simulate", SAMPLE_RUN, "--profile", "h100-pcie", "--out", "{out}"],
                  ["#1", "--profile", "--timeline", "--out"]),
     "serve-sim": (["serve-sim", SAMPLE_RUN, "--profile", "h100-pcie", "--rate-per-s", "5", "--duration-s", "2",
@@ -70,15 +74,17 @@ COMMANDS: dict[str, tuple[list[str], list[str]]] = {
     "analyze correlation": (["analyze", "correlation", SAMPLE_RUN], ["#2", "--out"]),
 }
 # Examples per command: refusals cost milliseconds, accepted runs up to a few seconds (trace, plot).
-EXAMPLES = {"trace": 14, "plot": 3, "simulate": 12, "serve-sim": 16, "traces synth": 24, "analyze correlation": 8}
+EXAMPLES = {"trace gsm8k": 6, "trace": 14, "plot": 3, "simulate": 12, "serve-sim": 16, "traces synth": 24, "analyze correlation": 8}
 DEFAULT_EXAMPLES = 20
-PATH_EXAMPLES = {"plot": 4}  # a report takes seconds; other commands refuse junk paths at once
+PATH_EXAMPLES = {"plot": 4, "trace gsm8k": 15}  # a report takes seconds; other commands refuse junk paths at once
 
 
 def subparser(name: str) -> argparse.ArgumentParser:
     parser = build_parser()
-    for word in name.split():
-        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for word in name.split():  # "trace gsm8k": the trace command (a second word that is no subcommand is a label)
+        action = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if action is None or word not in action.choices:
+            break
         parser = action.choices[word]
     return parser
 
@@ -108,8 +114,14 @@ def junk_paths(root: Path) -> list[str]:
                          "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: [*c, *c, *c, *c, *c, *c, *c, *c, *c]\n")
     csv = root / "header_only.csv"
     csv.write_text("arrival_s,prompt_tokens,output_tokens\n")
+    # Data files a new user handed to --data-file (issue 43): not UTF-8, empty, blank lines only.
+    latin1, empty, blank = root / "latin1.jsonl", root / "empty.jsonl", root / "blank.jsonl"
+    latin1.write_bytes(b'{"question": "caf\xe9", "answer": "#### 1"}\n')
+    empty.write_bytes(b"")
+    blank.write_text("\n  \n\t\n")
     return [str(root / "missing" / "x"), str(junk_file), str(empty_dir), str(fake_run), str(yaml_bomb), str(csv),
-            "/dev/null", "", "-", str(root / ("n" * 300)), str(root / "new\nline"), str(junk_file) + "/below"]
+            "/dev/null", "", "-", str(root / ("n" * 300)), str(root / "new\nline"), str(junk_file) + "/below",
+            str(latin1), str(empty), str(blank)]
 
 
 def run_cli(argv: list[str]) -> tuple[int, str, float]:

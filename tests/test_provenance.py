@@ -19,8 +19,10 @@ def here(tmp_path_factory):
     profile = root / "here-cpu.yaml"
     assert main(["calibrate", "--device", "cpu", "--smoke", "--out", str(profile)]) == 0
     run = root / "run"
+    # The calibration's cache geometry (the contract's defaults), not micro's trace defaults: this test is about
+    # hosts, and a geometry mismatch has its own warning.
     assert main(["trace", "--model", "micro", "--task", "chains", "--n-samples", "1", "--max-new-tokens", "8",
-                 "--device", "cpu", "--out", str(run), "--quiet"]) == 0
+                 "--block-size", "16", "--window-tokens", "32", "--device", "cpu", "--out", str(run), "--quiet"]) == 0
     return profile, run
 
 

@@ -67,7 +67,7 @@ def test_simulate_cli_table_and_results(synth_dir, tmp_path, capsys):
     assert "h100-sxm" in printed and "gh200-96gb" in printed
     results = pd.read_parquet(out / "results.parquet")
     assert set(REQUIRED_COLUMNS) <= set(results.columns)
-    assert len(results) == 4 and set(results["result_kind"]) == {"traced"}
+    assert len(results) == 4 and set(results["result_kind"]) == {"synthetic"}  # a synth run, never "traced"
     assert results["mass_lost_evicted"].isna().all()
     steps = pd.read_parquet(out / "steps.parquet")
     assert {"sample_id", "step", "latency_s", "compute_s", "link_stall_s"} <= set(steps.columns)
@@ -82,7 +82,7 @@ def test_simulate_cli_table_and_results(synth_dir, tmp_path, capsys):
     assert main(["simulate", str(synth_dir), "--profile", "h100-sxm", "--out", str(out), "--what-if",
                  "budget=0.2"]) == 0
     merged = pd.read_parquet(out / "results.parquet")
-    assert len(merged) == 6 and set(merged["result_kind"]) == {"traced", "projected"}
+    assert len(merged) == 6 and set(merged["result_kind"]) == {"synthetic", "projected"}
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,8 @@ module level, so that `thoughtkv --help` and the torch-free subcommands start fa
 
 Every refusal looks the same: one line on stderr, exit 2 — a `UserError` from the code, a usage error from
 argparse (`OneLineParser`), a group named without its action (the line lists the actions). Ctrl-C ends any
-command within `HARD_INTERRUPT_GRACE_S`, even inside one long torch op (`hard_interrupt`).
+command within `HARD_INTERRUPT_GRACE_S`, even inside one long torch op (`hard_interrupt`); SIGTERM takes the same
+path and says the same (work kept, rerun to resume), exiting 143.
 """
 
 from __future__ import annotations
@@ -47,6 +48,20 @@ NESTED: dict[str, list[tuple[str, str, str]]] = {
 # matmul on a CPU takes tens of seconds) it cannot, so a watchdog ends the process after this grace.
 HARD_INTERRUPT_GRACE_S = 1.5
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd command
+EXIT_TERMINATED = 143  # 128 + SIGTERM (`kill`, a job scheduler's stop)
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for `thoughtkv ... | head`
+# What either says: every file a command writes is committed whole (temp name + rename), so the work done is kept.
+STOPPED_TEXT = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)"}
+STOPPED_EXIT = {signal.SIGINT: EXIT_INTERRUPTED, signal.SIGTERM: EXIT_TERMINATED}
+
+
+def stopped_line(command: str, signum: int) -> str:
+    return f"thoughtkv {command}: {STOPPED_TEXT[signum]}; finished work is kept, rerun to resume\n"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as a Ctrl-C is, so that every command stops the way it does on Ctrl-C
+    (committed work kept, workers shut down) and says so; the exit status is 143."""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -109,6 +124,11 @@ def hard_interrupt(command: str, grace_s: float = HARD_INTERRUPT_GRACE_S):
         return
     finished = threading.Event()
 
+    def terminate(signum, frame):  # SIGTERM: the Ctrl-C path, told apart by its type
+        raise Terminated()
+
+    previous_sigterm = signal.signal(signal.SIGTERM, terminate)
+
     def watch() -> None:
         while True:
             try:
@@ -117,9 +137,10 @@ def hard_interrupt(command: str, grace_s: float = HARD_INTERRUPT_GRACE_S):
                 return
             if not data or finished.is_set():
                 return
-            if signal.SIGINT in data and not finished.wait(grace_s):
-                os.write(2, f"thoughtkv {command}: interrupted; finished work is kept, rerun to resume\n".encode())
-                os._exit(EXIT_INTERRUPTED)
+            signum = next((s for s in (signal.SIGTERM, signal.SIGINT) if s in data), None)
+            if signum is not None and not finished.wait(grace_s):
+                os.write(2, stopped_line(command, signum).encode())
+                os._exit(STOPPED_EXIT[signum])
 
     watchdog = threading.Thread(target=watch, name="thoughtkv-interrupt-watchdog", daemon=True)
     watchdog.start()
@@ -127,6 +148,7 @@ def hard_interrupt(command: str, grace_s: float = HARD_INTERRUPT_GRACE_S):
         yield
     finally:
         finished.set()
+        signal.signal(signal.SIGTERM, previous_sigterm)
         signal.set_wakeup_fd(previous)
         os.write(write_fd, b"\0")  # wake the watchdog so that it returns
         watchdog.join(timeout=1.0)
@@ -149,20 +171,24 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"thoughtkv {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:  # stdout closed by its reader (`| head`): nothing more to say, as a shell tool
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
+        return EXIT_BROKEN_PIPE
     except OSError as exc:  # a path the filesystem refuses (name too long, not a directory, no space, read-only)
-        where = f": {exc.filename}" if exc.filename else ""
-        print(f"thoughtkv {args.command}: error: {_one_line(exc.strerror or exc)}{_one_line(where)}; check the "
+        where = f": {_one_line(exc.filename)}" if exc.filename else ""
+        print(f"thoughtkv {args.command}: error: {_one_line(exc.strerror or exc)}{where}; check the "
               "path or free space", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"thoughtkv {args.command}: interrupted; finished work is kept, rerun to resume", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
+        signum = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
+        sys.stderr.write(stopped_line(args.command, signum))
         if argv is None:  # the process's own command line (console script, python -m thoughtkv)
             # Skip the interpreter's teardown: unloading torch took seconds on a loaded machine, and every file
             # the command wrote is already committed (temp name + rename).
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(EXIT_INTERRUPTED)
-        return EXIT_INTERRUPTED
+            os._exit(STOPPED_EXIT[signum])
+        return STOPPED_EXIT[signum]
 
 
 def _one_line(exc: BaseException) -> str:

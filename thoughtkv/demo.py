@@ -76,15 +76,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--evict-ratios", default="0", metavar="E,E",
                         help="the hierarchy's eviction ratios: 0 offloads everything over budget, 0.1 also drops "
                              "the least important 10%% (default: 0)")
-    parser.add_argument("--max-new-tokens", type=int, default=768, help="decode limit per sample (default: 768)")
-    # Small blocks and a short protected window so that the budget, not the protected tokens, decides what
-    # stays in HBM (the shipped sample traces use the same; traces/samples/README.md).
-    parser.add_argument("--block-size", type=int, default=4, help="tokens per KV block (default: 4)")
-    parser.add_argument("--window-tokens", type=int, default=16,
-                        help="recent tokens always kept in HBM (default: 16)")
-    parser.add_argument("--recall-budget", default="0.2", metavar="R",
+    # The decode limit, the cache geometry and the recall come with the model (its trace_defaults.json; micro_long:
+    # blocks of 4 and a 16-token window, so that the budget, not the protected tokens, decides what stays in HBM).
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="decode limit per sample (default: the model's trace_defaults.json; micro_long: 600)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per KV block (default: the model's trace_defaults.json; micro_long: 4)")
+    parser.add_argument("--window-tokens", type=int, default=None,
+                        help="recent tokens always kept in HBM (default: the model's trace_defaults.json; micro_long: 16)")
+    parser.add_argument("--recall-budget", default=None, metavar="R",
                         help="hierarchy: recall per layer and step at most this fraction of the context (or a token "
-                             "count), in whole blocks (default: 0.2)")
+                             "count), in whole blocks (default: the model's trace_defaults.json; micro_long: 0.2)")
     parser.add_argument("--calibrate", choices=("quick", "smoke", "none"), default="quick",
                         help="calibrate this machine first (quick: <= 60 s) and cross-check against it; smoke: "
                              "seconds, for tests; none: no measured profile, no Figure 6 (default: quick)")
@@ -111,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
 
     args.device = resolve_device(args.device)  # the one --device check, before anything is written
     check_model_spec(args.model)
+    resolve_model_defaults(args)
     out = args.out
     _claim_out_dir(out, vars(args))
     cells = grid(budgets, evict_ratios)
@@ -126,6 +129,28 @@ def run(args: argparse.Namespace) -> int:
     mechanisms_figure(cells, run_dirs, out / "report", args.overhead_mode)
     print_summary(report, time.perf_counter() - started)
     return 0
+
+
+def resolve_model_defaults(args: argparse.Namespace) -> None:
+    """Fill the settings left unset from the model's trace_defaults.json (tracer.model_defaults, the one home:
+    the runs' TraceConfig reads the same), so that calibration times the runs' cache geometry and the summary
+    names them."""
+    from tracer.model_defaults import resolve
+    from traces.policy import PolicyError, PolicySpec
+
+    given = {"block_size": args.block_size, "window_tokens": args.window_tokens,
+             "max_new_tokens": args.max_new_tokens, "recall_budget": args.recall_budget}
+    args.given_settings = {k: v for k, v in given.items() if v is not None}  # what the runs' TraceConfig gets
+    values, args.from_model = resolve(args.model, given)
+    try:
+        PolicySpec(policy="hierarchy", **{k: values[k] for k in ("block_size", "sink_tokens", "window_tokens",
+                                                                 "recall_k", "recall_budget")})
+    except PolicyError as error:
+        raise DemoError(str(error)) from None
+    if values["max_new_tokens"] < 1:
+        raise DemoError(f"--max-new-tokens {values['max_new_tokens']} must be at least 1")
+    for key in ("block_size", "sink_tokens", "window_tokens", "max_new_tokens", "recall_k", "recall_budget"):
+        setattr(args, key, values[key])
 
 
 def _parse_list(text: str, option: str, field: str) -> list[float]:
@@ -176,7 +201,8 @@ def calibrate_here(profiles_dir: Path, args: argparse.Namespace) -> Path | None:
 
     device_type = args.device.split(":")[0]
     architecture = architecture_for_model(args.model, device_type)  # weight reads with the traced model's shapes
-    geometry = cache_geometry(block_size=args.block_size, window_tokens=args.window_tokens)  # the runs' blocks
+    geometry = cache_geometry(block_size=args.block_size, sink_tokens=args.sink_tokens,
+                              window_tokens=args.window_tokens)  # the runs' blocks
     path = profiles_dir / f"measured-here-{device_type}.yaml"
     if path.is_file():
         provenance = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("provenance", {})
@@ -223,8 +249,7 @@ def trace_all(cells: list[Cell], runs_dir: Path, args: argparse.Namespace) -> di
         config = TraceConfig(
             model=args.model, task=args.task, out=str(run_dirs[cell.label]), n_samples=args.n_samples,
             policy=cell.policy, hbm_budget=cell.hbm_budget, evict_ratio=cell.evict_ratio,
-            max_new_tokens=args.max_new_tokens, device=args.device, block_size=args.block_size,
-            window_tokens=args.window_tokens, recall_budget=args.recall_budget,
+            device=args.device, **args.given_settings,  # the rest from the model (recorded per run)
         )
         config.validate()  # before any model loads: a bad option fails in a second, not a minute
         configs.append(config)
@@ -381,6 +406,12 @@ def what_if_of(run_dir: Path) -> dict:
     return what_if
 
 
+def open_run_model(run_dir: Path) -> str:
+    from traces import open_run
+
+    return str(open_run(run_dir).manifest["model"]["id"])
+
+
 def mechanisms_figure(cells: list[Cell], run_dirs: dict[str, Path], report_dir: Path, overhead_mode: str) -> None:
     """Issue 17's figure in the demo's report: the smallest-budget hierarchy run projected to qwen2-7b shapes at
     8k and 32k context, ms/token and sequences in HBM per transfer mechanism x profile (analysis/mechanisms.py)."""
@@ -391,16 +422,32 @@ def mechanisms_figure(cells: list[Cell], run_dirs: dict[str, Path], report_dir: 
 
     cell = hierarchy[0]
     written = write_mechanism_figure(run_dirs[cell.label], report_dir / "figures", overhead_mode=overhead_mode)
-    caption = (f"Transfer mechanisms x hardware: the {cell.label} run projected to qwen2-7b shapes (bf16) at 8k and "
+    model = open_run_model(run_dirs[cell.label])
+    caption = (f"Transfer mechanisms x hardware: the {cell.label} run of `{model}` projected to qwen2-7b shapes (bf16) at 8k and "
                f"32k context, every step keeping its tier shares; top ms/token of one sequence, bottom sequences "
                f"whose decode-peak footprint fits in HBM (black: full cache); framework overheads {overhead_mode}. "
                f"Numbers: figures/mechanisms.csv; who wins where and why: docs/mechanisms/README.md.")
     with open(report_dir / "report.md", "a", encoding="utf-8") as handle:
         handle.write(f"\n## Transfer mechanisms\n\n![Transfer mechanisms](figures/mechanisms.png)\n\n{caption}\n")
+    from analysis.report import add_owned_files
+
+    add_owned_files(report_dir, written)  # a later `plot --out` here removes it unless it draws it again
     print(f"  wrote {', '.join(str(p) for p in written if p.suffix == '.png')}", file=sys.stderr)
 
 
 # -- 4. summary -----------------------------------------------------------------------------------------------
+
+
+def separation_note(best) -> str:
+    """One line: on how many profiles the choice is one the samples can make (no other policy's 95% CI overlaps
+    it), and what would, when some cannot."""
+    unseparated = int(best["not_separated_from"].map(bool).sum())
+    n = int(best["n"].min())
+    if not unseparated:
+        return f"separated: on every profile the choice's 95% CI is clear of every other policy's at n = {n}"
+    return (f"not separated: on {unseparated} of {len(best)} profiles another policy's 95% CI overlaps the choice's "
+            f"at n = {n}, so these samples cannot tell them apart ('no' above); rerun with a larger --n-samples "
+            "(the 95% CI half-width shrinks as 1/sqrt(n)) before reading a winner off this table")
 
 
 def print_summary(report, elapsed_s: float) -> None:
@@ -408,7 +455,7 @@ def print_summary(report, elapsed_s: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from analysis.report import best_per_profile
+    from analysis.report import best_per_profile, priced_text
     from traces.stats import REFERENCE_ARCHITECTURE, bytes_text
 
     def percent(value) -> str:
@@ -422,21 +469,25 @@ def print_summary(report, elapsed_s: float) -> None:
         console.print("No accuracy to rank policies by (unscored samples); see the report for latency.")
     else:
         table = Table(title="Best policy per profile: the fastest within 5 points of the best accuracy (95% CI), "
-                            "with its traffic (decode steps)")
+                            f"with its traffic (decode steps); ms/token {priced_text(report.latency, report.run_table)}",
+                      title_justify="left")
         columns = ("profile", "overheads", "policy", "budget", "accuracy [CI]", "n", "ms/token", "attended",
-                   "recalled/step", f"H2D/token ({REFERENCE_ARCHITECTURE})")
+                   "recalled/step", f"H2D/token ({REFERENCE_ARCHITECTURE})", "separated at this n?")
         for column in columns:
             table.add_column(column, justify="left" if column in ("profile", "overheads", "policy") else "right",
                              no_wrap=True)
         for row in best.to_dict("records"):
             h2d_ref = row.get("h2d_bytes_per_token_ref", float("nan"))
+            unseparated = row.get("not_separated_from") or []
             table.add_row(row["profile"], str(row.get("overhead_mode", "?")), row["method"], f"{row['hbm_budget']:.0%}",
                           f"{row['accuracy']:.0%} [{row['ci_low']:.0%}, {row['ci_high']:.0%}]", str(int(row["n"])),
                           f"{row['ms_per_token']:.3g}", percent(row.get("attended_frac", float("nan"))),
                           percent(row.get("recalled_frac", float("nan"))),
-                          "-" if h2d_ref != h2d_ref else bytes_text(h2d_ref))
+                          "-" if h2d_ref != h2d_ref else bytes_text(h2d_ref),
+                          f"no: CI overlaps {unseparated[0]}" if unseparated else "yes")
         console.print(table)
         console.print("overheads: measured = this machine's in-run calibration; hf-eager = datasheet GPU + a cited "
                       "estimate of a transformers eager loop's kernel launches; kernel-only = kernels and copies only")
+        console.print(separation_note(best), markup=False)
     drawn = sum(1 for f in report.figures if f.paths)
     console.print(f"report: {report.path} ({drawn} of {len(report.figures)} figures) in {elapsed_s:.0f} s")

@@ -1,4 +1,5 @@
-"""The bottom layer: what every thoughtkv package shares and nothing else — the user-error type and the version.
+"""The bottom layer: what every thoughtkv package shares and nothing else — the user-error type, the version and
+the one rule for seeds.
 
 It imports nothing of the project (import-linter checks this), so `traces`, `hwprofiles`, `tracer`,
 `simulator` and `analysis` can all import it without importing the `thoughtkv` command layer on top.
@@ -7,7 +8,7 @@ It imports nothing of the project (import-linter checks this), so `traces`, `hwp
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["UserError", "__version__", "git_commit"]
+__all__ = ["SEED_MAX", "UserError", "__version__", "check_seed", "git_commit"]
 
 
 class UserError(Exception):
@@ -18,6 +19,18 @@ class UserError(Exception):
     """
 
     exit_code = 2
+
+
+# Every seed (trace, serve-sim, traces synth, the demo) is a whole number in [0, SEED_MAX]: what torch.manual_seed,
+# numpy's generators and C unsigned longs all take (10**20 raised OverflowError inside torch; -1 numpy refused).
+SEED_MAX = 2**32 - 1
+
+
+def check_seed(value, option: str = "--seed") -> int:
+    """`value` as a seed, or a UserError naming `option` and the range."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SEED_MAX:
+        raise UserError(f"{option} {value!r} must be a whole number in [0, {SEED_MAX}] (0 to 2**32 - 1)")
+    return value
 
 
 def git_commit() -> str | None:

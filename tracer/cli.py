@@ -6,6 +6,7 @@ No torch at module level: `run` imports the tracer lazily after validating every
 from __future__ import annotations
 
 import argparse
+import sys
 
 from tracer.preflight import DEVICE_HELP, THREADS_HELP
 from traces.policy import add_policy_arguments
@@ -18,11 +19,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-samples", type=int, default=1, help="samples of the task to trace (default: 1)")
     # --policy, --hbm-budget, --evict-ratio, --block-size, --sink-tokens, --window-tokens, --recall-k,
     # --recall-budget, --recall-rule, --scorer, --promote, --ddr-dtype: generated from the policy contract
-    # (traces/policy.py), whose defaults they show; the spec validates them once.
+    # (traces/policy.py), whose defaults they show; the spec validates them once. The cache geometry, the decode
+    # limit and the recall setting left unset come from the model's trace_defaults.json (tracer/model_defaults.py).
     add_policy_arguments(parser)
+    from tracer.model_defaults import KEYS
+
+    for action in parser._actions:  # their help says where the default comes from
+        if action.dest in KEYS and action.help and "(default: " in action.help:
+            action.help = action.help.replace("(default: ", "(default: the model's trace_defaults.json, else ")
     parser.add_argument("--batch-size", type=int, default=1,
                         help="samples decoded per step, freed rows refilled at once; per-sample results as at 1 (default: 1)")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="decode limit per sample (default: 256)")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="decode limit per sample (default: the model's trace_defaults.json, else 256)")
+    parser.add_argument("--allow-past-context", action="store_true",
+                        help="trace a prompt longer than the model's context anyway: positions past it were never "
+                             "trained (timings only; default: refuse)")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=2048,
                         help="prefill a longer prompt in chunks of this many tokens: bounds the prefill's attention "
                              "scores; the prompt is placed after the last chunk, as one unchunked prefill (default: 2048)")
@@ -62,16 +73,18 @@ def command_words(args: argparse.Namespace) -> list[str]:
 
 def config_from_args(args: argparse.Namespace):
     from tracer.run import TraceConfig
-    from traces.policy import spec_from_args
+    from traces.policy import given_flags, spec_from_args
 
     spec = spec_from_args(args)  # the policy flags, validated once (one line, exit 2)
+    # Only the flags given: the others come from the model's trace_defaults.json or the tool's defaults.
+    given = {name: getattr(spec, name) for name in given_flags(args)}
     return TraceConfig(
         model=args.model, task=args.task, out=args.out, n_samples=args.n_samples, data_file=args.data_file,
-        **spec.as_dict(), batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+        **given, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         seed=args.seed, device=args.device, dtype=args.dtype, access=not args.no_access,
         also_score=args.also_score, grad_window=args.grad_window, grad_interval=args.grad_interval,
-        threads=args.threads, command=command_words(args),
+        threads=args.threads, command=command_words(args), allow_past_context=args.allow_past_context,
     )
 
 
@@ -108,4 +121,23 @@ def run(args: argparse.Namespace) -> int:
     for line in run_accuracy_lines(out):
         print(line)
     print(f"traffic: {run_traffic_line(out)}")
+    warning = zero_recall_warning(out)
+    if warning is not None:
+        print(f"warning: {warning}", file=sys.stderr)
     return 0
+
+
+def zero_recall_warning(run_dir) -> str | None:
+    """After the run, once: the recall budget rounded to zero blocks for most of the decode steps the samples
+    took (tracer.run.recall_rounding_note), unless the same was said before the run (run.json records it)."""
+    from tracer.run import recall_rounding_note
+    from traces import open_run
+    from traces.policy import PolicySpec
+
+    run = open_run(run_dir)
+    if "recall_rounds_to_zero" in (run.manifest.get("tracer") or {}):
+        return None
+    samples = run.samples()
+    spans = list(zip(samples["prompt_tokens"].astype(int), samples["generated_tokens"].astype(int)))
+    note = recall_rounding_note(PolicySpec.from_manifest(run.manifest["policy"]), spans, upper_bound=False)
+    return None if note is None else note["warning"]

@@ -12,13 +12,13 @@ from pathlib import Path
 import torch
 
 from thoughtkv_base import UserError
+from tracer.model_defaults import BUNDLED_MODELS
 from tracer.preflight import check_fits, model_is_local, resolve_device
 from traces.architectures import DTYPE_BYTES, Architecture, get_architecture
 
-MICRO_DIR = Path(__file__).parent / "assets" / "micro"
-# The models shipped in the package, by the name `--model` takes: `micro` (task chains) and `micro_long` (the
-# same model fine-tuned on chains_long, issue 14; tracer/micro/README.md).
-BUNDLED_MODELS = {"micro": MICRO_DIR, "micro_long": MICRO_DIR.parent / "micro_long"}
+# BUNDLED_MODELS: the models shipped in the package (tracer/model_defaults.py, torch-free, lists them with their
+# trace defaults); re-exported here for the callers that load them.
+MICRO_DIR = BUNDLED_MODELS["micro"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -85,6 +85,12 @@ def load_model(spec: str, device: str | torch.device | None = None, dtype: str |
             raise ModelLoadError(f"the bundled {spec} model is missing at {bundled}; reinstall thoughtkv")
         try:
             config = AutoConfig.from_pretrained(path, local_files_only=local, trust_remote_code=False)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot load model {spec!r}: {_first_line(exc)}; give a local directory or a cached "
+                                 "HF id") from None
+        except Exception as exc:  # noqa: BLE001 - transformers' config validators raise their own error types
+            raise ModelLoadError(f"model {spec!r}: its config.json is not valid ({_first_line(exc)}); fix it") from None
+        try:
             _check_supported(config, spec)
             check_fits(spec, config, dtype, DTYPE_BYTES[dtype], str(device))
             model = AutoModelForCausalLM.from_pretrained(
@@ -97,14 +103,20 @@ def load_model(spec: str, device: str | torch.device | None = None, dtype: str |
                 path, subfolder=subfolder, local_files_only=local, trust_remote_code=False
             )
         except (OSError, ValueError) as exc:
-            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-            raise ModelLoadError(f"cannot load model {spec!r}: {first}; give a local directory or a cached HF id") from None
+            raise ModelLoadError(f"cannot load model {spec!r}: {_first_line(exc)}; give a local directory or a cached "
+                                 "HF id") from None
         random_weights, revision = False, getattr(config, "_commit_hash", None)
     if not getattr(model, "_supports_attention_backend", False):
         raise ModelLoadError(f"model {spec!r} ({type(model).__name__}) does not support custom attention functions; "
                              "the tiered cache needs one (Qwen2, Llama, Mistral... do)")
     model.to(device).eval()
     return LoadedModel(model, tokenizer, spec, random_weights, _manifest(model, spec, dtype, revision, random_weights))
+
+
+def _first_line(exc: BaseException) -> str:
+    """The last non-empty line of an error's message, shortened (transformers' validators put the cause last)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1][:200] if lines else type(exc).__name__
 
 
 def _config_kwargs(arch: Architecture) -> dict:
@@ -118,6 +130,10 @@ def _config_kwargs(arch: Architecture) -> dict:
 
 
 def _check_supported(config, spec: str) -> None:
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise ModelLoadError(f"model {spec!r}: num_hidden_layers {layers!r} in its config.json; a model to trace "
+                             "needs at least one layer")
     if getattr(config, "is_encoder_decoder", False):
         raise ModelLoadError(f"model {spec!r} is an encoder-decoder; the tiered cache supports decoder-only models")
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])

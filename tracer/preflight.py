@@ -7,7 +7,6 @@ torch is imported inside the functions: the CLI modules that import this one mus
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 from contextlib import contextmanager
@@ -124,14 +123,10 @@ def available_bytes(device: str) -> dict[str, int]:
 
 
 def _host_available_bytes() -> int:
-    """MemAvailable (what can be allocated without swapping), else physical RAM."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """MemAvailable (what can be allocated without swapping), else physical RAM (traces.host, the one reading)."""
+    from traces.host import available_memory_bytes
+
+    return available_memory_bytes()
 
 
 def needed_bytes(weight_bytes: int) -> int:
@@ -158,7 +153,9 @@ def check_fits(spec: str, config, dtype: str, dtype_bytes: int, device: str) -> 
 def check_model_spec(spec: str) -> None:
     """Refuse, before a command writes anything, a --model that cannot load: an unknown `random:` architecture,
     a missing directory, an HF id that is neither cached nor downloadable here."""
-    if spec in ("micro", "micro_long"):  # tracer.models.BUNDLED_MODELS (not imported here: it imports torch)
+    from tracer.model_defaults import BUNDLED_MODELS
+
+    if spec in BUNDLED_MODELS:
         return
     if spec.startswith("random:"):
         from traces.architectures import get_architecture

@@ -8,10 +8,11 @@ from __future__ import annotations
 import dataclasses
 import platform
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from thoughtkv_base import UserError
+from thoughtkv_base import UserError, check_seed
 from traces.policy import PolicySpec
 
 
@@ -33,20 +34,22 @@ class TraceConfig:
     n_samples: int = 1
     data_file: str | None = None
     # The placement settings: PolicySpec's fields with PolicySpec's defaults (traces/policy.py is their one home;
-    # `spec` below builds and validates the spec from them).
+    # `spec` below builds and validates the spec from them). The cache geometry, the decode limit and the recall
+    # setting left at None come from the model's trace_defaults.json, else the tool's defaults
+    # (tracer.model_defaults.resolve, in __post_init__; `from_model` records which).
     policy: str = _POLICY_DEFAULTS.policy
     hbm_budget: str | float = _POLICY_DEFAULTS.hbm_budget
     evict_ratio: float = _POLICY_DEFAULTS.evict_ratio
-    block_size: int = _POLICY_DEFAULTS.block_size
+    block_size: int | None = None
     scorer: str = _POLICY_DEFAULTS.scorer
-    recall_k: int = _POLICY_DEFAULTS.recall_k
-    recall_budget: str | float | None = _POLICY_DEFAULTS.recall_budget
+    recall_k: int | None = None
+    recall_budget: str | float | None = None
     recall_rule: str = _POLICY_DEFAULTS.recall_rule  # the tracer runs traces.policy.TRACER_RECALL_RULES
     batch_size: int = 1  # samples decoded per step (continuous refill; per-sample results as at batch 1)
-    max_new_tokens: int = 256
+    max_new_tokens: int | None = None
     prefill_chunk_tokens: int | None = 2048  # a longer prompt is prefilled in chunks of this many tokens
-    sink_tokens: int = _POLICY_DEFAULTS.sink_tokens
-    window_tokens: int = _POLICY_DEFAULTS.window_tokens
+    sink_tokens: int | None = None
+    window_tokens: int | None = None
     promote: bool = _POLICY_DEFAULTS.promote
     seed: int = 0
     device: str | None = None
@@ -59,6 +62,16 @@ class TraceConfig:
     grad_interval: int = 1  # gradient scorer: one backward pass every N decode steps
     threads: int | None = None  # torch intra-op threads; None: tracer.preflight.resolve_threads's default
     command: list[str] | None = None  # the `thoughtkv trace` argv, when the CLI made this config (repair command)
+    allow_past_context: bool = False  # trace a prompt longer than the model's context anyway (timing only)
+    from_model: dict | None = None  # settings taken from the model's trace_defaults.json (run.json records them)
+
+    def __post_init__(self) -> None:
+        from tracer.model_defaults import KEYS, resolve
+
+        values, from_model = resolve(self.model, {key: getattr(self, key) for key in KEYS}, self.policy)
+        for key, value in values.items():
+            setattr(self, key, value)
+        self.from_model = {**(self.from_model or {}), **from_model}
 
     @property
     def spec(self):
@@ -104,6 +117,9 @@ class TraceConfig:
         if self.max_new_tokens > MAX_NEW_TOKENS:  # 10**12 looped in the KV sizing (one pass per length) for ever
             raise BadTraceConfig(f"--max-new-tokens {self.max_new_tokens:,} is more than {MAX_NEW_TOKENS:,}, past any "
                                  "model's context; use fewer")
+        check_seed(self.seed)  # the one rule for seeds (thoughtkv_base)
+        if self.data_file is not None and Path(self.data_file).is_dir():
+            raise BadTraceConfig(f"--data-file {self.data_file}: is a directory; pass the task's JSONL file")
         if self.data_file is not None and not Path(self.data_file).is_file():
             raise BadTraceConfig(f"--data-file {self.data_file}: no such file")
         out = Path(self.out)
@@ -162,13 +178,67 @@ def kv_buffer_bytes(spec, kv_bytes_per_token: int, batch_size: int, max_prompt: 
             "hbm_per_sample": per_sample_hbm, "max_len": max_len}
 
 
-def check_context(config: TraceConfig, loaded, longest_prompt: int) -> None:
-    """Warn when a sample may decode past the model's context (positions it was never trained on)."""
+def prompt_token_counts(loaded, task, samples) -> list[int]:
+    """Each sample's prompt length in tokens; the tokenizer's own "longer than the maximum" notice is held back
+    (check_context says it, in one line, with the fix)."""
+    import transformers
+
+    from tracer.decode import encode_prompt
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        return [len(encode_prompt(loaded.tokenizer, s.prompt, task.use_chat_template)) for s in samples]
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def check_context(config: TraceConfig, loaded, prompt_lengths: list[int], sample_ids: list[str]) -> None:
+    """Refuse a prompt longer than the model's context (unless --allow-past-context): every token of it would
+    sit at positions the model was never trained on, and the decode would take minutes for nothing. Warn when a
+    sample may only decode past the context."""
     context = getattr(loaded.model.config, "max_position_embeddings", None)
-    if context and longest_prompt + config.max_new_tokens > context:
-        print(f"warning: --max-new-tokens {config.max_new_tokens:,} with the longest prompt ({longest_prompt:,} tokens) "
+    longest = max(prompt_lengths, default=0)
+    if not context:
+        return
+    if longest > context and not config.allow_past_context:
+        over = [sid for sid, n in zip(sample_ids, prompt_lengths) if n > context]
+        raise BadTraceConfig(
+            f"{len(over)} prompt(s) are longer than {config.model}'s context of {context:,} tokens (the longest "
+            f"{longest:,} tokens, sample {over[0]}); shorten them or use fewer samples, a model with a longer context, "
+            "or --allow-past-context to trace them anyway (timings only)")
+    if longest + config.max_new_tokens > context:
+        print(f"warning: --max-new-tokens {config.max_new_tokens:,} with the longest prompt ({longest:,} tokens) "
               f"may pass {config.model}'s context of {context:,} tokens; positions beyond it were never trained",
               file=sys.stderr)
+
+
+def recall_rounding_note(spec, spans: list[tuple[int, int]], upper_bound: bool = True) -> dict | None:
+    """Where a recall budget rounds down to zero blocks (traces.policy.recall_blocks: whole blocks, never more
+    than the budget) for most of the decode steps of samples spanning (prompt tokens, decode steps) each: the
+    first length with a block, the share of steps recalling nothing and one warning line; else None. Before a
+    run the spans end at --max-new-tokens (`upper_bound`: a sample that stops early recalls nothing even longer);
+    after it, at the tokens each sample generated."""
+    from traces.policy import recall_blocks
+
+    if not spec.uses_ddr or spec.recall_budget is None or not spans or not sum(n for _, n in spans):
+        return None
+    longest = max(p + n for p, n in spans)
+    low, high = 1, longest + 1  # recall_blocks is non-decreasing in the length: the first length with a block
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (middle + 1, high) if recall_blocks(spec, middle) == 0 else (low, middle)
+    first_with_recall = low
+    share = sum(max(0, min(first_with_recall, p + n + 1) - (p + 1)) for p, n in spans) / sum(n for _, n in spans)
+    if share < 0.5:
+        return None
+    budget = f"{spec.recall_budget:g}" if spec.recall_budget <= 1 else f"{int(spec.recall_budget)} tokens"
+    below = (f"below a context of {first_with_recall:,} tokens" if first_with_recall <= longest
+             else "at every length this run reaches")
+    steps = "of the decode steps up to --max-new-tokens" if upper_bound else "of this run's decode steps"
+    return {"first_length_with_recall": first_with_recall, "zero_recall_step_share": share,
+            "warning": f"--recall-budget {budget} is less than one {spec.block_size}-token block {below}: {share:.0%} "
+                       f"{steps} recall nothing; raise --recall-budget or lower --block-size"}
 
 
 def check_kv_fits(config: TraceConfig, loaded, prompt_lengths: list[int]) -> dict:
@@ -227,16 +297,44 @@ def make_settings(config: TraceConfig, scorer=None, track_importance: bool = Tru
     return TierSettings(spec=config.spec, scorer=scorer, track_importance=track_importance)
 
 
+class TraceLockedError(UserError):
+    pass
+
+
+@contextmanager
+def out_lock(out: Path):
+    """Hold an exclusive lock on the run directory while tracing into it, so that a second `thoughtkv trace` on
+    the same --out exits 2 at once instead of decoding every sample beside the first. The lock is flock on the
+    directory itself (a lock file would make a fresh --out a non-empty directory that is not a trace run); the
+    kernel drops it when the process ends, however it ends. Directories made here and left empty (a refusal
+    before run.json is written) are removed again."""
+    import fcntl
+    import os
+
+    created = [p for p in [out, *out.parents] if not p.exists()]
+    out.mkdir(parents=True, exist_ok=True)
+    handle = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise TraceLockedError(f"--out {out}: another `thoughtkv trace` is writing this run now; wait for it to "
+                                   "finish (rerun then to resume or extend it) or choose another --out") from None
+        yield
+    finally:
+        os.close(handle)  # releases the lock
+        for directory in created:  # innermost first
+            try:
+                directory.rmdir()  # only if still empty
+            except OSError:
+                break
+
+
 def run_trace(config: TraceConfig, progress: bool = True, loaded=None) -> Path:
     """Trace `config.n_samples` samples into `config.out`; samples already committed there are skipped."""
-    from tqdm.auto import tqdm
-
-    from tracer.decode import encode_prompt, frozen_heap
     from tracer.models import load_model
     from tracer.preflight import apply_threads, resolve_device, resolve_threads
-    from tracer.tasks import get_task, prompt_manifest
-    from traces import TraceWriter, WriteBehind, make_manifest
-    from traces.host import load_average, usable_cpus
+    from tracer.tasks import get_task
 
     config.validate()
     threads = resolve_threads(resolve_device(config.device), config.threads)
@@ -246,17 +344,38 @@ def run_trace(config: TraceConfig, progress: bool = True, loaded=None) -> Path:
     if len(samples) < config.n_samples:
         print(f"note: task {task.name} has {len(samples):,} problems; tracing those {len(samples):,}, "
               f"not --n-samples {config.n_samples:,}", file=sys.stderr)
-    loaded = loaded or load_model(config.model, config.device, config.dtype, seed=config.seed)
+    with out_lock(Path(config.out)):  # a second trace on this --out refuses here, before loading anything
+        loaded = loaded or load_model(config.model, config.device, config.dtype, seed=config.seed)
+        return _trace_locked(config, task, samples, loaded, threads, progress)
+
+
+def _trace_locked(config: TraceConfig, task, samples, loaded, threads: int, progress: bool) -> Path:
+    """run_trace's work, with the run directory locked: the preflight checks that need the model, then the decode."""
+    from tqdm.auto import tqdm
+
+    from tracer.decode import frozen_heap
+    from tracer.model_defaults import describe
+    from tracer.tasks import prompt_manifest
+    from traces import TraceWriter, WriteBehind, make_manifest
+    from traces.host import load_average, usable_cpus
+
     spec = config.spec
     tracer_extra = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("out",)}
     # The shortest and longest lengths a sample can have: the sink and window are a larger share at the first.
-    prompt_lengths = [len(encode_prompt(loaded.tokenizer, s.prompt, task.use_chat_template)) for s in samples]
-    check_context(config, loaded, max(prompt_lengths, default=0))
+    prompt_lengths = prompt_token_counts(loaded, task, samples)
+    check_context(config, loaded, prompt_lengths, [s.sample_id for s in samples])
     excess = protected_excess_note(spec, [*prompt_lengths, *(n + config.max_new_tokens for n in prompt_lengths)])
     if excess is not None:
         print(f"warning: {excess['warning']}", file=sys.stderr)
         tracer_extra["protected_excess"] = excess
+    no_recall = recall_rounding_note(spec, [(p, config.max_new_tokens) for p in prompt_lengths])
+    if no_recall is not None:
+        print(f"warning: {no_recall['warning']}", file=sys.stderr)
+        tracer_extra["recall_rounds_to_zero"] = no_recall
     tracer_extra["kv_buffer_bytes"] = check_kv_fits(config, loaded, prompt_lengths)
+    note = describe(config.from_model, config.model)  # after the refusals: those stay one line
+    if note is not None:
+        print(note, file=sys.stderr)
     from tracer.decode import step_clock
 
     # How it measured and moved (a dict: notes, not options, so `traces validate`'s repair command skips them):

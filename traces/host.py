@@ -45,6 +45,18 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def available_memory_bytes() -> int:
+    """Memory a new allocation can take without swapping (Linux MemAvailable), else the physical RAM. The one
+    reading of it: the tracer's preflight and the simulator's size estimates (synth, sweep) both ask here."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def host_facts() -> dict:
     """This machine, now: identity (hostname, CPU model, cores) and state (load, date)."""
     load, cpus = load_average(), usable_cpus()

@@ -372,7 +372,31 @@ def add_policy_arguments(parser, skip: tuple[str, ...] = ()) -> None:
                                 help=f"{FLAG_HELP[f.name]} (default: {default})")
 
 
+# Flags that only act under the hierarchy: given with another policy they would be silently dropped
+# (`PolicySpec.effective`), so a command line that names them there is refused instead.
+HIERARCHY_ONLY_FLAGS = ("recall_k", "recall_budget", "evict_ratio", "promote")
+
+
+def given_flags(args) -> dict:
+    """The policy flags given on the command line (argparse leaves the others None)."""
+    return {f.name: getattr(args, f.name) for f in fields(PolicySpec) if getattr(args, f.name, None) is not None}
+
+
+def check_given(given: dict) -> None:
+    """Refuse flags that cannot all act: --recall-k with --recall-budget (the budget would silently win), and a
+    hierarchy-only flag with another policy (it would silently do nothing)."""
+    if given.get("recall_k") is not None and given.get("recall_budget") is not None:
+        raise PolicyError("--recall-k and --recall-budget both set how much to recall; give one of them")
+    policy = given.get("policy", PolicySpec.policy)
+    named = [f"--{name.replace('_', '-')}" for name in HIERARCHY_ONLY_FLAGS if given.get(name) not in (None, False)]
+    if policy != "hierarchy" and named:
+        raise PolicyError(f"{', '.join(named)} appl{'ies' if len(named) == 1 else 'y'} to the hierarchy policy only "
+                          f"(got --policy {policy}); drop {'it' if len(named) == 1 else 'them'} or use --policy hierarchy")
+
+
 def spec_from_args(args, **overrides) -> PolicySpec:
     """The PolicySpec the flags of `add_policy_arguments` describe (unset flags keep the spec's defaults)."""
-    given = {f.name: getattr(args, f.name) for f in fields(PolicySpec) if getattr(args, f.name, None) is not None}
-    return PolicySpec(**{**given, **overrides})
+    given = given_flags(args)
+    spec = PolicySpec(**{**given, **overrides})  # each value checked first (an unknown policy says so)
+    check_given(given)
+    return spec

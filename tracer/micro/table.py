@@ -17,14 +17,18 @@ from pathlib import Path
 
 import numpy as np
 
+from tracer.model_defaults import trace_defaults
 from traces.layout import write_atomic
 
 BUDGETS = (1.0, 0.7, 0.5, 0.3, 0.2)
 KEY_BUDGET = 0.3
-# Settings shared by every cell: the micro model's sequences are ~220 tokens, so blocks are small.
-BLOCK_SIZE, SINK_TOKENS, WINDOW_TOKENS = 4, 4, 16
-RECALL_K = 24  # blocks of 4 recalled per layer and step (96 tokens): 16 left e=0 at 97.5% (5/200 lost) at 30% HBM
-MAX_NEW_TOKENS = 320
+# Settings shared by every cell, shipped with the model (tracer/assets/micro/trace_defaults.json, the one home):
+# the micro model's sequences are ~220 tokens, so blocks are small (4, with 4 sinks and a 16-token window); the
+# hierarchy recalls 24 blocks of 4 per layer and step (96 tokens: 16 left e=0 at 97.5%, 5/200 lost, at 30% HBM);
+# 320 new tokens.
+_DEFAULTS = trace_defaults("micro")
+BLOCK_SIZE, SINK_TOKENS, WINDOW_TOKENS = (_DEFAULTS[k] for k in ("block_size", "sink_tokens", "window_tokens"))
+RECALL_K, MAX_NEW_TOKENS = _DEFAULTS["recall_k"], _DEFAULTS["max_new_tokens"]
 FULL_N_SAMPLES = 500  # the full-cache cell doubles as the quality check (>= 95% on 500 held-out problems)
 
 

@@ -26,23 +26,30 @@ def read_jsonl(path: str, required_fields: tuple[str, ...], n_records: int) -> l
     if not file.is_file():
         raise DataFileError(f"data file {path} not found; pass an existing JSONL file to --data-file")
     records = []
-    with file.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if len(records) >= n_records:
-                break
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataFileError(f"{path}:{line_number}: not valid JSON ({exc.msg}); fix the line") from None
-            missing = [f for f in required_fields if not isinstance(record, dict) or f not in record]
-            if missing:
-                raise DataFileError(
-                    f"{path}:{line_number}: missing field(s) {', '.join(missing)}; each line needs "
-                    f"{', '.join(required_fields)}"
-                )
-            records.append(record)
+    line_number = 0
+    try:
+        with file.open(encoding="utf-8") as lines:
+            for line_number, line in enumerate(lines, start=1):
+                if len(records) >= n_records:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataFileError(f"{path}:{line_number}: not valid JSON ({exc.msg}); fix the line") from None
+                missing = [f for f in required_fields if not isinstance(record, dict) or f not in record]
+                if missing:
+                    raise DataFileError(
+                        f"{path}:{line_number}: missing field(s) {', '.join(missing)}; each line needs "
+                        f"{', '.join(required_fields)}"
+                    )
+                records.append(record)
+    except UnicodeDecodeError:
+        raise DataFileError(f"{path}:{line_number + 1}: not UTF-8 text; save the file as UTF-8 JSONL") from None
+    if not records and n_records > 0:
+        raise DataFileError(f"{path}: no records (the file is empty or blank); give one JSON object per line with "
+                            f"{', '.join(required_fields)}")
     return records
 
 
