@@ -599,7 +599,7 @@ def summarise(sim: ServingSim, manifest: dict, run_dir: str, overhead_source: st
         "overhead_mode": mode_of(profile), "host_term": profile.host_model.term,  # what was charged, resolved
         "host_s_per_iteration": sim.host.step_s,
         "batch_copies": config.batch_copies, "rate_per_s": config.rate_per_s if not config.arrivals_csv else math.nan, "duration_s": config.duration_s, "max_batch": config.max_batch, "seed": config.seed,
-        "tbt_slo_s": config.tbt_slo_s, "n_requests": len(requests), "n_rejected": int(requests["rejected"].sum())
+        "tbt_slo_s": config.tbt_slo_s, "ttft_slo_s": config.ttft_slo_s, "n_requests": len(requests), "n_rejected": int(requests["rejected"].sum())
         if len(requests) else 0, "n_completed": int(served["finish_s"].notna().sum()) if len(served) else 0,
         "end_s": end_s, "tokens": tokens, "throughput_tokens_per_s": tokens / end_s if end_s > 0 else math.nan,
         **_percentiles(served.get("ttft_s", []), "ttft"), **_percentiles(tbt, "tbt"),
@@ -615,6 +615,9 @@ def summarise(sim: ServingSim, manifest: dict, run_dir: str, overhead_source: st
         "kv_capacity_bytes": sim.kv_capacity_bytes, "hbm_capacity_bytes": profile.gpu.hbm_capacity_bytes,
         "peak_hbm_bytes": float(timeline["hbm_bytes"].max()) if len(timeline) else float(sim.shape.weight_bytes),
         "peak_hbm_reserved_bytes": float(timeline["hbm_reserved_bytes"].max()) if len(timeline) else math.nan,
+        # time averages over the run (weights included): how full HBM was, not only at its fullest
+        **{f"mean_{name}": time_average(list(zip(timeline["time_s"], timeline[name])), end_s) if len(timeline)
+           else math.nan for name in ("hbm_bytes", "hbm_reserved_bytes")},
         "ddr_capacity_bytes": sim.ddr_capacity_bytes,
         "spill_tier": sim.chain.spill, "spill_capacity_bytes": sim.spill_capacity_bytes,
         "n_spilled": int(sum(r.spilled for r in sim.requests)),

@@ -1,0 +1,131 @@
+"""`thoughtkv capacity-served --out docs/`: the committed table of capacity as served (docs/capacity_served.md).
+
+    thoughtkv capacity-served --out docs/ [--runs /work/runs-shared/micro_long] [--work build/capacity_served]
+
+The four micro_long runs of docs/capacity_accuracy_long.md that the table prices (full cache, evict 30% by h2o,
+the hierarchy at 30% recalling <= 10% and <= 20% of the context per step; n = 200 each, the same settings:
+tracer/micro/table_long.py) are traced into --runs where they are missing or short (a run resumes after its
+committed problems), then served on h100-pcie, h200-sxm and gh200-96gb at qwen2-7b's shapes with R1-7B
+GSM8K-like request lengths (`thoughtkv capacity`, settings in SETTINGS), each rate a cached sweep cell under
+--work: rerunning recomputes nothing that is done. Writes OUT/capacity_served.md, OUT/capacity_served.csv and
+OUT/figures/capacity_served_frontier.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+PROFILES = ("h100-pcie", "h200-sxm", "gh200-96gb")
+N_SAMPLES = 200
+# The serving settings of the table (one ServingConfig; documented in the table's header).
+SETTINGS = dict(duration_s=120.0, max_batch=4096, tbt_slo_s=0.1, ttft_slo_s=10.0, seed=0, lengths="r1-7b/gsm8k")
+OPTIONS = dict(overhead_mode="cuda-graphs", transfer="dma-batched")
+AS_MODEL = "qwen2-7b"
+RATES = (4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
+REFINE = 2
+TABLE = "capacity_served"
+
+
+def cells():
+    """The four table_long cells the table prices, in its row order."""
+    from tracer.micro.table_long import HIERARCHY_SCORER, KEY_BUDGET, Cell
+
+    return [Cell("full"), Cell("evict", KEY_BUDGET, "h2o"),
+            Cell("hierarchy", KEY_BUDGET, HIERARCHY_SCORER, 0.0, 0.1),
+            Cell("hierarchy", KEY_BUDGET, HIERARCHY_SCORER, 0.0, 0.2)]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=Path("docs"), help="folder for the table (default: docs)")
+    parser.add_argument("--runs", type=Path, default=Path("build/micro_long_table"),
+                        help="the micro_long runs, one directory per cell, traced where missing (default: "
+                             "build/micro_long_table, capacity-long's)")
+    parser.add_argument("--work", type=Path, default=Path("build/capacity_served"),
+                        help="the serving sweep's cached cells and its full report (default: build/capacity_served)")
+    parser.add_argument("--batch-size", type=int, default=16, help="samples decoded per step when tracing (default: 16)")
+    parser.add_argument("--workers", type=int, default=None, help="parallel serving cells (default: CPU count)")
+
+
+def trace_missing(runs: Path, batch_size: int) -> list[Path]:
+    """Each cell's run under `runs`, traced (or resumed) unless it already holds N_SAMPLES committed problems."""
+    from tracer.micro.table_long import trace_config
+    from traces.layout import list_parts
+
+    def committed_samples(run_dir: Path) -> int:  # a samples part is a problem's commit record
+        return len(list_parts(run_dir, "samples")) if (run_dir / "run.json").is_file() else 0
+
+    run_dirs = []
+    for cell in cells():
+        run_dir = runs / cell.name
+        if committed_samples(run_dir) < N_SAMPLES:
+            from tracer.run import run_trace
+
+            print(f"capacity-served: tracing {run_dir} ({committed_samples(run_dir)} of {N_SAMPLES} done)")
+            run_trace(trace_config(cell, runs, N_SAMPLES, full_n_samples=N_SAMPLES, batch_size=batch_size),
+                      progress=True)
+        run_dirs.append(run_dir)
+    return run_dirs
+
+
+def run(args: argparse.Namespace) -> int:
+    from analysis.serving import write_serving_section
+    from simulator.options import Projection, ServingConfig, SimOptions
+    from thoughtkv.capacity import CapacityError, capacity_sweep
+
+    if args.batch_size < 1 or (args.workers is not None and args.workers < 1):
+        raise CapacityError(f"--batch-size and --workers must be >= 1 (got {args.batch_size}, {args.workers})")
+    run_dirs = trace_missing(args.runs, args.batch_size)
+    config = ServingConfig(**SETTINGS, projection=Projection(AS_MODEL), options=SimOptions(**OPTIONS))
+    table, capacity = capacity_sweep(run_dirs, list(PROFILES), config, list(RATES), REFINE, args.work / "sweep",
+                                     workers=args.workers)
+    write_serving_section(table, capacity, args.work / "report", config.tbt_slo_s, config.ttft_slo_s)
+    written = write_table(capacity, table, args.out)
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def write_table(capacity, table, out: Path) -> list[Path]:
+    """OUT/capacity_served.{md,csv} and OUT/figures/capacity_served_frontier.{png,pdf}."""
+    from analysis.serving import (
+        capacity_markdown,
+        frontier_figure,
+        max_rate_text,
+        priced_text,
+        slo_text,
+        winners_text,
+    )
+    from analysis.style import save_figure
+
+    out.mkdir(parents=True, exist_ok=True)
+    capacity.to_csv(out / f"{TABLE}.csv", index=False)
+    figure = save_figure(frontier_figure(capacity), out / "figures", f"{TABLE}_frontier")
+    first = capacity.iloc[0]
+    slo = slo_text(first["tbt_slo_s"], first["ttft_slo_s"])
+    by_profile = {p: g.set_index("label") for p, g in capacity.groupby("profile", sort=False)}
+    full, hier = "full cache", next((lbl for lbl in capacity["label"] if "recall ≤ 20%" in lbl), None)
+    sentence = ("In one sentence: at qwen2-7b's shapes and R1-7B GSM8K-like lengths, " + "; ".join(
+        f"{p} serves {max_rate_text(g.loc[full])} req/s with the full cache and "
+        f"{max_rate_text(g.loc[hier]) if hier in g.index else '-'} with the 30% hierarchy recalling ≤ 20%"
+        for p, g in by_profile.items()) + f" within {slo} — " + winners_text(capacity) + ".")
+    lines = [
+        "# Capacity as served: max arrival rate per policy and GPU (qwen2-7b shapes, R1-7B GSM8K-like requests)",
+        "",
+        "Regenerate (resumes; traces the four runs where missing, caches every serving cell): "
+        "`thoughtkv capacity-served --out docs/ --runs /work/runs-shared/micro_long`. "
+        "Each row: one micro_long run of docs/capacity_accuracy_long.md (n = 200 problems, blocks of 4, 4 sink "
+        "tokens, a 16-token window, up to 600 new tokens) served by `thoughtkv capacity` — Poisson arrivals, "
+        f"continuous batching (at most {int(first['max_batch'])} requests per iteration), HBM admission by each "
+        f"request's peak KV, one shared host link ({first['transfer']}), {first['duration_s']:g} s of arrivals per "
+        f"rate; sustainable = {slo}, nothing rejected; rates bracketed then refined (to ~4%). {priced_text(table)}. "
+        "Accuracy: final-answer exact match, 95% Wilson interval; traffic: attended share of the context (trace) "
+        "and H2D bytes per generated token as served at the knee (qwen2-7b bf16 KV, 57,344 bytes/token). "
+        "Figure: figures/capacity_served_frontier.png.",
+        "",
+        sentence,
+        "",
+        capacity_markdown(capacity),
+        "",
+    ]
+    (out / f"{TABLE}.md").write_text("\n".join(lines))
+    return [out / f"{TABLE}.md", out / f"{TABLE}.csv", *figure]
