@@ -228,3 +228,27 @@ def test_projection_flags_refused_alike_in_both_commands():
             from_args(parser.parse_args(["RUN", "--as-model", "gpt5"]), Projection)
     with pytest.raises(ServingError):  # a ProjectionError is serve-sim's error too (exit 2, one line)
         Projection(context_scale=0.5)
+
+
+def test_grids_take_the_projection_and_lengths_keys():
+    """A serve grid with as_model / lengths axes: one cell per value, each carrying one Projection and the length
+    model through the worker's dict round trip, its result projected; a simulate grid takes as_model too."""
+    import io
+
+    from simulator.sweep import cell_from_dict, cell_to_dict, grid_from_dict, run_cell_to_parquet
+
+    grid = grid_from_dict({"kind": "serve", "runs": [str(MICRO)], "profiles": ["h100-pcie"], "as_model": "qwen2-7b",
+                           "lengths": ["r1-7b/gsm8k", "r1-7b/math-500"], "rate_per_s": 5, "duration_s": 1},
+                          base_dir=Path("."), where="grid")
+    assert [c.config.lengths for c in grid.cells] == ["r1-7b/gsm8k", "r1-7b/math-500"]
+    assert all(c.config.projection == Projection("qwen2-7b") for c in grid.cells)
+    assert all(cell_from_dict(cell_to_dict(c)) == c for c in grid.cells)
+    result = pd.read_parquet(io.BytesIO(run_cell_to_parquet(cell_to_dict(grid.cells[0]), "k")))
+    assert result["as_model"].iloc[0] == "qwen2-7b" and result["lengths"].iloc[0] == "r1-7b/gsm8k"
+    simulate = grid_from_dict({"kind": "simulate", "runs": [str(MICRO)], "profiles": ["h100-pcie"],
+                               "as_model": "qwen2-7b", "context_scale": [1, 2]}, base_dir=Path("."), where="grid")
+    assert [c.projection.context_scale for c in simulate.cells] == [1, 2]
+    assert cell_from_dict(cell_to_dict(simulate.cells[1])) == simulate.cells[1]
+    with pytest.raises(Exception, match="go with --as-model"):
+        grid_from_dict({"kind": "simulate", "runs": [str(MICRO)], "profiles": ["h100-pcie"], "context_scale": 2},
+                       base_dir=Path("."), where="grid")
