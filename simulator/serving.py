@@ -576,6 +576,12 @@ def summarise(sim: ServingSim, manifest: dict, run_dir: str, overhead_source: st
     # (tbt_s may be a list or an array: serving_fast keeps each request's as an array)
     tbt = np.concatenate([np.asarray(r.tbt_s, dtype=np.float64) for r in sim.requests]) if sim.requests \
         else np.zeros(0)
+    # The tokens' times (each request's first token + its TBTs), for the TBT of the arrival window's last third:
+    # a rate the server cannot sustain shows there first (its batch or queue grows through the window).
+    token_s = np.concatenate([r.first_token_s + np.cumsum(np.asarray(r.tbt_s, dtype=np.float64))
+                              for r in sim.requests]) if sim.requests else np.zeros(0)
+    arrivals_end_s = max((r.arrival_s for r in sim.requests), default=0.0)
+    late = tbt[(token_s >= 2 * arrivals_end_s / 3) & (token_s <= arrivals_end_s)]
     end_s = sim.end_s
     tokens = int(served["tokens"].sum()) if len(served) else 0
     good = served["tbt_mean_s"].fillna(0.0) <= config.tbt_slo_s if len(served) else pd.Series([], dtype=bool)
@@ -603,6 +609,7 @@ def summarise(sim: ServingSim, manifest: dict, run_dir: str, overhead_source: st
         if len(requests) else 0, "n_completed": int(served["finish_s"].notna().sum()) if len(served) else 0,
         "end_s": end_s, "tokens": tokens, "throughput_tokens_per_s": tokens / end_s if end_s > 0 else math.nan,
         **_percentiles(served.get("ttft_s", []), "ttft"), **_percentiles(tbt, "tbt"),
+        "tbt_p99_late_s": float(np.percentile(late, 99)) if late.size else math.nan,
         **_percentiles(served.get("queue_delay_s", []), "queue_delay"),
         "link_wait_mean_s": float(served["link_wait_s"].mean()) if len(served) else math.nan,
         "max_concurrency": int(timeline["running"].max()) if len(timeline) else 0,
