@@ -127,7 +127,8 @@ def write_table(capacity, table, out: Path) -> list[Path]:
         "# Capacity as served: max arrival rate per policy and GPU (qwen2-7b shapes, R1-7B GSM8K-like requests)",
         "",
         "Regenerate (resumes; traces the four runs where missing, caches every serving cell): "
-        "`thoughtkv capacity-served --out docs/ --runs /work/runs-shared/micro_long`. "
+        "`thoughtkv capacity-served --out docs/` (runs under build/micro_long_table, where `capacity-long` puts "
+        "them; `--runs DIR` reuses runs elsewhere; ~1 h on this 2-core box with two workers). "
         "Each row: one micro_long run of docs/capacity_accuracy_long.md (n = 200 problems, blocks of 4, 4 sink "
         "tokens, a 16-token window, up to 600 new tokens) served by `thoughtkv capacity` — Poisson arrivals, "
         f"continuous batching (at most {int(first['max_batch'])} requests per iteration), HBM admission by each "
