@@ -34,8 +34,7 @@ def mechanism_table(run_dir: str | Path, profiles=PROFILES, contexts=CONTEXTS, a
     datasheet ones; the row says which)."""
     from simulator import simulate_run
     from simulator.mechanisms import MECHANISMS
-    from simulator.options import SimOptions
-    from simulator.project import Projection
+    from simulator.options import Projection, SimOptions
     from traces.reader import open_run
 
     run = open_run(run_dir)

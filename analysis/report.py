@@ -323,7 +323,9 @@ def _capacity(data: Data) -> tuple[Figure, str]:
               "bounded by max sequences x single-sequence tokens/s" if simulated else
               "throughput is the bound max sequences x single-sequence tokens/s (no batched replays simulated)")
     caption = (f"Max concurrent sequences (HBM and DDR limits) vs HBM budget for {method}, per profile{gain}, "
-               f"{priced_text(latency, data.run_table)}; {source}; {overheads_text(latency)}.")
+               f"{priced_text(latency, data.run_table)}; {source}; {overheads_text(latency)}. A bound, not a served "
+               f"capacity: requests as served (arrivals, queueing, one shared link, an SLO) are in the section "
+               f"\"Capacity as served\" (`thoughtkv capacity`).")
     return figures.capacity(capacity, method), caption
 
 
@@ -400,7 +402,7 @@ FIGURES: list[tuple[str, str, FigureBuilder]] = [
     ("fig2_capacity_accuracy", "Capacity vs accuracy", _capacity_accuracy),
     ("fig3_latency", "Projected latency", _projected_latency),
     ("fig4_pareto", "Pareto: accuracy vs latency and HBM bytes", _pareto),
-    ("fig5_capacity", "Capacity and throughput", _capacity),
+    ("fig5_capacity", "Capacity and throughput: an upper bound (no queueing, no shared link)", _capacity),
     ("fig6_sim_vs_measured", "Simulated vs measured", _sim_vs_measured),
     ("fig7_mass_lost", "Attention mass lost vs accuracy", _mass_lost),
 ]

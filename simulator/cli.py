@@ -30,15 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--what-if", metavar="SPEC", default=None,
                         help="replay recorded masses under another placement, e.g. budget=0.3,block=32,recall_k=8,"
                              "scorer=h2o,policy=hierarchy,evict=0.1,recall_rule=score (results are 'projected')")
-    parser.add_argument("--as-model", metavar="ARCH", default=None,
-                        help="replay the run's access pattern on another architecture of traces.architectures, e.g. "
-                             "qwen2-7b (results are 'projected'; simulator/README.md)")
-    parser.add_argument("--as-dtype", default="bfloat16", help="with --as-model: its weight and KV dtype (default: bfloat16)")
-    parser.add_argument("--context-scale", type=float, default=1.0,
-                        help="with --as-model: scale every logical length (and the prompt) by this factor (default: 1)")
-    parser.add_argument("--recalls", default="share", choices=("share", "count"),
-                        help="with --context-scale: recalled tokens keep their share of the context (share) or "
-                             "their traced count (count: a fixed recall_k) (default: share)")
+    # --as-model, --as-dtype, --context-scale, --recalls: one flag per options.Projection field (serve-sim's too)
+    sim_options.add_arguments(parser, sim_options.Projection)
     parser.add_argument("--timeline", type=Path, metavar="FILE",
                         help="Chrome-trace JSON of the first sample on each profile (open in ui.perfetto.dev)")
     parser.add_argument("--out", type=Path, default=None, help="results directory (default RUN_DIR/sim)")
@@ -58,14 +51,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.all_profiles and not args.profile:
         raise SimulateOptionError("no hardware given; add --profile NAME (see `thoughtkv profiles list`) or --all-profiles")
     options = sim_options.from_args(args)
-    projection = None
-    if args.as_model is not None:
-        from simulator.project import Projection
-
-        projection = Projection(args.as_model, args.as_dtype, args.context_scale, args.recalls)
-    elif args.as_dtype != "bfloat16" or args.context_scale != 1.0 or args.recalls != "share":
-        raise SimulateOptionError("--as-dtype, --context-scale and --recalls go with --as-model ARCH; add it or "
-                                  "drop them")
+    projection = sim_options.from_args(args, sim_options.Projection)  # checked there (ProjectionError)
     if options.engine == "fast" and args.timeline is not None:
         raise SimulateOptionError("--timeline records the DES; drop --engine fast")
     run_ = open_run(args.run_dir)  # checks run.json and its schema version before anything else

@@ -17,3 +17,8 @@ class ServingError(UserError):
 class OptionError(SimulationError, ServingError):
     """A value a simulator option (SimOptions, ServingConfig) cannot take. The options are shared by
     simulate, serve-sim, sweeps and crosscheck, so this is an error of whichever of them was given it."""
+
+
+class ProjectionError(OptionError):
+    """A projection to another model's shapes that cannot be made (`--as-model`, `--as-dtype`, `--context-scale`,
+    `--recalls`: simulate, serve-sim and grids alike)."""

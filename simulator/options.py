@@ -1,6 +1,8 @@
 """How a run is simulated, as one frozen object: `SimOptions` (overlap, async offload, batch, engine, offload
-tier, transfer mechanism), validated once on construction; and how it is served (`ServingConfig`: arrivals,
-batching, SLOs, with a SimOptions embedded whole). No heavy imports: `thoughtkv --help` builds flags from here.
+tier, transfer mechanism), validated once on construction; on which model's shapes (`Projection`: --as-model,
+--as-dtype, --context-scale, --recalls, shared by simulate, serve-sim and grids); and how it is served
+(`ServingConfig`: arrivals, request lengths, batching, SLOs, with a SimOptions and a Projection embedded whole).
+No heavy imports: `thoughtkv --help` builds flags from here.
 
     from simulator.options import SimOptions
     options = SimOptions(overlap="layer-prefetch", async_offload=False)
@@ -36,6 +38,10 @@ ENGINES = ("auto", "des", "fast")
 # How KV blocks cross the host link: the names of simulator.mechanisms.MECHANISMS (not imported here, to keep
 # `thoughtkv --help` light; tests/test_mechanisms.py keeps the two equal).
 TRANSFERS = ("dma-per-block", "dma-batched", "sm-copy", "zero-copy", "cpu-attention")
+RECALL_MODES = ("share", "count")  # --recalls under a --context-scale (simulator/project.py)
+# The request-length models of simulator.lengths.LENGTH_MODELS (names only, for the same reason; a test keeps
+# them equal).
+LENGTH_MODELS = ("r1-7b/gsm8k", "r1-7b/math-500", "r1-7b/aime")
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,71 @@ class SimOptions:
 
 
 @dataclass(frozen=True)
+class Projection:
+    """`--as-model ARCH [--as-dtype D] [--context-scale X] [--recalls share|count]`: a run's access pattern
+    replayed on another architecture's shapes (simulator/project.py does the arithmetic). One home for simulate,
+    serve-sim and sweep grids: their flags and grid keys are generated from these fields, checked here once.
+    `Projection()` (no --as-model) is no projection: the run's own shapes."""
+
+    as_model: str | None = field(default=None, metadata={
+        "help": "replay the run's access pattern on another architecture of traces.architectures, e.g. qwen2-7b "
+                "(results are 'projected'; simulator/README.md)", "type": str, "metavar": "ARCH",
+        "default_text": "the run's own"})
+    as_dtype: str = field(default="bfloat16", metadata={"help": "with --as-model: its weight and KV dtype",
+                                                        "metavar": "DTYPE"})
+    context_scale: float = field(default=1.0, metadata={
+        "help": "with --as-model: scale every logical length (and the prompt) by this factor", "metavar": "X"})
+    recalls: str = field(default="share", metadata={
+        "help": "with --context-scale: recalled tokens keep their share of the context (share) or their traced "
+                "count (count: a fixed recall_k)", "choices": RECALL_MODES})
+
+    def __post_init__(self) -> None:
+        from simulator.errors import ProjectionError
+
+        if self.as_model is None:
+            if self.as_dtype != "bfloat16" or self.context_scale != 1.0 or self.recalls != "share":
+                raise ProjectionError("--as-dtype, --context-scale and --recalls go with --as-model ARCH; add it or "
+                                      "drop them")
+            return
+        from traces.architectures import ARCHITECTURES, DTYPE_BYTES
+
+        if self.as_model not in ARCHITECTURES:
+            raise ProjectionError(f"--as-model {self.as_model!r} is not a known architecture; use one of "
+                                  f"{', '.join(ARCHITECTURES)}")
+        if self.as_dtype not in DTYPE_BYTES:
+            raise ProjectionError(f"--as-dtype {self.as_dtype!r} is unknown; use one of {', '.join(DTYPE_BYTES)}")
+        if self.recalls not in RECALL_MODES:
+            raise ProjectionError(f"--recalls {self.recalls!r} is unknown; use one of {', '.join(RECALL_MODES)}")
+        if not is_positive_number(self.context_scale):
+            raise ProjectionError(f"--context-scale {self.context_scale!r} must be a number > 0 (1 keeps the "
+                                  "traced lengths)")
+
+    @property
+    def active(self) -> bool:
+        return self.as_model is not None
+
+    @property
+    def shape(self):
+        """The cost model's shape of the target architecture (simulator.costs.ModelShape)."""
+        from simulator.project import target_shape
+
+        return target_shape(self.as_model, self.as_dtype)
+
+    def apply(self, arrays, source, lengths: tuple[int, int] | None = None):
+        """One sample's step arrays on the source shape -> the same access pattern on the target's
+        (project.project_arrays; `lengths` = (prompt, output) tokens: the steps resampled to those lengths)."""
+        from simulator.project import project_arrays
+
+        return project_arrays(arrays, source, self.shape, self.context_scale, self.recalls, lengths=lengths)
+
+    def label(self, source_label: str) -> str:
+        scale = f", context x{self.context_scale:g}" if self.context_scale != 1 else ""
+        if self.context_scale != 1 and self.recalls == "count":
+            scale += ", recalls by count"
+        return f"{source_label} [as {self.as_model} {self.as_dtype}{scale}]"
+
+
+@dataclass(frozen=True)
 class ServingConfig:
     """Everything a serving simulation is asked, validated once; `thoughtkv serve-sim`'s flags and the serve
     grid keys are generated from these fields (options.add_arguments), the simulator options embedded whole."""
@@ -113,10 +184,15 @@ class ServingConfig:
         "help": "arrival trace instead of Poisson arrivals: a CSV with columns arrival_s,prompt_tokens,"
                 "output_tokens (seconds), or the Azure LLM trace's TIMESTAMP,ContextTokens,GeneratedTokens", "type": str,
         "metavar": "CSV"})
+    lengths: str | None = field(default=None, metadata={
+        "help": "draw each Poisson request's prompt and output tokens from a cited length model of R1-distill "
+                "reasoning (simulator/lengths.py); each request replays a traced sample resampled to its length",
+        "type": str, "choices": LENGTH_MODELS, "default_text": "the traced lengths"})
     batch_copies: bool = field(default=False, metadata={
         "help": "one copy per operation for the whole batch (a gather kernel, one overhead) instead of one per "
                 "request"})
     options: SimOptions = field(default_factory=SimOptions)  # overlap, async offload, offload tier, transfer
+    projection: Projection = field(default_factory=Projection)  # --as-model, --as-dtype, --context-scale, --recalls
 
     def __post_init__(self) -> None:
         for name, what in (("rate_per_s", "requests per second"), ("duration_s", "seconds of arrivals"),
@@ -145,6 +221,18 @@ class ServingConfig:
             raise OptionError(f"arrivals_csv must be a file path, got {self.arrivals_csv!r} (--arrivals-csv)")
         if not isinstance(self.options, SimOptions):
             raise OptionError(f"options must be a SimOptions, got {type(self.options).__name__}")
+        if not isinstance(self.projection, Projection):
+            raise OptionError(f"projection must be a Projection, got {type(self.projection).__name__}")
+        if self.lengths is not None:
+            if self.lengths not in LENGTH_MODELS:
+                raise OptionError(f"lengths {self.lengths!r} is unknown; use one of {', '.join(LENGTH_MODELS)} "
+                                  "(--lengths)")
+            if self.arrivals_csv is not None:
+                raise OptionError("--lengths draws the lengths of Poisson requests; an --arrivals-csv gives its own: "
+                                  "drop one of them")
+            if self.projection.context_scale != 1:
+                raise OptionError("--lengths sets every request's length; drop --context-scale (it scales the "
+                                  "traced lengths)")
         if self.options.batch != 1:  # serving batches requests itself (max_batch)
             raise OptionError(f"batch {self.options.batch} is simulate's lockstep copies; serve-sim batches requests "
                               "itself: use max_batch (--max-batch)")

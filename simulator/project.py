@@ -21,57 +21,26 @@ shares carry over; which blocks are important need not); a layer of the target b
 at the same relative depth; with a context scale, each projected step stands for the same fraction of the
 sequence (step counts do not change, so ms/token is the mean over the projected lengths). With
 `recalls="count"` the recalled tokens per layer-step keep their traced count instead (a fixed recall_k).
+
+Serving with a request-length model (`serve-sim --lengths`, simulator/lengths.py) resamples the steps too: a
+request of P prompt and T output tokens replays, at its step j, the traced step at the same relative position of
+the decode (`step_map`), at logical length P + j, every tier keeping its share; resampled to the traced lengths it
+is the identity (tested). The option (flags, checks) is `simulator.options.Projection`; this module is its
+arithmetic.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import numpy as np
 
 from simulator.costs import ModelShape
-from thoughtkv_base import UserError
+from simulator.errors import ProjectionError
+
+# The option itself (options.Projection: flags, grid keys, checks) imports this module for the arithmetic.
+__all__ = ["layer_map", "project_arrays", "step_map", "target_shape"]
 
 TOKEN_FIELDS = ("hbm_tokens", "ddr_tokens", "recalled_tokens")
-RECALL_MODES = ("share", "count")
 BYTE_FIELDS = ("bytes_h2d", "bytes_d2h", "hbm_kv_bytes", "ddr_kv_bytes")
-
-
-class ProjectionError(UserError):
-    """A projection that cannot be made (unknown architecture or dtype, bad scale): one line, exit 2."""
-
-
-@dataclass(frozen=True)
-class Projection:
-    """`--as-model NAME [--as-dtype D] [--context-scale X]`, validated once on construction."""
-
-    as_model: str
-    dtype: str = "bfloat16"
-    context_scale: float = 1.0
-    recalls: str = "share"  # share: recalled tokens keep their share of the context; count: their traced count
-
-    def __post_init__(self) -> None:
-        target_shape(self.as_model, self.dtype)
-        if self.recalls not in RECALL_MODES:
-            raise ProjectionError(f"--recalls {self.recalls!r} is unknown; use one of {', '.join(RECALL_MODES)}")
-        if isinstance(self.context_scale, bool) or not isinstance(self.context_scale, int | float) \
-                or not math.isfinite(self.context_scale) or self.context_scale <= 0:
-            raise ProjectionError(f"--context-scale {self.context_scale!r} must be a number > 0 (1 keeps the "
-                                  "traced lengths)")
-
-    @property
-    def shape(self) -> ModelShape:
-        return target_shape(self.as_model, self.dtype)
-
-    def apply(self, arrays: dict[str, np.ndarray], source: ModelShape) -> dict[str, np.ndarray]:
-        return project_arrays(arrays, source, self.shape, self.context_scale, self.recalls)
-
-    def label(self, source_label: str) -> str:
-        scale = f", context x{self.context_scale:g}" if self.context_scale != 1 else ""
-        if self.context_scale != 1 and self.recalls == "count":
-            scale += ", recalls by count"
-        return f"{source_label} [as {self.as_model} {self.dtype}{scale}]"
 
 
 def target_shape(as_model: str, dtype: str = "bfloat16") -> ModelShape:
@@ -92,39 +61,68 @@ def layer_map(source_layers: int, target_layers: int) -> np.ndarray:
     return (np.arange(target_layers) * source_layers) // target_layers
 
 
+def step_map(source_steps: int, target_steps: int) -> np.ndarray:
+    """Target step j -> the source step at the same relative position of the decode: the prefill (step 0) is the
+    prefill, decode step j of T - 1 is source step ceil(j (N - 1) / (T - 1)) of N - 1 (every source decode step
+    is used when T >= N; each stands for about T / N target steps when T > N)."""
+    if target_steps < 1 or source_steps < 1:
+        raise ProjectionError(f"a sample needs at least one step (source {source_steps}, target {target_steps})")
+    rows = np.zeros(target_steps, dtype=np.int64)
+    if target_steps > 1 and source_steps > 1:
+        j = np.arange(1, target_steps, dtype=np.int64)
+        rows[1:] = -((-j * (source_steps - 1)) // (target_steps - 1))  # integer ceil: no float rounding
+    return rows
+
+
 def project_arrays(arrays: dict[str, np.ndarray], source: ModelShape, target: ModelShape,
-                   context_scale: float = 1.0, recalls: str = "share") -> dict[str, np.ndarray]:
+                   context_scale: float = 1.0, recalls: str = "share",
+                   lengths: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
     """One sample's step arrays [steps, source layers] -> the same access pattern on `target` [steps, target
     layers] (see the module docstring). Columns other than the ones the cost model reads are dropped.
 
     `recalls="count"` keeps each layer-step's recalled tokens (and their staging in HBM) at the traced count
     instead of the traced share, at most the projected DDR tokens: a policy with a fixed recall_k at a longer
-    context. Identical to "share" at context_scale 1."""
+    context. Identical to "share" at context_scale 1.
+
+    `lengths` = (prompt P, output tokens T) resamples the steps first (a request-length model,
+    simulator/lengths.py): T steps, step j replaying source step `step_map(N, T)[j]`'s tier shares at logical
+    length P + j (the prefill: P query tokens), instead of the traced lengths scaled by `context_scale`."""
     columns = layer_map(source.n_layers, target.n_layers)
-    length = np.asarray(arrays["logical_len"], dtype=np.float64)[:, columns]
-    target_length = length * context_scale
+    rows = slice(None) if lengths is None else step_map(len(arrays["logical_len"]), int(lengths[1]))
+
+    def source_column(name: str) -> np.ndarray:
+        return np.asarray(arrays[name], dtype=np.float64)[rows][:, columns]
+
+    length = source_column("logical_len")
+    query = source_column("query_tokens")
+    if lengths is None:
+        target_length = length * context_scale
+        target_query = np.where(query > 1, query * context_scale, query)  # the prefill scales, decode stays 1
+    else:
+        prompt, n_steps = int(lengths[0]), int(lengths[1])
+        target_length = np.broadcast_to(prompt + np.arange(n_steps, dtype=np.float64)[:, None], length.shape).copy()
+        target_query = np.ones_like(length)
+        target_query[0] = prompt
     share = {}
     for name in TOKEN_FIELDS:
-        share[name] = np.asarray(arrays[name], dtype=np.float64)[:, columns] / length
+        share[name] = source_column(name) / length
     for name in BYTE_FIELDS:  # bytes -> tokens of the source -> shares
-        share[name] = np.asarray(arrays[name], dtype=np.float64)[:, columns] / source.kv_bytes_per_token_layer / length
-    query = np.asarray(arrays["query_tokens"], dtype=np.float64)[:, columns]
+        share[name] = source_column(name) / source.kv_bytes_per_token_layer / length
     out = {
-        "step": np.asarray(arrays["step"], dtype=np.float64)[:, columns],
+        "step": np.broadcast_to(np.arange(length.shape[0], dtype=np.float64)[:, None], length.shape).copy(),
         "layer": np.broadcast_to(np.arange(target.n_layers, dtype=np.float64), length.shape).copy(),
         "logical_len": target_length,
-        "query_tokens": np.where(query > 1, query * context_scale, query),  # the prefill scales, decode stays 1
+        "query_tokens": target_query,
     }
     for name in TOKEN_FIELDS:
         out[name] = share[name] * target_length
     for name in BYTE_FIELDS:
         out[name] = share[name] * target_length * target.kv_bytes_per_token_layer
-    if recalls == "count" and context_scale != 1:
+    if recalls == "count" and (context_scale != 1 or lengths is not None):
         kvpl = target.kv_bytes_per_token_layer
-        traced = np.asarray(arrays["recalled_tokens"], dtype=np.float64)[:, columns]
+        traced = source_column("recalled_tokens")
         recalled = np.minimum(traced, out["ddr_tokens"])
-        moved = np.minimum(np.asarray(arrays["bytes_h2d"], dtype=np.float64)[:, columns]
-                           / source.kv_bytes_per_token_layer, out["ddr_tokens"])
+        moved = np.minimum(source_column("bytes_h2d") / source.kv_bytes_per_token_layer, out["ddr_tokens"])
         # HBM at attention = resident (share) + staged recalls (now a count)
         out["hbm_kv_bytes"] = out["hbm_kv_bytes"] - (out["recalled_tokens"] - recalled) * kvpl
         out["recalled_tokens"] = recalled

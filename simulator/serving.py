@@ -68,7 +68,8 @@ from simulator.mechanisms import (
 )
 from simulator.mechanisms import build_workload as mechanism_workload
 from simulator.mechanisms import context as transfer_context
-from simulator.options import KEY_FIELDS, ServingConfig
+from simulator.options import KEY_FIELDS, Projection, ServingConfig
+from simulator.project import project_arrays
 from simulator.schedule import StepSchedule
 from simulator.serving_fast import FastServing
 from simulator.tiers import check_spill, serving_memory, tier_chain
@@ -125,10 +126,22 @@ class SampleWork:
 
 
 def sample_work(steps: pd.DataFrame, sample: pd.Series, shape: costs.ModelShape,
-                profile: HardwareProfile, tier: str = "ddr", transfer: str = DEFAULT_MECHANISM) -> SampleWork:
+                profile: HardwareProfile, tier: str = "ddr", transfer: str = DEFAULT_MECHANISM,
+                projection: Projection | None = None, lengths: tuple[int, int] | None = None) -> SampleWork:
     """Arrays of one sample from its steps rows: the cost model's FLOPs/KV bytes and the engine's transfers
-    (their durations, and what sits in HBM, under the `transfer` mechanism: simulator/mechanisms.py)."""
+    (their durations, and what sits in HBM, under the `transfer` mechanism: simulator/mechanisms.py).
+
+    `projection` (--as-model) prices the sample's access pattern on another architecture, as simulate_run does
+    (project.py); `lengths` = (prompt, output tokens) resamples its steps to those lengths (a length model,
+    simulator/lengths.py). Either way `shape` is the traced one and the work is costed on the target's."""
     grid = step_arrays(steps, shape.n_layers, f"sample {sample['sample_id']}")
+    prompt_tokens = int(sample["prompt_tokens"])
+    if projection is not None or lengths is not None:
+        projection = projection if projection is not None else Projection()
+        target = projection.shape if projection.active else shape
+        grid = project_arrays(grid, shape, target, projection.context_scale, projection.recalls, lengths=lengths)
+        shape = target  # the block lists do not carry over: no moved_blocks / recalled_blocks, as in simulate_run
+        prompt_tokens = int(lengths[0]) if lengths is not None else int(round(prompt_tokens * projection.context_scale))
     query, attended = grid["query_tokens"], grid["hbm_tokens"] + grid["recalled_tokens"]
     n_steps, n_layers = query.shape
     flops, hbm_bytes = costs.layer_flops_bytes(shape, query, attended, batch=1)
@@ -141,32 +154,44 @@ def sample_work(steps: pd.DataFrame, sample: pd.Series, shape: costs.ModelShape,
         if custom_layers(mechanism) else None
     ops = (n_steps, n_layers + 1)
     return SampleWork(
-        sample_id=str(sample["sample_id"]), prompt_tokens=int(sample["prompt_tokens"]),
+        sample_id=str(sample["sample_id"]), prompt_tokens=prompt_tokens,
         flops=flops, kv_read_bytes=hbm_bytes - shape.layer_weight_bytes,
         recall_bytes=work.recall_bytes.reshape(ops), recall_s=work.recall_s.reshape(ops),
         offload_bytes=work.offload_bytes.reshape(ops), offload_s=work.offload_s.reshape(ops),
         hbm_kv_bytes=work.step_hbm_kv_bytes, ddr_kv_bytes=work.step_ddr_kv_bytes, load=load,
-        event_s=costs.event_times(shape, profile, grid["moved_blocks"], grid["bytes_h2d"],
-                                  recalled_blocks=grid["recalled_blocks"]),
+        event_s=costs.event_times(shape, profile, grid.get("moved_blocks"), grid["bytes_h2d"],
+                                  recalled_blocks=grid.get("recalled_blocks")),
     )
 
 
 def load_run_work(run_dir: str | Path, profile: HardwareProfile, tier: str = "ddr",
-                  transfer: str = DEFAULT_MECHANISM) -> tuple[dict, costs.ModelShape, list[SampleWork]]:
-    """The run's manifest, shape and every committed sample as SampleWork, costed on `profile` as given (the
-    caller picks the policy's overheads: simulate_serving)."""
+                  transfer: str = DEFAULT_MECHANISM, projection: Projection | None = None,
+                  lengths: str | None = None, seed: int = 0) -> tuple[dict, costs.ModelShape, list[SampleWork]]:
+    """The run's manifest, the shape its work is costed on and its samples as SampleWork, costed on `profile` as
+    given (the caller picks the policy's overheads: simulate_serving): every committed sample, or with a length
+    model (`lengths`, simulator/lengths.py) one work per length class, each a sample drawn with `seed`
+    resampled to the class's (prompt, output) tokens. `projection` prices them on another architecture."""
     from simulator.workload import STEP_COLUMNS
 
     run = open_run(run_dir)
     shape = costs.ModelShape.from_manifest(run.manifest["model"])
+    projection = projection if projection is not None and projection.active else None
     samples = run.samples()
     if samples.empty:
         raise ServingError(f"{run_dir}: the run has no committed samples; trace or synthesise some first")
     steps = run.steps(columns=["sample_id", *STEP_COLUMNS])
     by_sample = dict(tuple(steps.groupby("sample_id", sort=False)))
-    works = [sample_work(by_sample[row.sample_id], row, shape, profile, tier, transfer)
-             for _, row in samples.iterrows()]
-    return run.manifest, shape, works
+    if lengths is None:
+        works = [sample_work(by_sample[row.sample_id], row, shape, profile, tier, transfer, projection)
+                 for _, row in samples.iterrows()]
+    else:
+        from simulator.lengths import length_model
+
+        classes = length_model(lengths).classes()
+        picks = np.random.default_rng([seed, 1]).integers(0, len(samples), size=len(classes))
+        works = [sample_work(by_sample[samples.iloc[i]["sample_id"]], samples.iloc[i], shape, profile, tier, transfer,
+                             projection, lengths=size) for i, size in zip(picks, classes)]
+    return run.manifest, (projection.shape if projection is not None else shape), works
 
 
 # ---------------------------------------------------------------- arrivals -----------------------------------
@@ -551,6 +576,12 @@ def summarise(sim: ServingSim, manifest: dict, run_dir: str, overhead_source: st
     # (tbt_s may be a list or an array: serving_fast keeps each request's as an array)
     tbt = np.concatenate([np.asarray(r.tbt_s, dtype=np.float64) for r in sim.requests]) if sim.requests \
         else np.zeros(0)
+    # The tokens' times (each request's first token + its TBTs), for the TBT of the arrival window's last third:
+    # a rate the server cannot sustain shows there first (its batch or queue grows through the window).
+    token_s = np.concatenate([r.first_token_s + np.cumsum(np.asarray(r.tbt_s, dtype=np.float64))
+                              for r in sim.requests]) if sim.requests else np.zeros(0)
+    arrivals_end_s = max((r.arrival_s for r in sim.requests), default=0.0)
+    late = tbt[(token_s >= 2 * arrivals_end_s / 3) & (token_s <= arrivals_end_s)]
     end_s = sim.end_s
     tokens = int(served["tokens"].sum()) if len(served) else 0
     good = served["tbt_mean_s"].fillna(0.0) <= config.tbt_slo_s if len(served) else pd.Series([], dtype=bool)
@@ -562,17 +593,23 @@ def summarise(sim: ServingSim, manifest: dict, run_dir: str, overhead_source: st
     mean_wait = float(served["queue_delay_s"].mean()) if len(served) else 0.0
     policy = manifest["policy"]
     reserved_per_request = float(np.mean([w.peak_hbm_kv_bytes for w in sim.works]))
+    projection = config.projection
     summary = {
         "run_dir": str(run_dir), "model": sim.shape.name, "policy": policy["name"],
+        # what the requests are: the traced samples, or projected to another model's shapes / a length model
+        "result_kind": "projected" if projection.active or config.lengths else "traced",
+        "as_model": projection.as_model, "as_dtype": projection.as_dtype if projection.active else None,
+        "context_scale": projection.context_scale, "recalls": projection.recalls, "lengths": config.lengths,
         "hbm_budget": policy.get("hbm_budget"), "profile": profile.name,
         **{name: getattr(config.options, name) for name in KEY_FIELDS}, "overhead_source": overhead_source,
         "overhead_mode": mode_of(profile), "host_term": profile.host_model.term,  # what was charged, resolved
         "host_s_per_iteration": sim.host.step_s,
         "batch_copies": config.batch_copies, "rate_per_s": config.rate_per_s if not config.arrivals_csv else math.nan, "duration_s": config.duration_s, "max_batch": config.max_batch, "seed": config.seed,
-        "tbt_slo_s": config.tbt_slo_s, "n_requests": len(requests), "n_rejected": int(requests["rejected"].sum())
+        "tbt_slo_s": config.tbt_slo_s, "ttft_slo_s": config.ttft_slo_s, "n_requests": len(requests), "n_rejected": int(requests["rejected"].sum())
         if len(requests) else 0, "n_completed": int(served["finish_s"].notna().sum()) if len(served) else 0,
         "end_s": end_s, "tokens": tokens, "throughput_tokens_per_s": tokens / end_s if end_s > 0 else math.nan,
         **_percentiles(served.get("ttft_s", []), "ttft"), **_percentiles(tbt, "tbt"),
+        "tbt_p99_late_s": float(np.percentile(late, 99)) if late.size else math.nan,
         **_percentiles(served.get("queue_delay_s", []), "queue_delay"),
         "link_wait_mean_s": float(served["link_wait_s"].mean()) if len(served) else math.nan,
         "max_concurrency": int(timeline["running"].max()) if len(timeline) else 0,
@@ -585,6 +622,9 @@ def summarise(sim: ServingSim, manifest: dict, run_dir: str, overhead_source: st
         "kv_capacity_bytes": sim.kv_capacity_bytes, "hbm_capacity_bytes": profile.gpu.hbm_capacity_bytes,
         "peak_hbm_bytes": float(timeline["hbm_bytes"].max()) if len(timeline) else float(sim.shape.weight_bytes),
         "peak_hbm_reserved_bytes": float(timeline["hbm_reserved_bytes"].max()) if len(timeline) else math.nan,
+        # time averages over the run (weights included): how full HBM was, not only at its fullest
+        **{f"mean_{name}": time_average(list(zip(timeline["time_s"], timeline[name])), end_s) if len(timeline)
+           else math.nan for name in ("hbm_bytes", "hbm_reserved_bytes")},
         "ddr_capacity_bytes": sim.ddr_capacity_bytes,
         "spill_tier": sim.chain.spill, "spill_capacity_bytes": sim.spill_capacity_bytes,
         "n_spilled": int(sum(r.spilled for r in sim.requests)),
@@ -621,8 +661,10 @@ def simulate_serving(run_dir: str | Path, profile: str | HardwareProfile, config
     # profiles measure each decode path).
     profile = apply_mode(profile, config.options.overhead_mode, config.options.host_term)
     profile, overhead_source = costs.profile_for_policy(profile, run.manifest["policy"]["name"])
-    manifest, shape, works = load_run_work(run_dir, profile, chain.primary, config.options.transfer)
-    spill_works = load_run_work(run_dir, profile, chain.spill, config.options.transfer)[2] if chain.spill else None
+    work_of = dict(projection=config.projection, lengths=config.lengths, seed=config.seed)  # --as-model, --lengths
+    manifest, shape, works = load_run_work(run_dir, profile, chain.primary, config.options.transfer, **work_of)
+    spill_works = load_run_work(run_dir, profile, chain.spill, config.options.transfer, **work_of)[2] \
+        if chain.spill else None
     if config.arrivals_csv:
         arrivals = load_arrivals_csv(config.arrivals_csv, works)
     else:

@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim_options.add_arguments(parser, ServingConfig)
     # --overlap, --async-offload, --engine, --offload-tier, --transfer (a serving batch is --max-batch requests)
     sim_options.add_arguments(parser, exclude=("batch",))
+    # --as-model, --as-dtype, --context-scale, --recalls: the same fields (and checks) as simulate's
+    sim_options.add_arguments(parser, sim_options.Projection)
     parser.add_argument("--timeline", type=Path, metavar="FILE",
                         help="Chrome-trace JSON (Perfetto) of the first run on the first profile")
     parser.add_argument("--out", type=Path, default=None,
@@ -44,7 +46,8 @@ def serving_config(args: argparse.Namespace):
     from simulator.errors import ServingError
     from simulator.options import ServingConfig
 
-    config = sim_options.from_args(args, ServingConfig, options=sim_options.from_args(args))
+    config = sim_options.from_args(args, ServingConfig, options=sim_options.from_args(args),
+                                   projection=sim_options.from_args(args, sim_options.Projection))
     if config.arrivals_csv is not None and not Path(config.arrivals_csv).is_file():
         raise ServingError(f"--arrivals-csv {config.arrivals_csv}: not found; pass an existing CSV")
     unused = [f"--{n.replace('_', '-')}" for n in ("rate_per_s", "duration_s") if getattr(args, n, None) is not None]

@@ -32,8 +32,7 @@ from simulator.columns import (
 from simulator.costs import ModelShape
 from simulator.engine import Timeline, engines_per_channel, run_des
 from simulator.errors import SimulationError
-from simulator.options import KEY_FIELDS, SimOptions
-from simulator.project import Projection
+from simulator.options import KEY_FIELDS, Projection, SimOptions
 from simulator.whatif import parse_what_if, replay, replays_own_recalls, traced_config, what_if_config
 from simulator.workload import STEP_COLUMNS, Timing, Workload, step_arrays
 from traces.host import provenance_warning, same_host
@@ -66,6 +65,8 @@ def simulate_run(
     `projection` (project.Projection, `--as-model`) replays the run's access pattern on another architecture.
     """
     options = SimOptions() if options is None else options
+    if projection is not None and not projection.active:  # Projection(): the run's own shapes
+        projection = None
     if not isinstance(options, SimOptions):
         raise TypeError(f"options must be a SimOptions, not {type(options).__name__}")
     overlap, async_offload, engine = options.overlap, options.async_offload, options.engine

@@ -40,7 +40,7 @@ from typing import Any
 
 import pandas as pd
 
-from simulator.options import ServingConfig, SimOptions, grid_keys
+from simulator.options import Projection, ServingConfig, SimOptions, grid_keys
 from thoughtkv_base import UserError
 from traces.layout import write_bytes_atomic
 
@@ -61,11 +61,13 @@ class SimulateCell:
     options: SimOptions = field(default_factory=SimOptions)
     what_if: tuple[tuple[str, Any], ...] = ()  # sorted (key, value) pairs; () = replay as traced
     num_gpus: float = 0.0
+    projection: Projection = field(default_factory=Projection)  # as_model, ... (grid keys of the same names)
 
     def run(self) -> pd.DataFrame:
         from simulator import simulate_run
 
-        result = simulate_run(self.run_dir, self.profile, self.options, what_if=dict(self.what_if) or None)
+        result = simulate_run(self.run_dir, self.profile, self.options, what_if=dict(self.what_if) or None,
+                              projection=self.projection)
         summary = result.summary
         return summary.copy() if isinstance(summary, pd.DataFrame) else pd.DataFrame([summary])
 
@@ -273,9 +275,12 @@ def cell_from_dict(data: dict):
             data[name] = tuple(tuple(pair) for pair in data[name])
     if "options" in data:
         data["options"] = SimOptions(**data["options"])
+    if "projection" in data:
+        data["projection"] = Projection(**data["projection"])
     if "config" in data:
         config = dict(data["config"])
-        data["config"] = ServingConfig(**{**config, "options": SimOptions(**config["options"])})
+        data["config"] = ServingConfig(**{**config, "options": SimOptions(**config["options"]),
+                                          "projection": Projection(**config["projection"])})
     return cls(**data)
 
 
@@ -301,12 +306,14 @@ GRID_KEYS: dict[str, dict[str, str]] = {
         "profiles": "hardware profile names, or `all` (every profile not calibrated under contention)",
         "what_if": "mapping of what-if axes (e.g. budget: [0.1, 0.3]); omit to replay as traced",
         **grid_keys(SimOptions),
+        **grid_keys(Projection),
     },
     "serve": {
         "runs": "trace run directories (relative to the grid file)",
         "profiles": "hardware profile names, or `all` (every profile not calibrated under contention)",
         **grid_keys(ServingConfig, exclude=SERVE_OPTION_EXCLUDE),
         **grid_keys(SimOptions, exclude=SERVE_OPTION_EXCLUDE),
+        **grid_keys(Projection),
     },
     "collect": {
         "trace_args": "mapping of `thoughtkv trace` flags (without --) to a value or a list of values",
@@ -380,6 +387,7 @@ def _simulation_cells(kind: str, data: dict, base_dir: Path, where: str) -> list
     loaded = {name: load_profile(name) for name in profiles}  # unknown profile -> ProfileError (one line)
     option_names = [f.name for f in fields(SimOptions) if f.name in data]
     config_names = [f.name for f in fields(ServingConfig) if f.name in data] if kind == "serve" else []
+    projection_names = [f.name for f in fields(Projection) if f.name in data]
     what_ifs = _what_if_combinations(data.get("what_if"), where) if kind == "simulate" else [()]
     cells = []
     checks = CellChecks()  # each distinct check once: a run is opened once, a what-if parsed once per run
@@ -389,19 +397,22 @@ def _simulation_cells(kind: str, data: dict, base_dir: Path, where: str) -> list
             opened[run_dir] = _open_with_samples(run_dir)
         except UserError as exc:
             raise SweepError(f"{where}: run {Path(run_dir).name}: {exc}") from None
-    for run_dir, profile, what_if, option_values, config_values in itertools.product(
-            runs, profiles, what_ifs, _combinations(data, option_names), _combinations(data, config_names)):
+    for run_dir, profile, what_if, option_values, config_values, projection_values in itertools.product(
+            runs, profiles, what_ifs, _combinations(data, option_names), _combinations(data, config_names),
+            _combinations(data, projection_names)):
         try:
             options = SimOptions(**option_values)
+            projection = Projection(**projection_values)
             checks.check(opened[run_dir], loaded[profile], options, what_if)
             if kind == "simulate":
-                cells.append(SimulateCell(run_dir=run_dir, profile=profile, options=options, what_if=what_if))
+                cells.append(SimulateCell(run_dir=run_dir, profile=profile, options=options, what_if=what_if,
+                                          projection=projection))
             else:
                 cells.append(ServeCell(run_dir=run_dir, profile=profile,
-                                       config=ServingConfig(**config_values, options=options)))
+                                       config=ServingConfig(**config_values, options=options, projection=projection)))
         except UserError as exc:
-            raise SweepError(f"{where}: {_describe_cell(run_dir, profile, what_if, option_values, config_values)}: "
-                             f"{exc}") from None
+            cell = _describe_cell(run_dir, profile, what_if, option_values, config_values, projection_values)
+            raise SweepError(f"{where}: {cell}: {exc}") from None
     return cells
 
 

@@ -12,7 +12,7 @@ from thoughtkv.cli import main
 from traces import open_run
 
 TINY = ["--model", "random:tiny", "--n-samples", "1", "--max-new-tokens", "4", "--budgets", "0.5", "--evict-ratios", "0.2",
-        "--calibrate", "smoke"]
+        "--calibrate", "smoke", "--serving-duration-s", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,23 @@ def test_demo_traces_the_grid_simulates_every_profile_and_reports(demo_out):
     report = (demo_out / "report" / "report.md").read_text()
     assert "![Importance long tail]" in report and "![Projected latency]" in report
     assert json.loads((demo_out / demo.MARKER).read_text())["model"] == "random:tiny"
+
+
+def test_demo_serves_every_run_on_a_pcie_and_a_c2c_gpu(demo_out):
+    """The serving section: every run projected to qwen2-7b with R1-7B GSM8K-like lengths on the demo's two
+    profiles, each (run, profile) with a max sustainable rate bracket, the frontier drawn, the captions naming
+    the shapes and the overhead mode with its host term; Figure 5 says it is a bound."""
+    capacity = pd.read_csv(demo_out / "report" / "tables" / "capacity_served.csv")
+    assert sorted(capacity["profile"].unique()) == sorted(demo.SERVING_PROFILES)
+    assert capacity.groupby("profile")["run_dir"].nunique().tolist() == [3, 3]
+    assert set(capacity["as_model"]) == {"qwen2-7b"} and set(capacity["lengths"]) == {"r1-7b/gsm8k"}
+    assert ((capacity["max_rate_per_s"].notna()) | (capacity["first_failing_rate_per_s"].notna())).all()
+    assert (demo_out / "report" / "figures" / "serving_frontier.png").is_file()
+    report = (demo_out / "report" / "report.md").read_text()
+    section = report[report.index("## Capacity as served"):]
+    assert "projected to qwen2-7b" in section and "cuda-graphs (host term cited)" in section
+    assert "![The serving frontier" in section
+    assert "an upper bound (no queueing, no shared link)" in report
 
 
 def test_rerun_reuses_runs_and_results(demo_out, capsys):

@@ -9,8 +9,7 @@ import pytest
 
 from analysis.mechanisms import mechanism_figure, mechanism_table, write_mechanism_figure
 from simulator import simulate_run
-from simulator.options import SimOptions
-from simulator.project import Projection
+from simulator.options import Projection, SimOptions
 from traces.reader import open_run
 
 MICRO = Path(__file__).resolve().parents[1] / "traces" / "samples" / "micro-hierarchy-b30-e0"

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from simulator import simulate_run
-from simulator.options import SimOptions
-from simulator.project import Projection, ProjectionError, layer_map
+from simulator.errors import ProjectionError
+from simulator.options import Projection, SimOptions
+from simulator.project import layer_map
 from traces import TraceWriter, model_manifest, open_run
 
 SAMPLES = Path(__file__).resolve().parents[1] / "traces" / "samples"
@@ -104,7 +105,7 @@ def test_layers_map_proportionally_and_bad_projections_are_one_line_errors():
     with pytest.raises(ProjectionError, match="--context-scale 0 must be a number > 0"):
         Projection("qwen2-7b", context_scale=0)
     with pytest.raises(ProjectionError, match="--as-dtype 'int3' is unknown"):
-        Projection("qwen2-7b", dtype="int3")
+        Projection("qwen2-7b", as_dtype="int3")
 
 
 def test_context_scale_scales_lengths_and_bytes(runs):

@@ -22,7 +22,7 @@ from hwprofiles import load_profile
 from simulator import columns
 from simulator.engine import run_des
 from simulator.errors import OptionError, ServingError, SimulationError
-from simulator.options import KEY_FIELDS, ServingConfig, SimOptions, from_args
+from simulator.options import KEY_FIELDS, Projection, ServingConfig, SimOptions, from_args
 from simulator.synth import synth_run
 from simulator.workload import step_arrays
 from traces import TraceFormatError
@@ -90,8 +90,16 @@ def test_every_command_spells_the_options_the_same_way():
     option_fields = {f.name for f in dataclasses.fields(SimOptions)}
     assert option_fields <= set(sweep.GRID_KEYS["simulate"])
     assert option_fields - {"batch", "engine"} <= set(sweep.GRID_KEYS["serve"])
-    assert {f.name for f in dataclasses.fields(ServingConfig)} - {"options", "arrivals_csv"} <= \
+    assert {f.name for f in dataclasses.fields(ServingConfig)} - {"options", "projection", "arrivals_csv"} <= \
         set(sweep.GRID_KEYS["serve"])
+    # --as-model & co.: one Projection, the same flags in simulate and serve-sim, grid keys in both kinds
+    projected = ["--as-model", "qwen2-7b", "--as-dtype", "float16", "--context-scale", "2", "--recalls", "count"]
+    expected_projection = Projection("qwen2-7b", "float16", 2.0, "count")
+    assert from_args(_parser(cli.add_arguments).parse_args(["RUN", *projected]), Projection) == expected_projection
+    assert serving_cli.serving_config(_parser(serving_cli.add_arguments).parse_args(
+        ["RUN", *projected])).projection == expected_projection
+    projection_fields = {f.name for f in dataclasses.fields(Projection)}
+    assert projection_fields <= set(sweep.GRID_KEYS["simulate"]) and projection_fields <= set(sweep.GRID_KEYS["serve"])
     # serve-sim's own flags are ServingConfig's fields; the old unit-less prefixes still parse (argparse)
     args = _parser(serving_cli.add_arguments).parse_args(["RUN", "--rate", "3", "--duration-s", "2",
                                                           "--tbt-slo-s", "0.05", "--batch-copies"])

@@ -34,6 +34,8 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("calibrate", "tracer.calibrate", "microbenchmarks of this machine -> a measured hardware profile"),
     ("crosscheck", "thoughtkv.crosscheck", "measured decode vs simulator on the calibrated profile"),
     ("capacity-long", "thoughtkv.capacity_long", "the long workload's capacity-accuracy-traffic table and Pareto figure"),
+    ("capacity", "thoughtkv.capacity", "capacity as served: max arrival rate at an SLO per policy x profile, figures"),
+    ("capacity-served", "thoughtkv.capacity_served", "the committed table of capacity as served (qwen2-7b, three GPUs)"),
     ("analyze", "analysis.analyze_cli", "statistics on traces (e.g. rank correlation between scorers)"),
 ]
 

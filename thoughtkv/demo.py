@@ -9,11 +9,13 @@
 2. simulate every run on every datasheet profile (GPU overheads: the cited hf-eager estimate; `--overhead-mode
           kernel-only` for none) and on this machine's measured profile, plus what-if replays of the full run
           under each policy (the "attention mass lost" proxy); a run's results are reused while newer than it,
-3. report figures, tables and report.md (analysis.report.build_report),
+3. report figures, tables and report.md (analysis.report.build_report), and capacity as served: every run at
+          qwen2-7b's shapes with R1-7B GSM8K-like request lengths on h100-pcie and gh200-96gb, a small Poisson
+          rate sweep (serve-sim's fast path) -> the serving frontier and its section (analysis/serving.py),
 4. print  the best policy per profile (the fastest within 5 points of the best accuracy) with its traffic.
 
     DIR/profiles/  this machine's profile   DIR/runs/<policy>/  trace runs   DIR/sim/<policy>.parquet  results
-    DIR/report/    report.md, figures/, tables/
+    DIR/report/    report.md, figures/, tables/   DIR/serving/  the serving sweep's cached cells
 """
 
 from __future__ import annotations
@@ -93,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overhead-mode", choices=("hf-eager", "kernel-only"), default="hf-eager",
                         help="framework overheads of the datasheet GPU projections: hf-eager (a cited estimate of "
                              "a transformers eager loop) or kernel-only (none) (default: hf-eager)")
+    parser.add_argument("--serving-duration-s", type=float, default=SERVING["duration_s"], metavar="S",
+                        help="seconds of Poisson arrivals per rate in the serving sweep; 0 skips the serving section "
+                             f"(default: {SERVING['duration_s']:g})")
     parser.add_argument("--device", default="cpu", help="device to trace on (default: cpu)")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                         help="simulation processes at once (default: 2 or the CPU count)")
@@ -107,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
     evict_ratios = _parse_list(args.evict_ratios, "--evict-ratios", "evict_ratio")
     if args.n_samples < 1:
         raise DemoError(f"--n-samples {args.n_samples} must be at least 1")
+    if not args.serving_duration_s >= 0:  # also refuses nan
+        raise DemoError(f"--serving-duration-s {args.serving_duration_s} must be >= 0 (0 skips the serving section)")
     if args.workers < 1 or args.trace_workers < 1:
         raise DemoError(f"--workers {args.workers} / --trace-workers {args.trace_workers} must be at least 1")
     from tracer.preflight import check_model_spec, resolve_device
@@ -127,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
     report = build_report(list(run_dirs.values()), sim_files, out / "report", log=lambda m: print(f"  {m}"),
                           measured_profile=measured.stem if measured else None)
     mechanisms_figure(cells, run_dirs, out / "report", args.overhead_mode)
+    if args.serving_duration_s > 0:
+        serving_section(cells, run_dirs, out, args.workers, args.serving_duration_s)
     print_summary(report, time.perf_counter() - started)
     return 0
 
@@ -433,6 +442,37 @@ def mechanisms_figure(cells: list[Cell], run_dirs: dict[str, Path], report_dir: 
 
     add_owned_files(report_dir, written)  # a later `plot --out` here removes it unless it draws it again
     print(f"  wrote {', '.join(str(p) for p in written if p.suffix == '.png')}", file=sys.stderr)
+
+
+# -- 3b. capacity as served --------------------------------------------------------------------------------------
+
+# A small projected serving sweep (issue 39): every run at qwen2-7b's shapes with R1-7B GSM8K-like request lengths,
+# on one PCIe and one NVLink-C2C GPU, at four arrival rates doubled up to once; 20 s of arrivals per rate keeps it
+# near 40 s here (`thoughtkv capacity-served`, docs/capacity_served.md: 120 s, refined rates, n = 200).
+SERVING_PROFILES = ("h100-pcie", "gh200-96gb")
+SERVING_RATES = (8.0, 16.0, 32.0, 64.0)
+SERVING = dict(duration_s=20.0, max_batch=4096, tbt_slo_s=0.1, ttft_slo_s=10.0, lengths="r1-7b/gsm8k")
+SERVING_OPTIONS = dict(overhead_mode="cuda-graphs", transfer="dma-batched")
+
+
+def serving_section(cells: list[Cell], run_dirs: dict[str, Path], out: Path, workers: int,
+                    duration_s: float = SERVING["duration_s"]) -> list[Path]:
+    """The serving sweep of every run (cells cached under DIR/serving) and its section in the report: the
+    frontier (accuracy vs max sustainable rate, labelled with traffic), goodput and TBT vs rate, the knee."""
+    from analysis.serving import write_serving_section
+    from simulator.options import Projection, ServingConfig, SimOptions
+    from thoughtkv.capacity import capacity_sweep
+
+    _stage(f"serving: {len(cells)} runs x {', '.join(SERVING_PROFILES)} at qwen2-7b shapes, R1-7B GSM8K-like lengths")
+    config = ServingConfig(**{**SERVING, "duration_s": duration_s}, projection=Projection("qwen2-7b"),
+                           options=SimOptions(**SERVING_OPTIONS))
+    table, capacity = capacity_sweep([run_dirs[c.label] for c in cells], list(SERVING_PROFILES), config,
+                                     list(SERVING_RATES), 0, out / "serving", workers=workers,
+                                     log=lambda m: print(f"  {m}", file=sys.stderr), max_extensions=1)
+    written = write_serving_section(table, capacity, out / "report", config.tbt_slo_s, config.ttft_slo_s,
+                                    append_to=out / "report" / "report.md")
+    print(f"  wrote {out / 'report' / 'figures' / 'serving_frontier.png'}", file=sys.stderr)
+    return written
 
 
 # -- 4. summary -----------------------------------------------------------------------------------------------

@@ -7,6 +7,10 @@ at 30% HBM, recall_k 4), Poisson arrivals at 20 requests/s on h100-pcie, max bat
 2. the DES (simulator.serving, the reference) on 60 s of arrivals, and the fast path on the same 60 s, for the
    ratio (their summaries must agree: the script checks TBT p50 and the end time to 1e-9).
 
+A third case serves the bundled micro hierarchy trace (traces/samples/micro-hierarchy-b30-e0) projected to
+qwen2-7b with R1-7B GSM8K-like request lengths (`--as-model qwen2-7b --lengths r1-7b/gsm8k`): the projection and
+the length classes are built inside the timed call.
+
 "Simulated seconds" are the end of the last token (arrivals stop at the duration; the run drains). The wall
 time is the whole simulate_serving call, loading the run's steps included (as a user waits for it); trace
 generation is not timed.
@@ -21,11 +25,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from simulator.options import ServingConfig, SimOptions
+from simulator.options import Projection, ServingConfig, SimOptions
 from simulator.serving import simulate_serving
 from simulator.synth import synth_run
 
 PROFILE, RATE_PER_S, MAX_BATCH = "h100-pcie", 20.0, 4096
+
+
+MICRO = Path(__file__).resolve().parents[2] / "traces" / "samples" / "micro-hierarchy-b30-e0"
+PROJECTED = "micro h30 [as 7b]"  # the case served with --as-model qwen2-7b --lengths r1-7b/gsm8k
 
 
 def traces(root: Path) -> dict[str, Path]:
@@ -33,12 +41,14 @@ def traces(root: Path) -> dict[str, Path]:
     return {
         "full": synth_run(root / "full", policy="full", **common),
         "hierarchy 30%": synth_run(root / "h30", policy="hierarchy", hbm_budget=0.3, recall_k=4, **common),
+        PROJECTED: MICRO,
     }
 
 
 def timed(engine: str, run: Path, duration_s: float):
+    projected = dict(projection=Projection("qwen2-7b"), lengths="r1-7b/gsm8k") if run == MICRO else {}
     config = ServingConfig(rate_per_s=RATE_PER_S, duration_s=duration_s, max_batch=MAX_BATCH,
-                           options=SimOptions(engine=engine))
+                           options=SimOptions(engine=engine), **projected)
     start = time.perf_counter()
     result = simulate_serving(run, PROFILE, config)
     return result.summary, time.perf_counter() - start

@@ -1,0 +1,156 @@
+"""Capacity as served (`thoughtkv capacity`, analysis/serving.py): the rate search brackets and refines the knee,
+the max sustainable rate is sustainable and the next swept rate is not, a link-bound policy's max rate stays
+under what its link can carry, cached cells are reused, and the report section names what was priced."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis.serving import bracket, capacity_table, limit, sustainable
+from hwprofiles import load_profile
+from thoughtkv.capacity import REFINE_POINTS, next_rates
+
+SAMPLES = Path(__file__).resolve().parents[1] / "traces" / "samples"
+
+
+@pytest.mark.parametrize("rates,ok,expected", [
+    ([1, 2, 4, 8], [True, True, False, False], (2.0, 4.0)),
+    ([8, 1, 4, 2], [False, True, False, True], (2.0, 4.0)),  # any order
+    ([1, 2, 4], [True, True, True], (4.0, None)),
+    ([1, 2, 4], [False, True, True], (None, 1.0)),  # a failure below a success: the lowest failure decides
+    ([1, 2, 4, 8], [True, False, True, True], (1.0, 2.0)),
+])
+def test_bracket(rates, ok, expected):
+    assert bracket(rates, ok) == expected
+
+
+@pytest.mark.parametrize("threshold", [0.013, 3.7, 50.0, 333.0])
+def test_rate_search_brackets_then_refines_to_the_threshold(threshold):
+    """With sustainable(r) = r <= threshold, the search (doubling / halving, then REFINE_POINTS per round) ends
+    with a bracket around the threshold whose width shrinks by (REFINE_POINTS + 1) in log per refine round."""
+    rates, refine, done = [1.0, 2.0, 4.0, 8.0], 2, {"refine": 0, "extend": 0}
+    for _ in range(refine + 9):
+        more, kind = next_rates(rates, [r <= threshold for r in rates], done["refine"], done["extend"], refine)
+        if kind is None:
+            break
+        done[kind] += 1
+        rates = sorted(set(rates) | set(more))
+    assert done["refine"] == refine
+    low, high = bracket(rates, [r <= threshold for r in rates])
+    assert low <= threshold < high
+    assert math.log(high / low) <= math.log(2) / (REFINE_POINTS + 1) ** refine * 1.01 + 1e-3  # rounding to 4 digits
+
+
+def row(**values):
+    base = dict(link_util_h2d=0.1, hbm_occupancy_peak=0.3, tbt_p99_s=0.02, n_rejected=0, max_concurrency=10,
+                max_batch=64)
+    return pd.Series({**base, **values})
+
+
+@pytest.mark.parametrize("values,expected", [
+    (dict(link_util_h2d=0.8, tbt_p99_s=0.3), "link bandwidth"),
+    (dict(hbm_occupancy_peak=0.97), "HBM capacity"),
+    (dict(tbt_p99_s=0.3), "GPU iteration time"),
+    (dict(max_concurrency=64), "batch limit"),
+    (dict(), "queueing"),
+])
+def test_limit_names_the_resource_at_the_first_failing_rate(values, expected):
+    assert limit(row(**values), 0.1, 10.0, never_failed=False) == expected
+    assert limit(row(**values), 0.1, 10.0, never_failed=True) == "none reached"
+
+
+def test_sustainable_needs_tbt_ttft_and_no_rejection():
+    table = pd.DataFrame({"tbt_p99_s": [0.05, 0.2, 0.05, 0.05, np.nan, 0.09],
+                          "tbt_p99_late_s": [0.05, 0.2, 0.05, 0.05, 0.05, 0.12],  # the last third's TBT counts too
+                          "ttft_p99_s": [1.0, 1.0, 30.0, 1.0, 1.0, 1.0], "n_rejected": [0, 0, 0, 2, 0, 0]})
+    assert sustainable(table, 0.1, 10.0).tolist() == [True, False, False, False, False, False]
+    assert sustainable(table, 0.1, None).tolist() == [True, False, True, False, False, False]
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """`thoughtkv capacity` on the bundled micro full-cache and hierarchy traces at qwen2-7b's shapes on h100-pcie
+    (traced lengths: ~130 tokens, so a 40 s window is several request lifetimes); the CLI's own flags."""
+    from thoughtkv.cli import main
+
+    out = tmp_path_factory.mktemp("capacity") / "out"
+    argv = ["capacity", str(SAMPLES / "micro-full"), str(SAMPLES / "micro-hierarchy-b30-e0"), "--profile", "h100-pcie",
+            "--as-model", "qwen2-7b", "--overhead-mode", "cuda-graphs", "--transfer", "dma-batched", "--max-batch",
+            "4096", "--duration-s", "40", "--rates", "8,32,128", "--refine", "1", "--workers", "1", "--out", str(out)]
+    assert main(argv) == 0
+    return out, argv
+
+
+def test_max_rate_is_sustainable_and_the_next_swept_rate_is_not(swept):
+    out, _ = swept
+    table = pd.read_csv(out / "report" / "tables" / "serving.csv")
+    capacity = pd.read_csv(out / "report" / "tables" / "capacity_served.csv")
+    assert len(capacity) == 2
+    recomputed = capacity_table(table.drop(columns="sustainable", errors="ignore"), 0.1, 10.0)
+    for _, c in capacity.iterrows():
+        rows = table[table["run_dir"] == c["run_dir"]].set_index("rate_per_s")
+        tbt = rows[["tbt_p99_s", "tbt_p99_late_s"]].max(axis=1)  # over all tokens and the window's last third
+        assert tbt[c["max_rate_per_s"]] <= 0.1 and rows.loc[c["max_rate_per_s"], "ttft_p99_s"] <= 10
+        assert tbt[c["first_failing_rate_per_s"]] > 0.1 or rows.loc[c["first_failing_rate_per_s"], "ttft_p99_s"] > 10
+        below = rows.index < c["max_rate_per_s"]
+        assert ((tbt[below] <= 0.1) & (rows.loc[below, "ttft_p99_s"] <= 10)).all()
+        assert (rows["tbt_p99_late_s"] >= 0).all()
+        assert recomputed.set_index("run_dir").loc[c["run_dir"], "max_rate_per_s"] == c["max_rate_per_s"]
+    # the refine round put REFINE_POINTS rates inside each bracket of the first round
+    assert (table.groupby("run_dir")["rate_per_s"].nunique() >= 2 + REFINE_POINTS).all()
+
+
+def test_the_link_carries_no_more_than_its_bandwidth_at_the_knee(swept):
+    """The hierarchy recalls over PCIe: at its max sustainable rate the offered H2D load (rate x bytes each
+    request recalls) is at most the link's H2D bandwidth, at the first failing rate it is above half of it, and
+    the link is what stops it."""
+    out, _ = swept
+    table = pd.read_csv(out / "report" / "tables" / "serving.csv")
+    capacity = pd.read_csv(out / "report" / "tables" / "capacity_served.csv").set_index("policy")
+    hierarchy = capacity.loc["hierarchy"]
+    rows = table[table["policy"] == "hierarchy"].set_index("rate_per_s")
+    link = load_profile("h100-pcie").link
+
+    def offered_bytes_per_s(rate: float) -> float:
+        return rate * rows.loc[rate, "bytes_h2d"] / rows.loc[rate, "n_requests"]
+
+    # Poisson: a finite window's arrivals vary around the rate, and a window barely over capacity still drains
+    assert offered_bytes_per_s(hierarchy["max_rate_per_s"]) <= 1.1 * link.h2d_bytes_per_s
+    assert offered_bytes_per_s(hierarchy["first_failing_rate_per_s"]) > 0.5 * link.h2d_bytes_per_s
+    assert hierarchy["limit"] == "link bandwidth"
+    assert capacity.loc["full", "max_rate_per_s"] > hierarchy["max_rate_per_s"]  # no link, same HBM reads or fewer
+
+
+def test_rerun_recomputes_nothing_and_names_what_was_priced(swept, capsys):
+    from thoughtkv.cli import main
+
+    out, argv = swept
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "computed" in err and all("(0 computed)" in line for line in err.splitlines() if "cells (" in line)
+    section = (out / "report" / "serving.md").read_text()
+    assert "projected to qwen2-7b" in section and "traced request lengths" in section
+    assert "overheads cuda-graphs (host term cited)" in section
+    assert all((out / "report" / "figures" / f"{stem}.png").is_file()
+               for stem in ("serving_frontier", "serving_goodput", "serving_tbt", "serving_knee"))
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--profile", "h100-pcie", "--rates", "1,-2"], "--rates"),
+    (["--profile", "h100-pcie", "--rates", "x"], "--rates"),
+    ([], "--profile"),
+    (["--profile", "h100-pcie", "--lengths", "r1-7b/gsm8k", "--as-model", "qwen2-7b", "--context-scale", "2"],
+     "context-scale"),
+    (["--profile", "h100-pcie", "--refine", "-1"], "--refine"),
+])
+def test_capacity_refuses_bad_input_in_one_line(tmp_path, capsys, extra, message):
+    from thoughtkv.cli import main
+
+    assert main(["capacity", str(SAMPLES / "micro-full"), "--out", str(tmp_path / "o"), *extra]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], lines

@@ -1,0 +1,175 @@
+"""`thoughtkv capacity RUN_DIR... --profile P... --out DIR`: capacity as served, one line.
+
+    thoughtkv capacity runs/full runs/hier30 --profile h100-pcie --profile gh200-96gb --as-model qwen2-7b \\
+        --lengths r1-7b/gsm8k --overhead-mode cuda-graphs --transfer dma-batched --max-batch 4096 --out capacity/
+
+For every run x profile, serve Poisson arrivals at a grid of rates (`--rates`, then `--refine` rounds of three
+rates inside the bracket where the SLO starts to fail, and doublings / halvings while no rate or every rate
+fails) through the sweep machinery (simulator/sweep.py: a local process pool or Ray, each cell cached by the
+content of its run and profile, so a rerun or a wider grid recomputes nothing it has), then write
+OUT/report/: the serving figures, tables and a report section (analysis/serving.py), and print the max
+sustainable rate per policy and profile with each run's accuracy and traffic.
+
+Sustainable: p99 TBT <= --tbt-slo-s, p99 TTFT <= --ttft-slo-s, nothing rejected (analysis/serving.py). An
+overloaded server's TBT can stay low (admission caps the batch) while its queue grows, so capacity needs a TTFT
+bound: unset, `CAPACITY_TTFT_SLO_S` is used and said.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+from thoughtkv_base import UserError
+
+CAPACITY_TTFT_SLO_S = 10.0  # a queue bound when --ttft-slo-s is unset: overload shows as TTFT growing past it
+DEFAULT_RATES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+REFINE_POINTS = 3  # rates added inside the failing bracket per refinement round (log-spaced)
+MAX_EXTENSIONS = 8  # doublings (or halvings) of the grid while every (or no) swept rate is sustainable
+MIN_RATE_PER_S = 1e-3
+
+
+class CapacityError(UserError):
+    pass
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from simulator import options as sim_options
+
+    parser.add_argument("run_dirs", metavar="RUN_DIR", type=Path, nargs="+", help="trace runs (one per policy)")
+    parser.add_argument("--profile", action="append", default=[], metavar="NAME",
+                        help="hardware profile name or YAML path (repeatable)")
+    parser.add_argument("--rates", default=",".join(f"{r:g}" for r in DEFAULT_RATES), metavar="R,R",
+                        help="arrival rates (requests/s) swept first (default: %(default)s)")
+    parser.add_argument("--refine", type=int, default=2, metavar="N",
+                        help=f"rounds of {REFINE_POINTS} more rates inside each failing bracket (default: 2)")
+    # --duration-s, --max-batch, --tbt-slo-s, --ttft-slo-s, --seed, --lengths, --batch-copies (ServingConfig)
+    sim_options.add_arguments(parser, sim_options.ServingConfig, exclude=("rate_per_s", "arrivals_csv"),
+                              default_note={"ttft_slo_s": f"{CAPACITY_TTFT_SLO_S:g} (a queue bound; capacity "
+                                                          "needs one)"})
+    sim_options.add_arguments(parser, exclude=("batch", "engine"))  # --overlap, --overhead-mode, --transfer, ...
+    sim_options.add_arguments(parser, sim_options.Projection)  # --as-model, --as-dtype, --context-scale, --recalls
+    parser.add_argument("--executor", choices=("local", "ray"), default="local",
+                        help="local process pool (default) or Ray (simulator/sweep.py)")
+    parser.add_argument("--address", default=None, help="Ray cluster to join (Ray only)")
+    parser.add_argument("--workers", type=int, default=None, help="parallel cells (default: CPU count)")
+    parser.add_argument("--out", type=Path, required=True, metavar="DIR",
+                        help="OUT/sweep (cached cells, results.parquet) and OUT/report (figures, tables, serving.md)")
+
+
+def base_config(args: argparse.Namespace):
+    """The ServingConfig every cell shares (the rate aside), checked once before anything runs."""
+    from simulator import options as sim_options
+
+    ttft = args.ttft_slo_s if args.ttft_slo_s is not None else CAPACITY_TTFT_SLO_S
+    return sim_options.from_args(args, sim_options.ServingConfig, options=sim_options.from_args(args),
+                                 projection=sim_options.from_args(args, sim_options.Projection), ttft_slo_s=ttft)
+
+
+def parse_rates(text: str) -> list[float]:
+    try:
+        rates = sorted({float(v) for v in str(text).split(",") if v.strip()})
+    except ValueError:
+        raise CapacityError(f"--rates {text!r}: give numbers separated by commas, e.g. 1,2,4,8") from None
+    if not rates or not all(math.isfinite(r) and r > 0 for r in rates):
+        raise CapacityError(f"--rates {text!r}: every rate must be a finite number > 0 (requests/s)")
+    return rates
+
+
+def _rounded(rate: float) -> float:
+    """4 significant digits: refined rates stay stable cache keys across reruns."""
+    return float(f"{rate:.4g}")
+
+
+def next_rates(rates: list[float], ok: list[bool], refined: int, extended: int, refine: int,
+               max_extensions: int = MAX_EXTENSIONS) -> tuple[list[float], str | None]:
+    """Rates to add for one (run, profile), and why: "extend" (double past the top while nothing failed, halve
+    below the bottom while everything failed, at most `max_extensions` times) or "refine" (REFINE_POINTS
+    log-spaced rates inside the failing bracket, `refine` rounds); ([], None) when the bracket is done. `refined`
+    and `extended`: the rounds of each kind this (run, profile) had."""
+    from analysis.serving import bracket
+
+    low, high = bracket(rates, ok)
+    if high is None or low is None:
+        rate = 2 * max(rates) if high is None else min(rates) / 2
+        if extended >= max_extensions or rate < MIN_RATE_PER_S:
+            return [], None
+        return [_rounded(rate)], "extend"
+    if refined >= refine:
+        return [], None
+    step = (math.log(high) - math.log(low)) / (REFINE_POINTS + 1)
+    more = [r for r in (_rounded(math.exp(math.log(low) + k * step)) for k in range(1, REFINE_POINTS + 1))
+            if low < r < high and r not in rates]
+    return more, "refine" if more else None
+
+
+def capacity_sweep(run_dirs: list[Path], profiles: list[str], config, rates: list[float], refine: int, out: Path,
+                   executor: str = "local", workers: int | None = None, address: str | None = None,
+                   progress: bool = True, log=print, max_extensions: int = MAX_EXTENSIONS):
+    """Sweep rates per run x profile until every bracket is refined; returns (serving table, capacity table)."""
+    from analysis.serving import capacity_table, serving_table, sustainable
+    from simulator.sweep import ServeCell, run_sweep
+
+    runs = [str(Path(r).resolve()) for r in run_dirs]
+    swept = {(run, profile): sorted(rates) for run in runs for profile in profiles}
+    rounds = {pair: {"refine": 0, "extend": 0} for pair in swept}  # per (run, profile): rounds of each kind
+    table = None
+    for round_index in range(refine + max_extensions + 1):
+        cells = [ServeCell(run_dir=run, profile=profile, config=dataclasses.replace(config, rate_per_s=rate))
+                 for (run, profile), grid in swept.items() for rate in grid]
+        report = run_sweep(cells, out, executor=executor, workers=workers, address=address, progress=progress)
+        if report.failed:
+            key, error = sorted(report.failed.items())[0]
+            raise CapacityError(f"{len(report.failed)} serving cell(s) failed, e.g. {key}: {error}")
+        table = serving_table(report.table, runs, profiles)
+        table["sustainable"] = sustainable(table, config.tbt_slo_s, config.ttft_slo_s)
+        added = 0
+        for (run, profile), grid in swept.items():
+            rows = table[(table["run_dir"] == run) & (table["profile"] == profile)]
+            done = rounds[(run, profile)]
+            more, kind = next_rates(list(rows["rate_per_s"]), list(rows["sustainable"]), done["refine"],
+                                    done["extend"], refine, max_extensions)
+            if kind is not None:
+                done[kind] += 1
+            swept[(run, profile)] = sorted(set(grid) | set(more))
+            added += len(more)
+        log(f"capacity: round {round_index + 1}, {len(cells)} cells ({report.computed} computed), {added} rates added")
+        if not added:
+            break
+    return table, capacity_table(table, config.tbt_slo_s, config.ttft_slo_s)
+
+
+def run(args: argparse.Namespace) -> int:
+    from analysis.serving import max_rate_text, write_serving_section
+    from hwprofiles import load_profile
+    from traces import open_run
+
+    if not args.profile:
+        raise CapacityError("no hardware given; add --profile NAME (repeatable; see `thoughtkv profiles list`)")
+    if args.refine < 0 or (args.workers is not None and args.workers < 1):
+        raise CapacityError(f"--refine must be >= 0 and --workers >= 1 (got {args.refine}, {args.workers})")
+    if args.address is not None and args.executor != "ray":
+        raise CapacityError("--address joins a Ray cluster; add --executor ray or drop --address")
+    rates = parse_rates(args.rates)
+    config = base_config(args)
+    for run_dir in args.run_dirs:
+        open_run(run_dir)  # a run.json that cannot be read fails before anything is simulated
+    profiles = [load_profile(name).name for name in args.profile]  # unknown names fail now, in one line
+    if args.out.exists() and not args.out.is_dir():
+        raise CapacityError(f"--out {args.out}: exists and is not a directory; choose another path")
+    if args.ttft_slo_s is None:
+        print(f"capacity: --ttft-slo-s unset: a rate is sustainable only with p99 TTFT <= {CAPACITY_TTFT_SLO_S:g} s "
+              "(the queue stays bounded)", file=sys.stderr)
+    table, capacity = capacity_sweep(args.run_dirs, profiles, config, rates, args.refine, args.out / "sweep",
+                                     args.executor, args.workers, args.address,
+                                     log=lambda m: print(m, file=sys.stderr))
+    written = write_serving_section(table, capacity, args.out / "report", config.tbt_slo_s, config.ttft_slo_s)
+    for _, row in capacity.iterrows():
+        print(f"{row['profile']:<14} {row['label']:<34} max {max_rate_text(row):>8} req/s ({row['limit']}); "
+              f"accuracy {100 * row['accuracy']:.1f}% [{100 * row['ci_low']:.1f}, {100 * row['ci_high']:.1f}] "
+              f"n={int(row['n_scored'])}")
+    print(f"wrote {', '.join(str(p) for p in written if p.suffix in ('.md', '.png', '.csv'))}")
+    return 0

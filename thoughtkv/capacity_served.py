@@ -1,0 +1,152 @@
+"""`thoughtkv capacity-served --out docs/`: the committed table of capacity as served (docs/capacity_served.md).
+
+    thoughtkv capacity-served --out docs/ [--runs /work/runs-shared/micro_long] [--work build/capacity_served]
+
+The four micro_long runs of docs/capacity_accuracy_long.md that the table prices (full cache, evict 30% by h2o,
+the hierarchy at 30% recalling <= 10% and <= 20% of the context per step; n = 200 each, the same settings:
+tracer/micro/table_long.py) are traced into --runs where they are missing or short (a run resumes after its
+committed problems), then served on h100-pcie, h200-sxm and gh200-96gb at qwen2-7b's shapes with R1-7B
+GSM8K-like request lengths (`thoughtkv capacity`, settings in SETTINGS), each rate a cached sweep cell under
+--work: rerunning recomputes nothing that is done. Writes OUT/capacity_served.md, OUT/capacity_served.csv and
+OUT/figures/capacity_served_frontier.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+PROFILES = ("h100-pcie", "h200-sxm", "gh200-96gb")
+N_SAMPLES = 200
+# The serving settings of the table (one ServingConfig; documented in the table's header).
+SETTINGS = dict(duration_s=600.0, max_batch=4096, tbt_slo_s=0.1, ttft_slo_s=10.0, seed=0, lengths="r1-7b/gsm8k")
+OPTIONS = dict(overhead_mode="cuda-graphs", transfer="dma-batched")
+AS_MODEL = "qwen2-7b"
+RATES = (4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
+REFINE = 2
+TABLE = "capacity_served"
+
+
+def cells():
+    """The four table_long cells the table prices, in its row order."""
+    from tracer.micro.table_long import HIERARCHY_SCORER, KEY_BUDGET, Cell
+
+    return [Cell("full"), Cell("evict", KEY_BUDGET, "h2o"),
+            Cell("hierarchy", KEY_BUDGET, HIERARCHY_SCORER, 0.0, 0.1),
+            Cell("hierarchy", KEY_BUDGET, HIERARCHY_SCORER, 0.0, 0.2)]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=Path("docs"), help="folder for the table (default: docs)")
+    parser.add_argument("--runs", type=Path, default=Path("build/micro_long_table"),
+                        help="the micro_long runs, one directory per cell, traced where missing (default: "
+                             "build/micro_long_table, capacity-long's)")
+    parser.add_argument("--work", type=Path, default=Path("build/capacity_served"),
+                        help="the serving sweep's cached cells and its full report (default: build/capacity_served)")
+    parser.add_argument("--batch-size", type=int, default=16, help="samples decoded per step when tracing (default: 16)")
+    parser.add_argument("--workers", type=int, default=None, help="parallel serving cells (default: CPU count)")
+
+
+def trace_missing(runs: Path, batch_size: int) -> list[Path]:
+    """Each cell's run under `runs`, traced (or resumed) unless it already holds N_SAMPLES committed problems."""
+    from tracer.micro.table_long import trace_config
+    from traces.layout import list_parts
+
+    def committed_samples(run_dir: Path) -> int:  # a samples part is a problem's commit record
+        return len(list_parts(run_dir, "samples")) if (run_dir / "run.json").is_file() else 0
+
+    run_dirs = []
+    for cell in cells():
+        run_dir = runs / cell.name
+        if committed_samples(run_dir) < N_SAMPLES:
+            from tracer.run import run_trace
+
+            print(f"capacity-served: tracing {run_dir} ({committed_samples(run_dir)} of {N_SAMPLES} done)")
+            run_trace(trace_config(cell, runs, N_SAMPLES, full_n_samples=N_SAMPLES, batch_size=batch_size),
+                      progress=True)
+        run_dirs.append(run_dir)
+    return run_dirs
+
+
+def run(args: argparse.Namespace) -> int:
+    from analysis.serving import write_serving_section
+    from simulator.options import Projection, ServingConfig, SimOptions
+    from thoughtkv.capacity import CapacityError, capacity_sweep
+
+    if args.batch_size < 1 or (args.workers is not None and args.workers < 1):
+        raise CapacityError(f"--batch-size and --workers must be >= 1 (got {args.batch_size}, {args.workers})")
+    run_dirs = trace_missing(args.runs, args.batch_size)
+    config = ServingConfig(**SETTINGS, projection=Projection(AS_MODEL), options=SimOptions(**OPTIONS))
+    table, capacity = capacity_sweep(run_dirs, list(PROFILES), config, list(RATES), REFINE, args.work / "sweep",
+                                     workers=args.workers)
+    write_serving_section(table, capacity, args.work / "report", config.tbt_slo_s, config.ttft_slo_s)
+    written = write_table(capacity, table, args.out)
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def one_sentence(capacity, slo: str) -> str:
+    """What the table means: the full cache's, the best hierarchy's and eviction's max rates per GPU, and why."""
+    from analysis.serving import max_rate_text
+
+    def rates(label: str) -> str:
+        rows = capacity[capacity["label"] == label]
+        return " / ".join(max_rate_text(r) for _, r in rows.iterrows())
+
+    def first(label: str, column: str):
+        return capacity.loc[capacity["label"] == label, column].iloc[0]
+
+    profiles = " / ".join(dict.fromkeys(capacity["profile"]))
+    hierarchy = max((lbl for lbl in capacity["label"] if lbl.startswith("hierarchy")),
+                    key=lambda lbl: first(lbl, "accuracy"), default=None)
+    evict = next((lbl for lbl in capacity["label"] if lbl.startswith("evict")), None)
+    limits = capacity[capacity["label"] == hierarchy][["profile", "limit"]]
+    text = (f"In one sentence: serving R1-7B GSM8K-like requests at qwen2-7b's shapes within {slo}, the full cache "
+            f"({100 * first('full cache', 'accuracy'):.1f}% accurate) sustains {rates('full cache')} req/s on "
+            f"{profiles}, limited by {' / '.join(dict.fromkeys(capacity.loc[capacity['label'] == 'full cache', 'limit']))}")
+    if hierarchy is not None:
+        text += (f"; the {hierarchy} ({100 * first(hierarchy, 'accuracy'):.1f}%) sustains {rates(hierarchy)} — "
+                 + ", ".join(f"{r['limit']} on {r['profile']}" for _, r in limits.iterrows()))
+    if evict is not None:
+        text += f"; {evict} sustains {rates(evict)} but answers {100 * first(evict, 'accuracy'):.1f}%"
+    return text + "."
+
+
+def write_table(capacity, table, out: Path) -> list[Path]:
+    """OUT/capacity_served.{md,csv} and OUT/figures/capacity_served_frontier.{png,pdf}."""
+    from analysis.serving import capacity_markdown, frontier_figure, priced_text, slo_text, winners_text
+    from analysis.style import save_figure
+
+    out.mkdir(parents=True, exist_ok=True)
+    capacity.to_csv(out / f"{TABLE}.csv", index=False)
+    figure = save_figure(frontier_figure(capacity), out / "figures", f"{TABLE}_frontier")
+    first = capacity.iloc[0]
+    slo = slo_text(first["tbt_slo_s"], first["ttft_slo_s"])
+    sentence = one_sentence(capacity, slo)
+    lines = [
+        "# Capacity as served: max arrival rate per policy and GPU (qwen2-7b shapes, R1-7B GSM8K-like requests)",
+        "",
+        "Regenerate (resumes; traces the four runs where missing, caches every serving cell): "
+        "`thoughtkv capacity-served --out docs/` (runs under build/micro_long_table, where `capacity-long` puts "
+        "them; `--runs DIR` reuses runs elsewhere; ~1 h on this 2-core box with two workers). "
+        "Each row: one micro_long run of docs/capacity_accuracy_long.md (n = 200 problems, blocks of 4, 4 sink "
+        "tokens, a 16-token window, up to 600 new tokens) served by `thoughtkv capacity` — Poisson arrivals, "
+        f"continuous batching (at most {int(first['max_batch'])} requests per iteration), HBM admission by each "
+        f"request's peak KV, one shared host link ({first['transfer']}), {first['duration_s']:g} s of arrivals per "
+        f"rate; sustainable = {slo}, nothing rejected; rates bracketed then refined (to ~4%). {priced_text(table)}. "
+        "Accuracy: final-answer exact match, 95% Wilson interval; traffic: attended share of the context (trace) "
+        "and H2D bytes per generated token as served at the knee (qwen2-7b bf16 KV, 57,344 bytes/token). "
+        "Figure: figures/capacity_served_frontier.png.",
+        "",
+        sentence,
+        "",
+        capacity_markdown(capacity),
+        "",
+        "Why, per GPU: " + winners_text(capacity) + ". Limits are read at the first failing rate: the host link "
+        "(H2D busier than 50%), HBM capacity (reservations above 90% of it: admission held requests back), or the "
+        "GPU's iteration time (TBT over the SLO). HBM-capacity rows are lower bounds (up to ~2x) on what a server "
+        "admitting by current blocks and preempting would hold (simulator/README.md, \"Preemption\").",
+        "",
+    ]
+    (out / f"{TABLE}.md").write_text("\n".join(lines))
+    return [out / f"{TABLE}.md", out / f"{TABLE}.csv", *figure]
