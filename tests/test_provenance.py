@@ -14,7 +14,7 @@ WARNING = "warning: measured profile"
 
 @pytest.fixture(scope="module")
 def here(tmp_path_factory):
-    """A profile calibrated on this machine and a run traced on it, in the same test session."""
+    """A profile calibrated on this machine and a run traced on it, in the same pytest run."""
     root = tmp_path_factory.mktemp("here")
     profile = root / "here-cpu.yaml"
     assert main(["calibrate", "--device", "cpu", "--smoke", "--out", str(profile)]) == 0

@@ -33,9 +33,8 @@ def set_pending(layer) -> None:
 
 # On a CPU, a batched prefill attends at most this many logits at a time (rows x query heads x queries x keys;
 # 4 MiB of float32, this box's L2): its logits, softmax and weighted sum then stay in cache between the passes over
-# them. Whole, a B = 32 prefill of 128-token prompts on the micro model spent 17.7 ms per layer attending and
-# 9.7 in chunks (tests/bench/collect_throughput.py's traced prefill: 148 -> 134 ms, interleaved). A GPU attends
-# the batch at once (one launch per op, not one per chunk).
+# them (tests/bench/collect_throughput.py's traced prefill measures the difference). A GPU attends the batch at
+# once (one launch per op, not one per chunk).
 CHUNK_LOGITS = 1 << 20
 
 
@@ -50,7 +49,7 @@ def attend(
     if rows == 1 or rows * row_logits <= CHUNK_LOGITS or query.device.type != "cpu" or not reduce_heads:
         return _attend(query, key, value, scaling, key_positions, query_start, hidden_keys, reduce_heads, empty_slots)
     # Each chunk writes its rows' slice of whole outputs (contiguous along rows): no concatenation after, which
-    # copied the chunks' (transposed) outputs and weights once more (~4.8 of 20 ms per B = 32 prefill layer).
+    # would copy the chunks' (transposed) outputs and weights once more.
     n_heads, lq, head_dim = query.shape[1:]
     n_kv_heads = key.shape[1]
     outs = (query.new_empty((rows * n_kv_heads, n_heads // n_kv_heads * lq, head_dim)),
@@ -118,7 +117,7 @@ def _attend(
                     key_positions, key_positions[:1].expand_as(key_positions)):
                 # Rows of one length, prefilled together, hold their tokens in the same slots: one row's mask
                 # serves all (broadcast by the add below; the check is one pass over [rows, keys], the mask four
-                # over [rows, queries, keys]: ~0.26 of 0.59 ms per 8-row chunk of 128-token micro prompts).
+                # over [rows, queries, keys]).
                 key_positions = key_positions[:1]
         blocked = (key_positions[:, None, :] > query_positions[:, :, None]) | (key_positions < 0)[:, None, :]
         # As an additive -inf / 0 bias, made at the mask's size and added in place (the logits are this call's
@@ -136,7 +135,7 @@ def _attend(
         weights = torch.softmax(logits, -1)
     else:  # in place (the logits are this call's own): no second buffer of their size
         weights = torch.softmax(logits, -1, out=logits)
-    # (bmm on the [rows x Hkv] batch, as the logits: ~1.7 us less than matmul's 4-D dispatch on a CPU)
+    # (bmm on the [rows x Hkv] batch, as the logits: a cheaper dispatch than matmul's 4-D broadcasting)
     flat_weights = weights.view(rows * n_kv_heads, group * lq, n_keys)
     output = torch.bmm(flat_weights if flat_weights.dtype == value.dtype else flat_weights.to(value.dtype),
                        value.reshape(rows * n_kv_heads, n_keys, head_dim), out=None if out is None else out[0])

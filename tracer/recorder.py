@@ -132,8 +132,8 @@ class StepRows:
 
 # A recorder resolves its ended steps at most this many at a time (and when its columns are read): together,
 # the steps' derived columns, sorted recalled ids and masses are one set of NumPy operations for the lot, where
-# one set per step was a dozen calls on arrays of a few rows (~0.1 ms of host time per decode step, a fixed
-# cost per step a small model's decode cannot hide); the bound keeps the fetched copies they hold bounded.
+# one set per step would be a dozen calls on arrays of a few rows (a fixed host cost per step that a small model's
+# decode cannot hide); the bound keeps the fetched copies they hold bounded.
 RESOLVE_EVERY = 64
 
 
@@ -353,9 +353,8 @@ class Recorder:
                 recalled = rows.recalled
                 columns["recalled_block_ids"].extend(recalled[:, i].tolist() if isinstance(recalled, np.ndarray)
                                                      else [layer_rows[i] for layer_rows in recalled])
-        # Most rows move nothing: they share one empty list per column (the columns are read, never written: a list
-        # per row was ~600 per sample of 64 steps and 3 layers, which the garbage collector walked at every young
-        # collection: 49 -> 20 of those, and 11.5 -> 6.8 ms of collecting per B = 32 micro run)
+        # Most rows move nothing: they share one empty list per column (the columns are read, never written; a list
+        # per row would be hundreds of objects per sample for the garbage collector to walk at every collection)
         moved = [[[]] * len(ints) for _ in MOVED_COLUMNS]
         quant = [[None] * len(ints) for _ in OPTIONAL_STEP_COLUMNS]
         for start, (rows, i, _) in zip(itertools.accumulate(counts, initial=0), parts):

@@ -205,7 +205,7 @@ class KeyBounds:
             self._queries[query.shape] = signed
         torch.clamp_min(query, 0, out=signed[..., :d])
         torch.clamp_max(query, 0, out=signed[..., d : 2 * d])
-        # (bmm on [m x Hkv] batches, not matmul's 4-D dispatch: ~1.5 us less per layer and step on a CPU)
+        # (bmm on [m x Hkv] batches: a cheaper dispatch than matmul's 4-D broadcasting)
         bounds = self.tensor[rows, :, :n_blocks]
         return torch.bmm(signed.flatten(0, 1), bounds.flatten(0, 1).transpose(1, 2)).view(*query.shape[:-1], n_blocks)
 

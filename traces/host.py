@@ -4,7 +4,7 @@ Calibration writes `host_facts()` into a measured profile's `provenance.host_fac
 them into `run.json["hardware"]["host_facts"]`. A measured profile says how fast *that* machine was on *that*
 day; applying it to a run traced elsewhere compares two machines, so `simulate`, `plot` and `crosscheck` warn
 (`provenance_warning`). Same host = same hostname, CPU model and core count (a container's hostname changes
-per boot, so a profile from an earlier session on an identical box still warns: calibrate where you measure).
+per boot, so a profile calibrated before a restart of an identical box still warns: calibrate where you measure).
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ Each profile field is measured so that it means exactly what the simulator's cos
 Provenance records device, driver, library versions, date, thread count, clock and every raw timing and fit.
 Timings are medians (or minima: `--statistic min`) of repeats after warm-up. On the CPU the default is ONE
 intra-op thread, timed by that thread's CPU time: two OpenMP threads on a shared 2-core box stall for
-milliseconds at random (measured: 8 ms for a 5 us sdpa call), and wall time counts other processes' turns.
+milliseconds at random, longer than the microsecond calls being timed, and wall time counts other processes'
+turns.
 
 The modules: `plan` (what is measured, and `Calibration`, what a run collects), `measure` (running the plan:
 `bench`, `overhead`, `tiered` are the microbenchmarks, `fit` the line fit), `derive` (the overheads and cached

@@ -58,7 +58,7 @@ def overheads_by_decoder(cal: Calibration) -> dict[str, dict[str, float]]:
         if None not in split:
             # The no-weights sweep reads no weights outside its layers, so the trace's own layer timer splits
             # its steps as a trace's: per layer = the layers' time / layers, per step = the median rest. (A fit
-            # of step time vs layers put ~80 us of a 3-layer micro step on the wrong side: measured here.)
+            # of step time vs layers attributes part of a small model's per-step cost to its layers.)
             import numpy as np
 
             warm_slope = per_layer(split[0])

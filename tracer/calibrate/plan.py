@@ -79,8 +79,8 @@ def plan_for(device_type: str, level: str = "full") -> CalibrationPlan:
 TOKEN_SWEEP_LAYERS = 2
 # The decoders whose per-token cost is swept: the tiered full cache attends without scoring; evict scores (and
 # records) every attended token, and so does the hierarchy, whose recall is charged apart (per recalling
-# layer-step and block), so it takes evict's slope (measured on micro shapes: full 0.13, evict 0.21, hierarchy
-# 0.24 us per token and layer; one slope for all under-estimated the scoring decoders' long contexts by ~8%).
+# layer-step and block), so it takes evict's slope (scoring costs per attended token: one slope for all would
+# under-charge the scoring decoders at long contexts).
 TOKEN_SWEEP_DECODERS = ("tiered/full", "tiered/evict")
 
 # tiered/hierarchy recalls 4 blocks per layer-step, tiered/hierarchy-k1 one: the recall's fixed and per-block
