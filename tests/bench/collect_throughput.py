@@ -64,8 +64,9 @@ def measure(spec: str, args) -> dict:
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, min(vocab, 259), (max(batches), args.prompt), generator=generator)
+    # Geometry pinned (not the model's trace defaults), so that a figure compares across commits and models.
     config = TraceConfig(model=spec, task="chains", out="-", policy="hierarchy", hbm_budget=0.3, block_size=16,
-                         recall_k=args.recall_k, max_new_tokens=args.steps)
+                         sink_tokens=4, window_tokens=32, recall_k=args.recall_k, max_new_tokens=args.steps)
     n_layers = model.config.num_hidden_layers
 
     def untraced(batch: int, steps: int) -> float:
@@ -147,7 +148,7 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"prompt {args.prompt} tokens, {args.steps} new tokens per sample, {args.rounds} rounds (median), "
           f"torch threads {torch.get_num_threads()}; traced = hierarchy 0.3, recall_k {args.recall_k}, block 16, "
-          "recording on")
+          "sink 4, window 32, recording on")
     for spec in args.models.split(","):
         with frozen_heap():  # as `thoughtkv trace` decodes (both sides measured in it)
             r = measure(spec, args)

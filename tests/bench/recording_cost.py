@@ -78,7 +78,7 @@ def main() -> None:
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
         attn_implementation="thoughtkv", dtype=torch.float32).eval()
     config = TraceConfig(model="micro", task="chains", out="-", policy="hierarchy", hbm_budget=0.3, block_size=16,
-                         recall_k=4, max_new_tokens=STEPS)
+                         sink_tokens=4, window_tokens=32, recall_k=4, max_new_tokens=STEPS)
     print(f"{args.layers}-layer toy Qwen2, hierarchy 30% recall_k 4, prompt {PROMPT}, {STEPS} steps, "
           f"median of {args.rounds} rounds, thread CPU time")
     for batch in (int(b) for b in args.batches.split(",")):

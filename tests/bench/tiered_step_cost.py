@@ -44,6 +44,7 @@ def main() -> None:
 
     def config(policy: str, recall_k: int = 4) -> TraceConfig:
         return TraceConfig(model=args.model, task="chains", out="-", policy=policy, block_size=16, recall_k=recall_k,
+                           sink_tokens=4, window_tokens=32,
                            hbm_budget=1.0 if policy == "full" else 0.3, max_new_tokens=args.steps)
 
     def generate(steps: int) -> None:

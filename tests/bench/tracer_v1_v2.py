@@ -41,7 +41,7 @@ model = load_model(spec, "cpu", "float32").model
 vocab = model.config.vocab_size
 prompt = torch.randint(3, min(vocab, 259), (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
 config = TraceConfig(model=spec, task="chains", out="-", policy="hierarchy", hbm_budget=0.3, block_size=16,
-                     recall_k=4, max_new_tokens=steps)
+                     sink_tokens=4, window_tokens=32, recall_k=4, max_new_tokens=steps)
 use_tiered_attention(model)
 
 
