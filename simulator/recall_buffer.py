@@ -3,8 +3,8 @@
 The buffer (`traces.recall_buffer`: a per-(sequence, layer) LRU of recalled blocks kept in HBM) changes what
 crosses the link, not what attention reads: the blocks a step attends are the recall rule's, whatever the buffer
 holds. So a trace's `recalled_block_ids` fix every step's recall, and a buffer of N blocks turns them into hits
-(no copy) and misses (copied: `bytes_h2d`), with N blocks of HBM (or the step's recall, when larger) held for
-the recall. `replay_buffer` does that for one sample with the one LRU the tracer runs; for the size the run was
+(no copy) and misses (copied: `bytes_h2d`), with the blocks it holds (at most N; or the step's recall, when
+larger) in HBM. `replay_buffer` does that for one sample with the one LRU the tracer runs; for the size the run was
 traced with, its misses and bytes are the tracer's own (tests/test_recall_design.py holds them equal).
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from traces.recall_buffer import hbm_blocks, replay_hits
+from traces.recall_buffer import hbm_blocks, replay
 
 
 @dataclass
@@ -26,24 +26,23 @@ class BufferReplay:
     hits: np.ndarray  # of which the buffer held (no copy)
     misses: np.ndarray  # of which copied host -> device
     bytes_h2d: np.ndarray  # the misses' bytes (DDR blocks as stored)
-    recall_hbm_bytes: np.ndarray  # HBM the recall holds: max(capacity, recalled) blocks where the row has DDR blocks
+    recall_hbm_bytes: np.ndarray  # HBM the recall holds: max(blocks the buffer holds, recalled) blocks
 
 
 def replay_buffer(steps, capacity: int, block_bytes: int, block_hbm_bytes: int) -> BufferReplay:
-    """`steps`: one sample's steps table (columns step, layer, recalled_block_ids, ddr_blocks); `block_bytes`: one
+    """`steps`: one sample's steps table (columns step, layer, recalled_block_ids); `block_bytes`: one
     DDR block as stored (what a miss copies); `block_hbm_bytes`: one block in HBM (what the buffer holds)."""
     frame = steps.sort_values(["layer", "step"])
     layers = sorted(frame["layer"].unique())
     n_steps = int(frame["step"].max()) + 1
     shape = (n_steps, len(layers))
-    recalled, hits, ddr = np.zeros(shape, np.int64), np.zeros(shape, np.int64), np.zeros(shape, np.int64)
+    recalled, hits, held = np.zeros(shape, np.int64), np.zeros(shape, np.int64), np.zeros(shape, np.int64)
     for j, layer in enumerate(layers):
         rows = frame[frame["layer"] == layer]
         step = rows["step"].to_numpy()
         ids = [list(v) for v in rows["recalled_block_ids"]]
         recalled[step, j] = [len(v) for v in ids]
-        hits[step, j] = replay_hits(ids, capacity)
-        ddr[step, j] = rows["ddr_blocks"].to_numpy()
+        hits[step, j], held[step, j] = replay(ids, capacity)
     misses = recalled - hits
-    held = np.vectorize(lambda r: hbm_blocks(capacity, r))(recalled) * (ddr > 0) if capacity else recalled
-    return BufferReplay(capacity, recalled, hits, misses, misses * block_bytes, held * block_hbm_bytes)
+    taken = np.array([[hbm_blocks(h, r) for h, r in zip(a, b, strict=True)] for a, b in zip(held, recalled, strict=True)])
+    return BufferReplay(capacity, recalled, hits, misses, misses * block_bytes, taken.reshape(shape) * block_hbm_bytes)

@@ -72,9 +72,10 @@ class LayerEntry:
     moved: list | tuple
     # per row: None or (Deferred [blocks, 2] max / mean-square relative error, first, count) (`repeated(None, n)`)
     errors: list | tuple
-    # `--recall-buffer-blocks` only (else None / 0): per row the recalled blocks its buffer held, and its capacity
+    # `--recall-buffer-blocks` only (else None): per row the recalled blocks its buffer held (hits) and the blocks
+    # it holds after this step's recall
     hits: list[int] | None = None
-    buffer_blocks: int = 0
+    buffer_blocks: list[int] | None = None
 
 
 @functools.cache
@@ -137,9 +138,9 @@ class StepRows:
 
 
 def _buffer_columns(entries: list[LayerEntry], ints: np.ndarray) -> np.ndarray:
-    """[E, rows, 2] hits and misses of a step's rows under a recall buffer; adds to `ints`' `hbm_kv_bytes` the buffer's blocks
-    beyond the step's recall (traces.recall_buffer.hbm_blocks: the recall takes max(capacity, recalled) blocks)
-    for every row that has DDR blocks (a row that has offloaded nothing holds no buffer yet)."""
+    """[E, rows, 2] hits and misses of a step's rows under a recall buffer; adds to `ints`' `hbm_kv_bytes` the
+    buffer's blocks beyond the step's recall (traces.recall_buffer.hbm_blocks: the recall takes max(held,
+    recalled) blocks)."""
     hits = np.array([entry.hits for entry in entries], dtype=np.int64)
     out = np.zeros((*hits.shape, 2), dtype=np.int64)
     column = INT_COLUMNS.index
@@ -147,7 +148,7 @@ def _buffer_columns(entries: list[LayerEntry], ints: np.ndarray) -> np.ndarray:
         _, bs, token_bytes, _ = entry.constants
         recalled = ints[e, :, column("recalled_tokens")] // bs
         out[e, :, 0], out[e, :, 1] = hits[e], recalled - hits[e]
-        extra = np.maximum(entry.buffer_blocks - recalled, 0) * (ints[e, :, column("ddr_blocks")] > 0)
+        extra = np.maximum(np.asarray(entry.buffer_blocks) - recalled, 0)
         ints[e, :, column("hbm_kv_bytes")] += extra * bs * token_bytes
     return out
 

@@ -8,8 +8,9 @@ can be replayed from a trace's recorded `recalled_block_ids` without decoding ag
 (tracer/cache/recall.py) and the simulator's replay both run this one class. Torch-free.
 
 A step's recalled ids are admitted in ascending id order (the order the trace records them), every id counted as
-a hit or a miss against the buffer as the step began. Its HBM: `capacity` blocks, or the step's recall when that
-is larger (the step's recalled blocks are all resident while it attends: `hbm_blocks`).
+a hit or a miss against the buffer as the step began. Its HBM: the blocks it holds after the step's recall (at
+most `capacity`: a buffer grows page by page up to it, as a paged pool does), or the step's recall when that is
+larger (the step's recalled blocks are all resident while it attends: `hbm_blocks`).
 """
 
 from __future__ import annotations
@@ -47,16 +48,25 @@ class RecallBuffer:
         return len(self._ids)
 
 
-def hbm_blocks(capacity: int, recalled_blocks: int) -> int:
-    """HBM blocks the recall takes at a step: the buffer's capacity, or the step's recall when larger (without a
-    buffer, the step's recall: its staging pages)."""
-    return max(capacity, recalled_blocks)
+def hbm_blocks(held_blocks: int, recalled_blocks: int) -> int:
+    """HBM blocks the recall takes at a step: what the buffer holds after it, or the step's recall when larger
+    (without a buffer, the step's recall: its staging pages)."""
+    return max(held_blocks, recalled_blocks)
+
+
+def replay(recalled_ids: Sequence[Sequence[int]], capacity: int) -> tuple[list[int], list[int]]:
+    """(hits, blocks held after the step) per step of one (sequence, layer) whose steps recalled `recalled_ids`
+    (in step order), for a buffer of `capacity` blocks (0: none, every recall a miss, nothing held)."""
+    if capacity <= 0:
+        return [0] * len(recalled_ids), [0] * len(recalled_ids)
+    buffer = RecallBuffer(capacity)
+    hits, held = [], []
+    for ids in recalled_ids:
+        hits.append(buffer.admit(ids))
+        held.append(len(buffer))
+    return hits, held
 
 
 def replay_hits(recalled_ids: Sequence[Sequence[int]], capacity: int) -> list[int]:
-    """Hits per step of one (sequence, layer) whose steps recalled `recalled_ids` (in step order), for a buffer of
-    `capacity` blocks (0: none, every recall a miss)."""
-    if capacity <= 0:
-        return [0] * len(recalled_ids)
-    buffer = RecallBuffer(capacity)
-    return [buffer.admit(ids) for ids in recalled_ids]
+    """Hits per step (`replay`'s first list)."""
+    return replay(recalled_ids, capacity)[0]

@@ -202,9 +202,9 @@ class PagedLayer(PagePool):
                 self.recording_constants(), plan.rows.host, bytes_d2h, masses, self.layer_idx,
                 None if n == len(rows) else recording, [s.recalled for s in recorded], moved,
                 [errors.get(rows[i]) for i in recording] if errors else repeated(None, n))
-            if self.spec.recall_buffer_blocks:  # the buffer's hits, and its capacity (HBM it holds)
+            if self.spec.recall_buffer_blocks:  # the buffer's hits, and the blocks it holds (HBM)
                 entry.hits = [s.buffer_hits if s.recalled is not None else 0 for s in recorded]
-                entry.buffer_blocks = self.spec.recall_buffer_blocks
+                entry.buffer_blocks = [0 if s.recall_buffer is None else len(s.recall_buffer) for s in recorded]
             self.recording.add(plan.rows.row_ids, recorded, entry)
         for i in plan.placing:
             state = states[i]
