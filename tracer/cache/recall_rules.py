@@ -154,7 +154,7 @@ class Score(RecallRule):
         block_scores[:, :width] = scores[:, :width]
         block_scores = block_scores.view(-1, n, bs).sum(2)
         in_ddr = layer.ddr.bounds.in_ddr(request.rows, n)
-        key = torch.where(in_ddr, block_scores, torch.tensor(-torch.inf, device=scores.device))
+        key = block_scores.masked_fill_(~in_ddr, -torch.inf)
         order = torch.argsort(-key, dim=1, stable=True)[:, : max(request.wanted)]
         return RecallChoice(order, request.wanted)
 
