@@ -158,3 +158,12 @@ def test_the_buffer_is_a_hierarchy_setting_recorded_in_the_manifest_only_when_se
     assert PolicySpec.from_manifest(spec.to_manifest()) == spec
     assert "recall_buffer_blocks" not in PolicySpec(policy="hierarchy").to_manifest()["params"]
     assert PolicySpec(policy="evict", hbm_budget=0.5).effective().recall_buffer_blocks == 0
+
+
+def test_a_buffer_outside_the_hierarchy_or_below_zero_is_refused_in_one_line():
+    from traces.policy import PolicyError, check_given
+
+    with pytest.raises(PolicyError, match="--recall-buffer-blocks applies to the hierarchy policy only"):
+        check_given({"policy": "evict", "recall_buffer_blocks": 4})
+    with pytest.raises(PolicyError, match="--recall-buffer-blocks"):
+        PolicySpec(policy="hierarchy", recall_buffer_blocks=-1)
