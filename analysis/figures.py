@@ -491,11 +491,11 @@ def recall_design_space(cells: pd.DataFrame, buffer_blocks: int, reference: str)
             if buffered in rows:
                 ax.plot(rows[buffered] / 1e6, rows["accuracy"], color=style["color"], marker=style["marker"],
                         markerfacecolor="white", linestyle=":", linewidth=0.8,
-                        label=f"{rule}, LRU {buffer_blocks} blocks")
+                        label=f"{rule}, LRU {buffer_blocks} blocks (+HBM)")
         ax.set_title(f"HBM {budget:.0%}", fontsize=8)
-        ax.set_xlabel(f"H2D MB per generated token at {reference}")
         ax.set_xlim(left=0)
         _percent_axis(ax.yaxis)
+    figure.supxlabel(f"H2D MB per generated token at {reference}", fontsize=8)
     axes[0].set_ylabel("accuracy (%), 95% Wilson CI")
     axes[0].set_ylim(-0.02, 1.02)
     axes[-1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=6)

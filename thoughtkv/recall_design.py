@@ -277,38 +277,48 @@ def table_row(r: dict) -> list[str]:
     ]
 
 
-def headline(results: list[dict], budget: float = 0.3) -> str:
-    """How far the best real rule is from the ceiling at equal traffic, and what reuse and prefetch buy."""
+def headline(results: list[dict], budget: float = 0.3, recall: float = 0.1) -> str:
+    """How far the real rules are from the ceiling at equal traffic (the same recall budget: the same blocks per
+    step), the best real rule against the cheapest oracle cell that matches it, and what reuse (an LRU of 32
+    blocks) and prefetch (the prefetchable rules' projected ms/token) buy, at HBM `budget`."""
     from traces.stats import bytes_text
 
     at = {(r["recall_rule"], r["recall_budget"]): r for r in results
           if r["policy"] == "hierarchy" and r["hbm_budget"] == budget}
-    if not at:
-        return "In one sentence: not yet — no hierarchy cell has run."
-    parts = []
-    for recall in RECALL_BUDGETS:
-        real = [at[(rule, recall)] for rule in RULES if rule != "oracle" and (rule, recall) in at]
-        oracle = at.get(("oracle", recall))
-        if not real or oracle is None:
-            continue
-        best = max(real, key=lambda r: r["accuracy"])
-        parts.append(f"at recall ≤ {recall:.0%} the best real rule ({best['recall_rule']}) keeps {_accuracy(best)}% "
-                     f"vs the oracle's {_accuracy(oracle)}% (H2D {bytes_text(best['buffers']['0']['h2d_bytes_per_token_ref'])}"
-                     f" vs {bytes_text(oracle['buffers']['0']['h2d_bytes_per_token_ref'])}/token)")
-    quest = at.get(("quest", 0.2)) or next(iter(at.values()))
-    b0, b32 = quest["buffers"]["0"], quest["buffers"]["32"]
-    reuse = (f"an LRU of 32 blocks per layer cuts {quest['recall_rule']}'s H2D at recall ≤ "
-             f"{quest['recall_budget']:.0%} from {bytes_text(b0['h2d_bytes_per_token_ref'])} to "
-             f"{bytes_text(b32['h2d_bytes_per_token_ref'])}/token for +{_pct(b32['hbm_added_frac'])} of the context "
-             f"in HBM")
-    score = at.get(("score", 0.2))
-    prefetch = ""
-    if score is not None:
-        ms = score["ms_per_token"]
-        prefetch = (f"; layer prefetch takes score's projected ms/token from {_ms(ms['h100-pcie/none'])} to "
-                    f"{_ms(ms['h100-pcie/layer-prefetch'])} on h100-pcie and from {_ms(ms['gh200-96gb/none'])} to "
-                    f"{_ms(ms['gh200-96gb/layer-prefetch'])} on gh200-96gb, at {_accuracy(score)}%")
-    return (f"In one sentence (HBM {budget:.0%}): " + "; ".join(parts) + f"; {reuse}{prefetch}.")
+    if ("oracle", recall) not in at or ("quest", recall) not in at:
+        return "In one sentence: not yet — the oracle or quest cells have not run."
+
+    def h2d(r: dict, capacity: int = 0) -> str:
+        return bytes_text(r["buffers"][str(capacity)]["h2d_bytes_per_token_ref"])
+
+    oracle, quest = at[("oracle", recall)], at[("quest", recall)]
+    real = [r for (rule, _), r in at.items() if rule != "oracle"]
+    best = max(real, key=lambda r: (r["accuracy"], -r["buffers"]["0"]["h2d_bytes_per_token_ref"]))
+    matching = [r for (rule, _), r in at.items() if rule == "oracle" and r["accuracy"] >= best["accuracy"]]
+    text = (f"In one sentence: at {budget:.0%} HBM the oracle keeps {_accuracy(oracle)}% recalling ≤ {recall:.0%} of "
+            f"the context per step ({h2d(oracle)}/token H2D at {AS_MODEL}) where quest keeps {_accuracy(quest)}% at "
+            f"the same budget ({h2d(quest)}), and the best real rule ({best['recall_rule']}, recall ≤ "
+            f"{best['recall_budget']:.0%}) needs {h2d(best)} for {_accuracy(best)}%")
+    if matching:
+        cheapest = min(matching, key=lambda r: r["buffers"]["0"]["h2d_bytes_per_token_ref"])
+        text += f" (the oracle: {_accuracy(cheapest)}% with {h2d(cheapest)})"
+    text += ": the loss is the rule's, not the workload's"
+    reuse = at.get(("quest", 0.2))
+    if reuse is not None:
+        text += (f"; an LRU of 32 blocks per layer cuts quest's H2D at recall ≤ 20% from {h2d(reuse)} to "
+                 f"{h2d(reuse, 32)}/token for +{_pct(reuse['buffers']['32']['hbm_added_frac'])} of the context in HBM")
+    from traces.policy import recall_is_prefetchable
+
+    prefetched = [r for (rule, _), r in at.items() if recall_is_prefetchable(rule)]
+    if prefetched:
+        r = max(prefetched, key=lambda r: r["recall_budget"])
+        ms = r["ms_per_token"]
+        accuracies = sorted(x["accuracy"] for x in prefetched)
+        text += (f"; layer prefetch takes {r['recall_rule']}'s projected ms/token (recall ≤ {r['recall_budget']:.0%}) "
+                 f"from {_ms(ms['h100-pcie/none'])} to {_ms(ms['h100-pcie/layer-prefetch'])} on h100-pcie and from "
+                 f"{_ms(ms['gh200-96gb/none'])} to {_ms(ms['gh200-96gb/layer-prefetch'])} on gh200-96gb, but that rule "
+                 f"keeps {100 * accuracies[0]:.1f}-{100 * accuracies[-1]:.1f}%")
+    return text + "."
 
 
 def write_table(out: Path, runs: Path, work: Path, log=print) -> list[dict]:
@@ -328,9 +338,10 @@ def write_table(out: Path, runs: Path, work: Path, log=print) -> list[dict]:
     lines = [
         "# The recall design space: ceiling, reuse and prefetch (`chains_long`, bundled `micro_long` model)",
         "",
-        f"Regenerate: `thoughtkv recall-design --out docs/ --runs {runs}` (resumable: one `thoughtkv trace` run per "
-        "cell, a run already there with the cell's settings and enough problems adopted as it is; each cell's "
-        f"results cached under `{work}`; ~2-3 min of one core per traced cell at `--batch-size 16`). Greedy "
+        "Regenerate: `thoughtkv recall-design --out docs/ [--runs DIR] [--work DIR]` (resumable: one `thoughtkv "
+        "trace` run per cell under --runs, default `build/recall_design`, a run already there with the cell's "
+        "settings and enough problems adopted as it is; each cell's results cached under --work; ~2-3 min of one "
+        "core per traced cell at `--batch-size 16`, ~20 s per cell for its replays and projections). Greedy "
         "decoding, final-answer exact match, 95% Wilson interval, n per row. Hierarchy, nothing evicted, placement "
         f"by h2o; blocks of {BLOCK_SIZE} tokens, {SINK_TOKENS} sink tokens and a {WINDOW_TOKENS}-token window "
         "always resident; HBM = share of each sequence's logical length kept resident; `recall ≤` = the recall "
@@ -357,6 +368,12 @@ def write_table(out: Path, runs: Path, work: Path, log=print) -> list[dict]:
         "layer-prefetch`; `—` where the rule needs the layer's own query (prefetch is refused).",
         "",
         headline(results),
+        "",
+        "Reading the score rows: score ranks the DDR blocks by h2o's accumulated attention, which a DDR block gains "
+        "only while it is recalled and attended, so it recalls the same blocks step after step (an LRU of 16 blocks "
+        "serves almost every recall: its H2D is a few kB/token) and cannot follow a look-up that moves. Being known "
+        "before the layer runs is what prefetch needs, not what accuracy needs; a prefetchable rule from the previous "
+        "step's or the previous layer's query (as InfiniGen does) is the one to try next.",
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "---|" * len(HEADER),
@@ -386,7 +403,7 @@ def draw(out: Path) -> Path:
     frame = pd.read_csv(out / f"{TABLE}.csv")
     if frame.empty or not (frame["policy"] == "hierarchy").any():
         raise UserError(f"{out / TABLE}.csv: no hierarchy cell has run yet; run `thoughtkv recall-design` first")
-    return save_figure(recall_design_space(frame, BUFFER_SIZES[-1], AS_MODEL), out / "figures", TABLE)[0]
+    return save_figure(recall_design_space(frame, BUFFER_SIZES[0], AS_MODEL), out / "figures", TABLE)[0]
 
 
 def run(args: argparse.Namespace) -> int:
