@@ -167,3 +167,14 @@ def test_a_buffer_outside_the_hierarchy_or_below_zero_is_refused_in_one_line():
         check_given({"policy": "evict", "recall_buffer_blocks": 4})
     with pytest.raises(PolicyError, match="--recall-buffer-blocks"):
         PolicySpec(policy="hierarchy", recall_buffer_blocks=-1)
+
+
+def test_the_recall_design_table_has_every_rule_at_every_budget_and_refuses_a_bad_count(tmp_path, capsys):
+    from thoughtkv.cli import main
+    from thoughtkv.recall_design import HBM_BUDGETS, RECALL_BUDGETS, RULES, cells
+
+    names = [cell.name for cell in cells()]
+    assert len(names) == len(set(names)) == 1 + len(HBM_BUDGETS) * len(RECALL_BUDGETS) * len(RULES)
+    assert {"oracle", "score"} <= set(RULES)
+    assert main(["recall-design", "--out", str(tmp_path), "--n-samples", "0"]) == 2
+    assert "--n-samples" in capsys.readouterr().err
