@@ -110,7 +110,8 @@ class Oracle(RecallRule):
     pages and every DDR block, read from the store as attention would read it); the mass is the mean over query
     heads, as the trace records it. It costs a full attention over the context per layer (and reads the DDR
     store back), so it says what a perfect selection would keep at the same recall traffic, nothing about what
-    a system could run. Its choice is the `query` rule the simulator computes from recorded masses, exactly."""
+    a system could run. (The simulator's `query` rule ranks by the masses a trace recorded, which cover only what
+    that run attended: an approximation of this one.)"""
 
     name = "oracle"
 
