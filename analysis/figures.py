@@ -460,3 +460,43 @@ def accuracy_vs_recall(cells: pd.DataFrame) -> Figure:
     _percent_axis(ax.yaxis)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=6)
     return figure
+
+
+def recall_design_space(cells: pd.DataFrame, buffer_blocks: int, reference: str) -> Figure:
+    """Accuracy (95% Wilson CI) vs H2D bytes per generated token at `reference`'s KV size, one panel per HBM
+    budget, one curve per recall rule over its recall budgets (the oracle dashed: a ceiling), each rule's points
+    repeated hollow at the bytes an LRU buffer of `buffer_blocks` blocks leaves (the same accuracy: the buffer
+    changes what is copied, not what is attended), and the full cache as a band. `cells`: the
+    `recall_design_space.csv` thoughtkv/recall_design.py writes."""
+    budgets = sorted(cells.loc[cells["policy"] == "hierarchy", "hbm_budget"].unique())
+    figure = new_figure(DOUBLE_COLUMN_IN)
+    axes = figure.subplots(1, len(budgets), sharey=True, squeeze=False)[0]
+    full = cells[cells["policy"] == "full"]
+    rules = [r for r in ("quest", "quest-per-head", "score", "oracle") if r in set(cells["recall_rule"].dropna())]
+    buffered = f"buffer{buffer_blocks}_h2d_bytes_per_token_ref"
+    for ax, budget in zip(axes, budgets, strict=True):
+        if not full.empty:
+            row = full.iloc[0]
+            ax.axhspan(row["ci_low"], row["ci_high"], color="0.88", zorder=0, label=f"{FULL_LABEL} (n={int(row['n'])})")
+        for j, rule in enumerate(rules):
+            rows = cells[(cells["hbm_budget"] == budget) & (cells["recall_rule"] == rule)].sort_values("recall_budget")
+            if rows.empty:
+                continue
+            style = series_style(j)
+            yerr = np.vstack([rows["accuracy"] - rows["ci_low"], rows["ci_high"] - rows["accuracy"]])
+            ax.errorbar(rows["buffer0_h2d_bytes_per_token_ref"] / 1e6, rows["accuracy"], yerr=yerr, capsize=2,
+                        elinewidth=0.7, color=style["color"], marker=style["marker"],
+                        linestyle="--" if rule == "oracle" else "-",
+                        label=f"{rule}{' (ceiling)' if rule == 'oracle' else ''} ({_n_text(rows['n'])})")
+            if buffered in rows:
+                ax.plot(rows[buffered] / 1e6, rows["accuracy"], color=style["color"], marker=style["marker"],
+                        markerfacecolor="white", linestyle=":", linewidth=0.8,
+                        label=f"{rule}, LRU {buffer_blocks} blocks (+HBM)")
+        ax.set_title(f"HBM {budget:.0%}", fontsize=8)
+        ax.set_xlim(left=0)
+        _percent_axis(ax.yaxis)
+    figure.supxlabel(f"H2D MB per generated token at {reference}", fontsize=8)
+    axes[0].set_ylabel("accuracy (%), 95% Wilson CI")
+    axes[0].set_ylim(-0.02, 1.02)
+    axes[-1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=6)
+    return figure

@@ -48,7 +48,7 @@ LENGTH_MODELS = ("r1-7b/gsm8k", "r1-7b/math-500", "r1-7b/aime")
 class SimOptions:
     overlap: str = field(default="none", metadata={
         "help": "none: recall, then compute; layer-prefetch: the recall for layer l+1 runs during layer l "
-                "(needs recall_rule score)", "choices": OVERLAP_MODES})
+                "(needs a recall rule known before the layer runs: score)", "choices": OVERLAP_MODES})
     async_offload: bool = field(default=True, metadata={
         "help": "offloads overlap with later compute; --no-async-offload: the sequence waits for each offload"})
     batch: int = field(default=1, metadata={"help": "decode N copies of each sequence in lockstep (simulate only)"})

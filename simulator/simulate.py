@@ -36,7 +36,7 @@ from simulator.options import KEY_FIELDS, Projection, SimOptions
 from simulator.whatif import parse_what_if, replay, replays_own_recalls, traced_config, what_if_config
 from simulator.workload import STEP_COLUMNS, Timing, Workload, step_arrays
 from traces.host import provenance_warning, same_host
-from traces.policy import PolicySpec
+from traces.policy import PREFETCHABLE_RECALL_RULES, PolicySpec, recall_is_prefetchable
 from traces.reader import TraceRun, open_run
 
 __all__ = ["SimResult", "SimulationError", "check_prefetch", "simulate_run", "summarise"]
@@ -163,13 +163,16 @@ def recorded_recalls(run: TraceRun, sample_id: str, n_layers: int) -> list[list]
 
 
 def check_prefetch(run: TraceRun, config: PolicySpec, projected: bool) -> None:
-    """layer-prefetch issues a recall before the layer's query exists: only a recall set known in advance."""
-    if config.policy != "hierarchy" or config.recall_k == 0 or config.recall_rule == "score":
+    """layer-prefetch issues a recall before the layer's query exists: only a recall set known in advance (the
+    policy contract's `recall_is_prefetchable`: the rules that read nothing of the current query)."""
+    if config.policy != "hierarchy" or (config.recall_k == 0 and config.recall_budget is None) \
+            or recall_is_prefetchable(config.recall_rule):
         return
     source = "--what-if" if projected else f"the trace's recall_rule {run.manifest['policy'].get('recall_rule')!r}"
     raise SimulationError(
         f"--overlap layer-prefetch needs recalls decided from earlier steps, but {source} picks them with the "
-        "current query; use --overlap none or --what-if recall_rule=score"
+        f"current query; use --overlap none, a run traced with --recall-rule "
+        f"{' or '.join(PREFETCHABLE_RECALL_RULES)}, or --what-if recall_rule=score"
     )
 
 

@@ -33,9 +33,14 @@ POLICIES = {
     "hierarchy": dict(policy="hierarchy", hbm_budget=0.3, evict_ratio=0.1, recall_k=2),
     "per-head-promote": dict(policy="hierarchy", hbm_budget=0.3, recall_k=2, recall_rule="quest-per-head", promote=True),
     "hierarchy-int8": dict(policy="hierarchy", hbm_budget=0.3, recall_k=2, ddr_dtype="int8"),
+    "oracle": dict(policy="hierarchy", hbm_budget=0.3, recall_k=2, recall_rule="oracle"),
+    "score": dict(policy="hierarchy", hbm_budget=0.3, recall_k=2, recall_rule="score"),
+    "buffer": dict(policy="hierarchy", hbm_budget=0.3, recall_k=3, recall_buffer_blocks=4),
 }
 RECORDED = ("step", "layer", "logical_len", "hbm_tokens", "ddr_tokens", "recalled_block_ids", "offloaded_block_ids",
             "evicted_block_ids", "promoted_block_ids", "bytes_h2d", "bytes_d2h")
+# A recall buffer's hits and misses, and the HBM its capacity adds (null without one).
+BUFFER = ("recall_hits", "recall_misses", "hbm_kv_bytes")
 # The quantization error of the int8 tier: present on the same rows, equal to rounding (the K/V it measures come
 # out of batched matrix products, which sum in another order).
 QUANT = ("quant_max_rel_err", "quant_rms_rel_err")
@@ -62,7 +67,7 @@ def run(model, policy: str, batch_size: int, eos_ids: set[int]) -> dict[int, tup
     cache = TieredCache(model.config.num_hidden_layers, jobs[0].settings)
     out = {}
     for job, result in decode_batch(model, jobs, cache, batch_size, MAX_NEW, eos_ids, keep_logits=True):
-        rows = {name: job.recorder.columns[name] for name in RECORDED + QUANT}
+        rows = {name: job.recorder.columns.get(name) for name in RECORDED + QUANT + BUFFER}
         out[job.key] = (result.generated_ids, result.stop_reason, torch.stack(result.logits), rows,
                         result.cache.layers[1].final_tiers().tolist())
     return out
@@ -89,13 +94,16 @@ def test_batched_equals_sequential(arch, policy):
         assert moved > 20
     if "int8" in policy:
         assert sum(v is not None for *_, rows, _ in sequential.values() for v in rows["quant_max_rel_err"]) > 20
+    if policy == "buffer":  # the buffer served recalls and copied others: the counts compared are not all zero
+        assert 0 < sum(sum(rows["recall_hits"]) for *_, rows, _ in sequential.values()) \
+            < sum(sum(rows["recall_misses"]) for *_, rows, _ in sequential.values()) * 10
     for batch_size in (2, 5, 8):
         batched = run(model, policy, batch_size, eos_ids)
         for index, (tokens, stop, logits, rows, tiers) in sequential.items():
             got_tokens, got_stop, got_logits, got_rows, got_tiers = batched[index]
             assert got_tokens == tokens and got_stop == stop, (batch_size, index)
             assert (got_logits - logits).abs().max().item() <= 1e-4
-            assert all(got_rows[name] == rows[name] for name in RECORDED) and got_tiers == tiers
+            assert all(got_rows[name] == rows[name] for name in RECORDED + BUFFER) and got_tiers == tiers
             for name in QUANT:
                 assert [v is None for v in got_rows[name]] == [v is None for v in rows[name]]
                 present = [(got, want) for got, want in zip(got_rows[name], rows[name], strict=True) if want is not None]

@@ -52,7 +52,57 @@ def per_head_reference(bounds, in_ddr, wanted):
     return picks
 
 
-REFERENCES = {"quest": quest_reference, "quest-per-head": per_head_reference}
+def oracle_reference(query, keys, in_ddr, wanted, scaling):
+    """The true attention mass (mean over query heads) each block gets from an exact softmax over every key of
+    the row, dense, in float64; the top `wanted` DDR blocks by it."""
+    picks = []
+    for row, k in enumerate(wanted):
+        flat = keys[row].double().permute(1, 0, 2, 3).flatten(1, 2)  # [Hkv, blocks * block, d]
+        weights = torch.softmax(torch.einsum("hgd,hkd->hgk", query[row].double(), flat) * scaling, -1)
+        mass = weights.mean((0, 1)).view(N_BLOCKS, BLOCK).sum(1).tolist()
+        picks.append((top(mass, in_ddr[row], k), None))
+    return picks
+
+
+def score_reference(token_scores, in_ddr, wanted):
+    picks = []
+    for row, k in enumerate(wanted):
+        block_scores = token_scores[row].view(N_BLOCKS, BLOCK).sum(1).tolist()
+        picks.append((top(block_scores, in_ddr[row], k), None))
+    return picks
+
+
+REFERENCES = {"quest": lambda request, keys, in_ddr, wanted: quest_reference(
+                  quest_bounds(request.query, keys), in_ddr, wanted),
+              "quest-per-head": lambda request, keys, in_ddr, wanted: per_head_reference(
+                  quest_bounds(request.query, keys), in_ddr, wanted),
+              "oracle": lambda request, keys, in_ddr, wanted: oracle_reference(
+                  request.query, keys, in_ddr, wanted, request.scaling),
+              "score": lambda request, keys, in_ddr, wanted: score_reference(
+                  request.layer.token_scores, in_ddr, wanted)}
+
+
+def registry_layer(keys: torch.Tensor, in_ddr: list[list[int]], bounds: KeyBounds, token_scores: torch.Tensor):
+    """A layer as the rules read it: the DDR store (bounds, and the DDR blocks' keys through `get`), and the
+    resident keys in pages: every non-DDR block's, in shuffled slots, with empty slots (-1) among them."""
+    rows = keys.shape[0]
+    slots = N_BLOCKS * BLOCK + 2 * BLOCK
+    pages = torch.zeros(rows, N_KV_HEADS, slots, HEAD_DIM)
+    slot_pos = torch.full((rows, slots), -1, dtype=torch.long)
+    for row in range(rows):
+        resident = [b for b in range(N_BLOCKS) if b not in in_ddr[row]]
+        order = torch.randperm(slots, generator=torch.Generator().manual_seed(row))
+        for j, block in enumerate(resident):
+            where = order[j * BLOCK : (j + 1) * BLOCK]
+            pages[row, :, where] = keys[row, block]
+            slot_pos[row, where] = block * BLOCK + torch.arange(BLOCK)
+
+    def get(row_ids, block_ids, row=None):
+        blocks = keys[row_ids, block_ids]
+        return blocks, blocks, 0
+
+    return SimpleNamespace(ddr=SimpleNamespace(bounds=bounds, get=get), token_scores=token_scores, keys=pages,
+                           slot_pos=slot_pos, main_slots=slice(0, slots), head_dim=HEAD_DIM, block_size=BLOCK)
 
 
 @pytest.mark.parametrize("name", list(RECALL_RULES))
@@ -72,12 +122,13 @@ def test_a_recall_rule_picks_what_its_dense_reference_picks(name):
     for row, blocks in enumerate(in_ddr):
         mask[row, blocks] = True
     bounds.mark(torch.arange(rows), mask)
-    layer = SimpleNamespace(ddr=SimpleNamespace(bounds=bounds), token_scores=torch.zeros(rows, N_BLOCKS * BLOCK))
-    request = RecallRequest(query, slice(0, rows), wanted, N_BLOCKS, layer)
+    token_scores = torch.rand(rows, N_BLOCKS * BLOCK, generator=generator)
+    layer = registry_layer(keys, in_ddr, bounds, token_scores)
+    request = RecallRequest(query, slice(0, rows), wanted, N_BLOCKS, layer, scaling=0.7)
 
     choice = rule.select(request)
     assert name in REFERENCES, f"recall rule {name!r} has no reference in this test"
-    expected = REFERENCES[name](quest_bounds(query, keys), in_ddr, wanted)
+    expected = REFERENCES[name](request, keys, in_ddr, wanted)
     for row, (picks, heads) in enumerate(expected):
         n = choice.per_row[row]
         ids = choice.ids[row, :n].tolist()

@@ -72,6 +72,10 @@ class LayerEntry:
     moved: list | tuple
     # per row: None or (Deferred [blocks, 2] max / mean-square relative error, first, count) (`repeated(None, n)`)
     errors: list | tuple
+    # `--recall-buffer-blocks` only (else None): per row the recalled blocks its buffer held (hits) and the blocks
+    # it holds after this step's recall
+    hits: list[int] | None = None
+    buffer_blocks: list[int] | None = None
 
 
 @functools.cache
@@ -115,6 +119,9 @@ class StepRows:
         entries, n_rows = self.entries, len(self.row_ids)
         self.entries = []  # (their device values are fetched: nothing else to keep)
         self.ints, self.masses, self.recalled, self.block_mass = ints, masses, recalled, block_mass
+        self.hits = None
+        if entries[0].hits is not None:  # a recall buffer: its hits, and its capacity in the HBM bytes
+            self.hits = _buffer_columns(entries, ints)
         self.moved: list[list] = [[] for _ in range(n_rows)]
         self.quant = None
         nothing = repeated(None, n_rows)
@@ -128,6 +135,22 @@ class StepRows:
                         self.quant = np.full((len(entries), n_rows, 2), np.nan)
                     part = error[0].value()[error[1] : error[1] + error[2]]
                     self.quant[e, i] = part[:, 0].max(), np.sqrt(part[:, 1].mean())
+
+
+def _buffer_columns(entries: list[LayerEntry], ints: np.ndarray) -> np.ndarray:
+    """[E, rows, 2] hits and misses of a step's rows under a recall buffer; adds to `ints`' `hbm_kv_bytes` the
+    buffer's blocks beyond the step's recall (traces.recall_buffer.hbm_blocks: the recall takes max(held,
+    recalled) blocks)."""
+    hits = np.array([entry.hits for entry in entries], dtype=np.int64)
+    out = np.zeros((*hits.shape, 2), dtype=np.int64)
+    column = INT_COLUMNS.index
+    for e, entry in enumerate(entries):
+        _, bs, token_bytes, _ = entry.constants
+        recalled = ints[e, :, column("recalled_tokens")] // bs
+        out[e, :, 0], out[e, :, 1] = hits[e], recalled - hits[e]
+        extra = np.maximum(np.asarray(entry.buffer_blocks) - recalled, 0)
+        ints[e, :, column("hbm_kv_bytes")] += extra * bs * token_bytes
+    return out
 
 
 # A recorder resolves its ended steps at most this many at a time (and when its columns are read): together,
@@ -367,6 +390,10 @@ class Recorder:
                         quant[0][start + e], quant[1][start + e] = values
         for name, column in zip(MOVED_COLUMNS + OPTIONAL_STEP_COLUMNS, moved + quant, strict=True):
             columns[name].extend(column)
+        if parts[0][0].hits is not None:  # a recall buffer (every step of a run has one, or none does)
+            counts = np.concatenate([rows.hits[:, i] for rows, i, _ in parts])
+            columns.setdefault("recall_hits", []).extend(counts[:, 0].tolist())
+            columns.setdefault("recall_misses", []).extend(counts[:, 1].tolist())
         if self.record_access:
             n_blocks = ints[:, INT_COLUMNS.index("hbm_blocks")] + ints[:, INT_COLUMNS.index("ddr_blocks")] \
                 + ints[:, INT_COLUMNS.index("evicted_blocks")]

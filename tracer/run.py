@@ -57,6 +57,7 @@ class TraceConfig:
     access: bool = True
     # Issue 9 (tracer/quant.py, tracer/scorers/):
     ddr_dtype: str = _POLICY_DEFAULTS.ddr_dtype  # hierarchy: DDR stores offloaded blocks as same | int8 | int4
+    recall_buffer_blocks: int = _POLICY_DEFAULTS.recall_buffer_blocks  # hierarchy: per-layer LRU of recalled blocks
     also_score: str | None = None  # "A,B": scorers computed alongside, recorded in tokens.importance_by_scorer
     grad_window: int = 1  # gradient scorer: next-token losses of the last N positions
     grad_interval: int = 1  # gradient scorer: one backward pass every N decode steps
@@ -82,7 +83,7 @@ class TraceConfig:
             policy=self.policy, hbm_budget=self.hbm_budget, evict_ratio=self.evict_ratio, block_size=self.block_size,
             sink_tokens=self.sink_tokens, window_tokens=self.window_tokens, recall_k=self.recall_k,
             recall_budget=self.recall_budget, recall_rule=self.recall_rule, scorer=self.scorer,
-            promote=self.promote, ddr_dtype=self.ddr_dtype,
+            promote=self.promote, ddr_dtype=self.ddr_dtype, recall_buffer_blocks=self.recall_buffer_blocks,
         ).effective()
 
     def validate(self) -> None:

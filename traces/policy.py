@@ -34,13 +34,27 @@ RECALL_RULES = {
     "quest": "quest: top-recall_k DDR blocks by max_heads sum_d max(q*kmin, q*kmax), current query",
     "quest-per-head": "quest-per-head: each KV head recalls its own top-recall_k DDR blocks by "
     "max_group sum_d max(q*kmin, q*kmax); a block is copied when any head picks it",
-    # Simulator-only rules (computed from recorded masses): the current query's true attention mass (an
-    # oracle the quest bound approximates; needs this layer's query, so no layer prefetch), or the scorer's
-    # scores from earlier steps (known before the step, so prefetch is valid).
+    # A ceiling, not a deployable rule: the DDR blocks with the largest true attention mass under the current
+    # query (the tracer computes an exact softmax over every resident and DDR key: a full attention per layer).
+    "oracle": "oracle: top-recall_k DDR blocks by true attention mass under the current query "
+    "(exact softmax over resident and DDR keys; a ceiling, costs a full attention)",
+    # The scorer's scores from earlier steps (the tracer: its token scores summed per block; the simulator: its
+    # block scores from recorded masses): known before the layer runs, so its copy may be prefetched.
+    "score": "score: top-recall_k DDR blocks by the scorer's scores from earlier steps (known before the layer runs)",
+    # Simulator-only (computed from recorded masses): the current query's attention mass over the blocks, as the
+    # trace recorded it (the oracle, approximated from what the traced run attended).
     "query": "query",
-    "score": "score",
 }
-TRACER_RECALL_RULES = ("quest", "quest-per-head")
+TRACER_RECALL_RULES = ("quest", "quest-per-head", "oracle", "score")
+# Rules whose choice is known before the layer runs (it reads nothing of the layer's current query), so the copy
+# can overlap earlier compute (the simulator's `--overlap layer-prefetch`). The tracer's rules declare the same
+# (`RecallRule.uses_query`; tests/test_recall_design.py holds the two together).
+PREFETCHABLE_RECALL_RULES = ("score",)
+
+
+def recall_is_prefetchable(rule: str) -> bool:
+    """Whether a recall rule's choice is known before the layer's query exists (layer prefetch is valid)."""
+    return rule in PREFETCHABLE_RECALL_RULES
 
 
 class PolicyError(UserError):
@@ -91,6 +105,9 @@ class PolicySpec:
     scorer: str = "h2o"
     promote: bool = False  # a recalled block may take a weaker resident block's place in HBM
     ddr_dtype: str = "same"  # how DDR stores offloaded blocks: same | int8 | int4
+    # hierarchy: a per-(sequence, layer) LRU of recalled blocks kept in HBM (blocks; 0: none): a recalled block
+    # still in it costs no copy (bytes_h2d counts misses only); its capacity counts in the HBM bytes
+    recall_buffer_blocks: int = 0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise the parsed values once, here
@@ -101,7 +118,8 @@ class PolicySpec:
         if not 0.0 <= evict < 1.0:
             raise PolicyError(f"--evict-ratio {self.evict_ratio!r} must be in [0, 1)")
         set_(self, "evict_ratio", evict)
-        for name, low in (("block_size", 1), ("sink_tokens", 0), ("window_tokens", 0), ("recall_k", 0)):
+        for name, low in (("block_size", 1), ("sink_tokens", 0), ("window_tokens", 0), ("recall_k", 0),
+                          ("recall_buffer_blocks", 0)):
             set_(self, name, _whole(getattr(self, name), "--" + name.replace("_", "-"), low))
         if self.recall_budget is not None:
             set_(self, "recall_budget", parse_budget(self.recall_budget, "--recall-budget"))
@@ -133,7 +151,8 @@ class PolicySpec:
         budget."""
         if self.policy == "hierarchy":
             return self
-        base = dict(recall_k=0, recall_budget=None, evict_ratio=0.0, promote=False, ddr_dtype="same")
+        base = dict(recall_k=0, recall_budget=None, evict_ratio=0.0, promote=False, ddr_dtype="same",
+                    recall_buffer_blocks=0)
         if self.policy == "full":
             base["hbm_budget"] = 1.0
         return replace(self, **base)
@@ -167,6 +186,8 @@ class PolicySpec:
         params = {"promote": spec.promote, "budget_is_fraction": spec.budget_is_fraction, "ddr_dtype": spec.ddr_dtype}
         if spec.recall_budget is not None:
             params["recall_budget"] = spec.recall_budget
+        if spec.recall_buffer_blocks:
+            params["recall_buffer_blocks"] = spec.recall_buffer_blocks
         return {
             "name": spec.policy,
             "hbm_budget": spec.hbm_budget if spec.budget_is_fraction else int(spec.hbm_budget),
@@ -205,6 +226,7 @@ class PolicySpec:
             scorer=policy.get("scorer") or "h2o",
             promote=bool(params.get("promote", False)),
             ddr_dtype=params.get("ddr_dtype") or "same",
+            recall_buffer_blocks=params.get("recall_buffer_blocks") or 0,
         )
 
     def as_dict(self) -> dict:
@@ -349,11 +371,14 @@ FLAG_HELP = {
     "recall_budget": "hierarchy: recall per step a fraction of the context (<= 1) or a token count (> 1), in "
     "whole blocks, instead of --recall-k",
     "recall_rule": "hierarchy: how recalled blocks are chosen: " + ", ".join(RECALL_RULES)
-    + " (quest*: key bounds, in the tracer; query/score: from recorded masses, in the simulator)",
+    + " (quest*: key bounds; oracle: true attention, a ceiling; score: earlier steps' scores, prefetchable; "
+    "query: the simulator's oracle from recorded masses)",
     "scorer": "block importance: h2o | tova | snapkv | keynorm | rkv | recency | random | oracle | vatp | gradient "
     "(the simulator computes h2o, tova, recency, random, oracle from masses)",
     "promote": "hierarchy: a recalled block that outscores a resident one takes its HBM place",
     "ddr_dtype": "hierarchy: how DDR stores offloaded blocks: same | int8 | int4",
+    "recall_buffer_blocks": "hierarchy: a per-layer LRU of this many recalled blocks per sequence kept in HBM; a "
+    "recalled block still in it is not copied again (its HBM counts in the resident bytes)",
 }
 
 
@@ -374,7 +399,7 @@ def add_policy_arguments(parser, skip: tuple[str, ...] = ()) -> None:
 
 # Flags that only act under the hierarchy: given with another policy they would be silently dropped
 # (`PolicySpec.effective`), so a command line that names them there is refused instead.
-HIERARCHY_ONLY_FLAGS = ("recall_k", "recall_budget", "evict_ratio", "promote")
+HIERARCHY_ONLY_FLAGS = ("recall_k", "recall_budget", "evict_ratio", "promote", "recall_buffer_blocks")
 
 
 def given_flags(args) -> dict:

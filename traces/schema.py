@@ -50,7 +50,8 @@ SAMPLES = pa.schema(
 )
 
 # Nullable columns added to a table after v1 shipped: a part without them is still v1 (they read as null).
-LATER_COLUMNS = {"samples": ("grader", "answered_after_think"), "steps": ("measured_deferred_us",)}
+LATER_COLUMNS = {"samples": ("grader", "answered_after_think"),
+                 "steps": ("measured_deferred_us", "recall_hits", "recall_misses")}
 
 STEPS = pa.schema(
     [
@@ -89,6 +90,11 @@ STEPS = pa.schema(
         # Of which the step's deferred scoring, recording and placement of every layer (run inside the last
         # layer's forward: tracer.decode.LayerTimer); 0 on the other layers. Added later (LATER_COLUMNS).
         pa.field("measured_deferred_us", pa.float64()),
+        # Recall buffer (policy recall_buffer_blocks > 0: a per-layer LRU of recalled blocks kept in HBM): of this
+        # step's recalled blocks, those the buffer held (not copied) and those copied (bytes_h2d counts these).
+        # Null without a buffer, and in parts written before it existed (LATER_COLUMNS).
+        pa.field("recall_hits", pa.int32()),
+        pa.field("recall_misses", pa.int32()),
     ]
 )
 

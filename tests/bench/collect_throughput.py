@@ -17,6 +17,8 @@ counts them (the launch-bound regime of an eager GPU step, where time follows la
         [--batches 1,8,32] [--recall-k 4]
 
 `--recall-k 0` runs the same hierarchy without recall: against the default, what the recall costs a step.
+`--recall-rule score|oracle` and `--recall-buffer-blocks N` time the other rules and the recall buffer (the
+defaults, quest and no buffer, are the figures to compare across checkouts).
 
 The tracer before issue 15's v2 (per-row, compacting) against this one at B = 1: tests/bench/tracer_v1_v2.py
 (run from another checkout, a script would import this checkout's `tracer`, the venv's editable install).
@@ -66,7 +68,8 @@ def measure(spec: str, args) -> dict:
     prompts = torch.randint(3, min(vocab, 259), (max(batches), args.prompt), generator=generator)
     # Geometry pinned (not the model's trace defaults), so that a figure compares across commits and models.
     config = TraceConfig(model=spec, task="chains", out="-", policy="hierarchy", hbm_budget=0.3, block_size=16,
-                         sink_tokens=4, window_tokens=32, recall_k=args.recall_k, max_new_tokens=args.steps)
+                         sink_tokens=4, window_tokens=32, recall_k=args.recall_k, max_new_tokens=args.steps,
+                         recall_rule=args.recall_rule, recall_buffer_blocks=args.recall_buffer_blocks)
     n_layers = model.config.num_hidden_layers
 
     def untraced(batch: int, steps: int) -> float:
@@ -143,12 +146,15 @@ def main() -> None:
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes, comma-separated")
     parser.add_argument("--recall-k", type=int, default=4,
                         help="blocks recalled per layer and step (0: hierarchy without recall, what recall costs)")
+    parser.add_argument("--recall-rule", default="quest", help="the traced recall rule (default: quest)")
+    parser.add_argument("--recall-buffer-blocks", type=int, default=0,
+                        help="a per-layer LRU of recalled blocks (0: none, the default)")
     args = parser.parse_args()
     args.batches = tuple(int(b) for b in args.batches.split(","))
     torch.set_num_threads(1)
     print(f"prompt {args.prompt} tokens, {args.steps} new tokens per sample, {args.rounds} rounds (median), "
-          f"torch threads {torch.get_num_threads()}; traced = hierarchy 0.3, recall_k {args.recall_k}, block 16, "
-          "sink 4, window 32, recording on")
+          f"torch threads {torch.get_num_threads()}; traced = hierarchy 0.3, recall_k {args.recall_k}, rule "
+          f"{args.recall_rule}, buffer {args.recall_buffer_blocks}, block 16, sink 4, window 32, recording on")
     for spec in args.models.split(","):
         with frozen_heap():  # as `thoughtkv trace` decodes (both sides measured in it)
             r = measure(spec, args)

@@ -94,7 +94,9 @@ class PagedLayer(PagePool):
             self.targets.spec = settings.spec
         self.spec = settings.spec
         exact = counts_are_exact(self.spec)
-        self.sharing = PlanSharing(exact, exact and RECALL_RULES[self.spec.recall_rule].counts_known)
+        # (a recall buffer makes each layer's copied bytes its own: hits differ by layer)
+        self.sharing = PlanSharing(exact, exact and RECALL_RULES[self.spec.recall_rule].counts_known
+                                   and not self.spec.recall_buffer_blocks)
         if self.initialized:
             self.grow_rows(len(self.rows))
             self.clear_row(row)
@@ -137,7 +139,7 @@ class PagedLayer(PagePool):
         # Whether this step's layers are scored and placed together, after the last one (`layers_alike`)
         together = self.layers_share_plans(query.shape[-2], reads_recall=True) and self.plan(
             "layers", 1, lambda: self.layers_alike(rows, states), reads_recall=True)
-        hidden = recall(self, rows, states, rows_t, query, together) if query.shape[-2] == 1 else None
+        hidden = recall(self, rows, states, rows_t, query, together, scaling) if query.shape[-2] == 1 else None
         # The slots in use, one range: the staging pages this step's recall filled (the last `staged_pages`),
         # then the main pages up to the fullest row's resident blocks (packed at the front).
         bs, staging = self.block_size, self.n_staging_pages
@@ -200,6 +202,9 @@ class PagedLayer(PagePool):
                 self.recording_constants(), plan.rows.host, bytes_d2h, masses, self.layer_idx,
                 None if n == len(rows) else recording, [s.recalled for s in recorded], moved,
                 [errors.get(rows[i]) for i in recording] if errors else repeated(None, n))
+            if self.spec.recall_buffer_blocks:  # the buffer's hits, and the blocks it holds (HBM)
+                entry.hits = [s.buffer_hits if s.recalled is not None else 0 for s in recorded]
+                entry.buffer_blocks = [0 if s.recall_buffer is None else len(s.recall_buffer) for s in recorded]
             self.recording.add(plan.rows.row_ids, recorded, entry)
         for i in plan.placing:
             state = states[i]

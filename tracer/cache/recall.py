@@ -21,6 +21,7 @@ from tracer.cache.indexing import cached_device_index, flat_selection_index, sta
 from tracer.cache.recall_rules import RECALL_RULES, RecallChoice, RecallRequest
 from tracer.cache.rows import RecalledIds, RowState
 from traces.policy import recall_blocks
+from traces.recall_buffer import RecallBuffer
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class FlatRows(NamedTuple):
 
 
 def recall(layer, rows: list[int], states: list[RowState], rows_t: torch.Tensor, query: torch.Tensor,
-           together: bool = False) -> torch.Tensor | None:
+           together: bool = False, scaling: float | None = None) -> torch.Tensor | None:
     """Copy each recalling row's DDR blocks for its query into its staging pages (one gather for all rows);
     returns the per-head rule's hidden-key mask [rows, Hkv, slots] (None otherwise). The ids recalled reach the
     trace in the step's copy: this layer's added to it here, or, for layers placed `together`, every layer's
@@ -78,7 +79,7 @@ def recall(layer, rows: list[int], states: list[RowState], rows_t: torch.Tensor,
     group = query.shape[1] // layer.n_kv_heads
     q = rec_query.reshape(len(batch_index), layer.n_kv_heads, group, layer.head_dim)  # (one query: [m, Hq, 1, d])
     choice = RECALL_RULES[layer.spec.recall_rule].select(
-        RecallRequest(q, selected, plan.wanted, plan.n_blocks, layer))
+        RecallRequest(q, selected, plan.wanted, plan.n_blocks, layer, scaling))
     staged = stage(layer, rows, plan, rec_rows, selected, every_row, choice)
     per_row, head_picks, width = choice.per_row, choice.head_picks, choice.ids.shape[1]
     flat_ids, n_bytes = staged.flat_ids, staged.n_bytes
@@ -93,6 +94,8 @@ def recall(layer, rows: list[int], states: list[RowState], rows_t: torch.Tensor,
         if head_picks is not None:
             state.head_picks = head_picks[position, :n]
         start += n
+    if layer.spec.recall_buffer_blocks:
+        account_buffer(layer, batch_index, per_row, states, flat_ids, block_bytes)
     if head_picks is None:
         return None
     hidden = torch.zeros(len(rows), layer.n_kv_heads, layer.keys.shape[2], dtype=torch.bool, device=layer.device)
@@ -103,6 +106,25 @@ def recall(layer, rows: list[int], states: list[RowState], rows_t: torch.Tensor,
         flat_picks, batch_of = flat_picks[staged.select], batch_of[staged.select]
     hidden.view(len(rows), layer.n_kv_heads, -1, layer.block_size)[batch_of, :, staged.pages] = ~flat_picks[:, :, None]
     return hidden
+
+
+def account_buffer(layer, batch_index, per_row, states: list[RowState], flat_ids: torch.Tensor,
+                   block_bytes: int) -> None:
+    """`--recall-buffer-blocks`: each recalling row's LRU of recalled ids (`traces.recall_buffer.RecallBuffer`, per
+    row and layer) counts this step's hits; `bytes_h2d` becomes the misses' bytes. The ids are read back (one
+    synchronisation per layer, only with a buffer). What this accounts is what a GPU implementation that keeps
+    the buffer's blocks resident copies: `stage` above still gathers every chosen block from the DDR store into
+    the staging pages (on this CPU tracer both tiers are host memory), and since a DDR block never changes
+    while it lives there, a held copy and a fresh one are the same values: attention reads the same either way."""
+    ids = flat_ids.tolist()
+    start = 0
+    for i, n in zip(batch_index, per_row, strict=True):
+        state = states[i]
+        if state.recall_buffer is None:
+            state.recall_buffer = RecallBuffer(layer.spec.recall_buffer_blocks)
+        state.buffer_hits = state.recall_buffer.admit(ids[start : start + n])
+        state.bytes_h2d = (n - state.buffer_hits) * block_bytes
+        start += n
 
 
 class Staged(NamedTuple):

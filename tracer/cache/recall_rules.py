@@ -35,6 +35,7 @@ class RecallRequest:
     wanted: tuple[int, ...]  # blocks each row may recall (> 0, at most its DDR blocks)
     n_blocks: int  # block ids below this (the most blocks any of the rows has)
     layer: object  # the `PagedLayer`: `ddr` (its `bounds`: `KeyBounds`), pages, `token_scores` (earlier steps')
+    scaling: float | None = None  # the attention's logit scale (the oracle's softmax; None: head_dim ** -0.5)
     _wanted: torch.Tensor | None = field(default=None, repr=False)
 
     def wanted_tensor(self) -> torch.Tensor:
@@ -103,4 +104,60 @@ class QuestPerHead(RecallRule):
         return RecallChoice(ids, per_row, head_picks)
 
 
-RECALL_RULES: dict[str, RecallRule] = {rule.name: rule for rule in (Quest(), QuestPerHead())}
+class Oracle(RecallRule):
+    """A ceiling, not a deployable rule: each row recalls the `wanted` DDR blocks with the largest true attention
+    mass under its current query, from an exact softmax over every key it still has (its resident ones in the
+    pages and every DDR block, read from the store as attention would read it); the mass is the mean over query
+    heads, as the trace records it. It costs a full attention over the context per layer (and reads the DDR
+    store back), so it says what a perfect selection would keep at the same recall traffic, nothing about what
+    a system could run. (The simulator's `query` rule ranks by the masses a trace recorded, which cover only what
+    that run attended: an approximation of this one.)"""
+
+    name = "oracle"
+
+    def select(self, request: RecallRequest) -> RecallChoice:
+        layer, k_max = request.layer, max(request.wanted)
+        in_ddr = layer.ddr.bounds.in_ddr(request.rows, request.n_blocks)  # [m, blocks]
+        rows = request.rows
+        row_ids = list(range(rows.start, rows.stop)) if isinstance(rows, slice) else rows.tolist()
+        scaling = request.scaling if request.scaling is not None else layer.head_dim ** -0.5
+        main = layer.main_slots
+        picks = torch.zeros(len(row_ids), k_max, dtype=torch.long, device=in_ddr.device)
+        for i, row in enumerate(row_ids):
+            ddr_ids = in_ddr[i].nonzero().squeeze(1)
+            stored = layer.slot_pos[row, main] >= 0
+            resident = layer.keys[row][:, main][:, stored]  # [Hkv, r, d]
+            ddr_keys = layer.ddr.get(torch.full_like(ddr_ids, row), ddr_ids, row=row)[0]  # [n, Hkv, block, d]
+            ddr_keys = ddr_keys.permute(1, 0, 2, 3).flatten(1, 2).to(resident.dtype)  # [Hkv, n * block, d]
+            keys = torch.cat([resident, ddr_keys], 1).float()
+            weights = torch.softmax(torch.einsum("hgd,hkd->hgk", request.query[i].float(), keys) * scaling, -1)
+            mass = weights[..., resident.shape[1]:].mean((0, 1)).view(len(ddr_ids), -1).sum(1)  # [n]
+            order = torch.argsort(-mass, stable=True)[: request.wanted[i]]  # (ties: the lower block id)
+            picks[i, : len(order)] = ddr_ids[order]
+        return RecallChoice(picks, request.wanted)
+
+
+class Score(RecallRule):
+    """Known before the layer runs: each row recalls the `wanted` DDR blocks with the highest score from earlier
+    steps (its scorer's token scores, summed per block: under h2o the attention each block has received so far).
+    It reads nothing of this step's query, so its copy can be issued before the layer (layer prefetch). Ties rank
+    by block id."""
+
+    name = "score"
+    uses_query = False
+
+    def select(self, request: RecallRequest) -> RecallChoice:
+        layer, n = request.layer, request.n_blocks
+        bs = layer.block_size
+        scores = layer.token_scores[request.rows]  # [m, positions]: written after earlier steps' attention
+        width = min(scores.shape[1], n * bs)
+        block_scores = torch.zeros(scores.shape[0], n * bs, dtype=torch.float32, device=scores.device)
+        block_scores[:, :width] = scores[:, :width]
+        block_scores = block_scores.view(-1, n, bs).sum(2)
+        in_ddr = layer.ddr.bounds.in_ddr(request.rows, n)
+        key = block_scores.masked_fill_(~in_ddr, -torch.inf)
+        order = torch.argsort(-key, dim=1, stable=True)[:, : max(request.wanted)]
+        return RecallChoice(order, request.wanted)
+
+
+RECALL_RULES: dict[str, RecallRule] = {rule.name: rule for rule in (Quest(), QuestPerHead(), Oracle(), Score())}

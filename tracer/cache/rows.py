@@ -16,6 +16,7 @@ from thoughtkv_base import UserError
 from tracer.recorder import Deferred
 from tracer.scorers import Scorer
 from traces.policy import PolicySpec, n_blocks
+from traces.recall_buffer import RecallBuffer
 
 
 class UnsupportedBatch(UserError):
@@ -59,6 +60,8 @@ class RowState:
     recalled: RecalledIds | None = None  # this step's recalled block ids (sliced only when read)
     head_picks: torch.Tensor | None = None  # quest-per-head: [recalled, Hkv] bool
     bytes_h2d: int = 0
+    recall_buffer: RecallBuffer | None = None  # `--recall-buffer-blocks`: the LRU of recalled ids (made on first use)
+    buffer_hits: int = 0  # of this step's recalled blocks, those the buffer held (not copied)
 
     @property
     def spec(self) -> PolicySpec:

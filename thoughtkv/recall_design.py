@@ -1,0 +1,421 @@
+"""`thoughtkv recall-design --out docs/`: the recall design space on the long workload, one table and one figure.
+
+    thoughtkv recall-design --out docs/ [--runs build/recall_design] [--work build/recall_design_cells]
+                            [--n-samples 200] [--figure-only]
+
+Which blocks a hierarchy recalls, against the ceiling, with reuse and with prefetch. Cells (`cells()`): HBM
+30% and 50% x recall budget <= 5/10/20% of the context per layer-step x recall rule quest, quest-per-head, score
+(the scorer's scores from earlier steps: known before the layer runs) and oracle (true attention mass under the
+current query: a ceiling), nothing evicted, plus the full cache; bundled `micro_long` model on `chains_long`,
+the settings of `tracer.micro.table_long` (capacity-long's). Every cell is one `thoughtkv trace` run under
+--runs: a run already there with the cell's policy, task and model shapes and at least --n-samples committed
+problems is adopted as it is (e.g. capacity-long's, copied or traced elsewhere), otherwise it is traced or
+resumed. Per cell, computed once and cached under --work (keyed by the run's committed samples):
+
+- accuracy [95% Wilson CI], attended and recalled shares of the context (traces.stats.traffic_summary);
+- H2D bytes per generated token at qwen2-7b's KV size with no recall buffer and with LRU buffers of
+  `BUFFER_SIZES` blocks per layer and sequence (simulator.recall_buffer: replayed from the recorded recalled ids,
+  which a buffer does not change), each with the HBM it adds (mean share of the context over decode layer-steps);
+- projected ms/token (batch 1, qwen2-7b's shapes, `OPTIONS`) on `PROFILES`, without and, for a rule known before
+  the layer runs (traces.policy.recall_is_prefetchable), with layer prefetch.
+
+Writes OUT/recall_design_space.md, OUT/recall_design_space.csv and OUT/figures/recall_design_space.png|pdf.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from thoughtkv_base import UserError
+
+HBM_BUDGETS = (0.3, 0.5)
+RECALL_BUDGETS = (0.05, 0.1, 0.2)
+RULES = ("quest", "quest-per-head", "score", "oracle")
+RULE_LABELS = {"quest": "quest", "quest-per-head": "quest-per-head", "score": "score (prefetchable)",
+               "oracle": "oracle (ceiling)"}
+BUFFER_SIZES = (16, 32, 64)
+PROFILES = ("h100-pcie", "gh200-96gb")
+AS_MODEL = "qwen2-7b"
+OPTIONS = dict(overhead_mode="cuda-graphs", transfer="dma-batched")  # capacity-served's (docs/capacity_served.md)
+N_SAMPLES = 200
+TABLE = "recall_design_space"
+CACHE_VERSION = 1  # bump when what a cell's cached result holds changes
+
+
+@dataclass(frozen=True)
+class Cell:
+    policy: str  # full | hierarchy
+    hbm_budget: float = 1.0
+    recall_budget: float | None = None
+    recall_rule: str = "quest"
+
+    @property
+    def name(self) -> str:
+        if self.policy == "full":
+            return "full"
+        short = {"quest-per-head": "qph"}.get(self.recall_rule, self.recall_rule)
+        return f"{short}-b{round(self.hbm_budget * 100)}-r{round(self.recall_budget * 100)}"
+
+    def table_long_cell(self):
+        from tracer.micro.table_long import HIERARCHY_SCORER
+        from tracer.micro.table_long import Cell as LongCell
+
+        if self.policy == "full":
+            return LongCell("full")
+        return LongCell("hierarchy", self.hbm_budget, HIERARCHY_SCORER, 0.0, self.recall_budget, self.recall_rule)
+
+
+def cells() -> list[Cell]:
+    """The full cache, then per HBM budget and recall budget every rule, in the table's order."""
+    return [Cell("full")] + [Cell("hierarchy", budget, recall, rule) for budget in HBM_BUDGETS
+                             for recall in RECALL_BUDGETS for rule in RULES]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=Path("docs"), help="folder for the table, CSV and figures/ "
+                                                                       "(default: docs)")
+    parser.add_argument("--runs", type=Path, default=Path("build/recall_design"),
+                        help="one trace run per cell, adopted or resumed (default: build/recall_design)")
+    parser.add_argument("--work", type=Path, default=Path("build/recall_design_cells"),
+                        help="each cell's cached results (default: build/recall_design_cells)")
+    parser.add_argument("--n-samples", type=int, default=N_SAMPLES, help=f"problems per cell (default: {N_SAMPLES})")
+    parser.add_argument("--batch-size", type=int, default=16, help="samples decoded per step when tracing (the same "
+                                                                   "results; default: 16)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads when tracing (default: the tracer's)")
+    parser.add_argument("--figure-only", action="store_true", help="table and figure from the runs there are; "
+                                                                   "trace nothing")
+
+
+# -- runs -------------------------------------------------------------------------------------------------------
+def _committed(run_dir: Path) -> int:
+    from traces.layout import list_parts
+
+    return len(list_parts(run_dir, "samples")) if (run_dir / "run.json").is_file() else 0
+
+
+def adoptable(config, run_dir: Path, n_samples: int) -> bool:
+    """Whether the run in `run_dir` is this cell's, done: the same policy (run.json as the spec writes it), task
+    and model shapes (every model field but its id, a path that differs between checkouts), with at least
+    `n_samples` committed problems."""
+    from traces.manifest import load_manifest
+
+    if _committed(run_dir) < n_samples:
+        return False
+    manifest = load_manifest(run_dir)
+    model = {k: v for k, v in manifest["model"].items() if k != "id"}
+    from tracer.micro.table_long import MODEL_DIR
+
+    config_json = json.loads((MODEL_DIR / "config.json").read_text())
+    return (json.loads(json.dumps(manifest["policy"])) == json.loads(json.dumps(config.spec.to_manifest()))
+            and manifest["task"]["name"] == config.task and model.get("n_layers") == config_json["num_hidden_layers"]
+            and model.get("hidden_size") == config_json["hidden_size"])
+
+
+def trace_cells(runs: Path, n_samples: int, batch_size: int, threads: int | None, log=print) -> None:
+    """Trace (or resume) every cell whose run is missing or short; adopt the others as they are."""
+    import dataclasses
+
+    from tracer.micro.table_long import trace_config
+    from tracer.run import run_trace
+
+    runs.mkdir(parents=True, exist_ok=True)
+    for cell in cells():
+        config = trace_config(cell.table_long_cell(), runs, n_samples, full_n_samples=n_samples,
+                              batch_size=batch_size)
+        config = dataclasses.replace(config, out=str(runs / cell.name), threads=threads)
+        if adoptable(config, runs / cell.name, n_samples):
+            continue
+        log(f"recall-design: tracing {cell.name} ({n_samples} problems)")
+        run_trace(config, progress=False)
+
+
+# -- per cell ---------------------------------------------------------------------------------------------------
+def cell_key(run_dir: Path) -> str:
+    """The cell's cache key: its committed sample parts (names and sizes) and the cache version."""
+    from traces.layout import list_parts
+
+    parts = sorted((p.name, p.stat().st_size) for p in list_parts(run_dir, "samples").values())
+    steps = sorted((p.name, p.stat().st_size) for p in list_parts(run_dir, "steps").values())
+    text = json.dumps([CACHE_VERSION, parts, steps, BUFFER_SIZES, PROFILES, AS_MODEL, OPTIONS])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def buffer_traffic(trace, steps) -> dict:
+    """Per buffer size: H2D bytes per generated token (the run's own KV and at qwen2-7b's) and the HBM the buffer
+    adds (mean share of the context over decode layer-steps), replayed from the recorded recalled ids."""
+    import numpy as np
+
+    from simulator.recall_buffer import replay_buffer
+    from traces.stats import reference_kv_bytes_per_token
+
+    model = trace.manifest["model"]
+    block = int(trace.manifest["policy"]["block_size"])
+    token_bytes = int(model["kv_bytes_per_token"]) // int(model["n_layers"])
+    recalled_total = int(steps["recalled_tokens"].sum()) // block
+    block_bytes = int(steps["bytes_h2d"].sum()) // recalled_total if recalled_total else block * token_bytes
+    scale = reference_kv_bytes_per_token() / int(model["kv_bytes_per_token"])
+    out = {}
+    for capacity in (0, *BUFFER_SIZES):
+        h2d = extra = rows = 0.0
+        steps_decoded = 0
+        for _, sample in steps.groupby("sample_id"):
+            played = replay_buffer(sample, capacity, block_bytes, block * token_bytes)
+            frame = sample.sort_values(["step", "layer"])
+            logical = frame.pivot(index="step", columns="layer", values="logical_len").to_numpy(dtype=float)
+            h2d += float(played.bytes_h2d[1:].sum())
+            added = (played.recall_hbm_bytes - played.recalled_blocks * block * token_bytes) / token_bytes
+            extra += float((added[1:] / logical[1:]).sum())
+            rows += logical[1:].size
+            steps_decoded += logical.shape[0] - 1
+        out[str(capacity)] = {"h2d_bytes_per_token": h2d / max(steps_decoded, 1),
+                              "h2d_bytes_per_token_ref": h2d * scale / max(steps_decoded, 1),
+                              "hbm_added_frac": extra / rows if rows else float(np.nan)}
+    return out
+
+
+def latency(run_dir: Path, rule: str | None) -> dict:
+    """Projected ms/token (mean over samples) per profile, without and (a prefetchable rule) with layer prefetch."""
+    from simulator.options import Projection, SimOptions
+    from simulator.simulate import simulate_run
+    from traces.policy import recall_is_prefetchable
+
+    out = {}
+    for profile in PROFILES:
+        for overlap in ("none", "layer-prefetch"):
+            if overlap == "layer-prefetch" and (rule is None or not recall_is_prefetchable(rule)):
+                out[f"{profile}/{overlap}"] = None
+                continue
+            result = simulate_run(run_dir, profile, SimOptions(overlap=overlap, **OPTIONS),
+                                  projection=Projection(as_model=AS_MODEL))
+            out[f"{profile}/{overlap}"] = float(result.samples["ms_per_token"].mean())
+    return out
+
+
+def cell_result(cell: Cell, runs: Path, work: Path) -> dict | None:
+    """A cell's results (cached under `work` by `cell_key`); None when its run has no committed problem."""
+    from traces.reader import open_run
+    from traces.stats import TRAFFIC_COLUMNS, traffic_summary, wilson_interval
+
+    run_dir = runs / cell.name
+    if _committed(run_dir) == 0:
+        return None
+    key = cell_key(run_dir)
+    cached = work / f"{cell.name}.json"
+    if cached.is_file():
+        stored = json.loads(cached.read_text())
+        if stored.get("key") == key:
+            return stored["result"]
+    trace = open_run(run_dir)
+    scored = trace.samples()["correct"].dropna()
+    n, correct = len(scored), int(scored.sum())
+    low, high = wilson_interval(correct, n)
+    columns = sorted({*TRAFFIC_COLUMNS, "layer", "recalled_block_ids"})
+    steps = trace.steps(columns=columns)
+    traffic = traffic_summary(steps, int(trace.manifest["model"]["kv_bytes_per_token"]))
+    result = {"cell": cell.name, "policy": cell.policy, "hbm_budget": cell.hbm_budget,
+              "recall_budget": cell.recall_budget, "recall_rule": cell.recall_rule if cell.policy != "full" else None,
+              "n": n, "correct": correct, "accuracy": correct / n if n else float("nan"), "ci_low": low,
+              "ci_high": high, "attended_frac": traffic["attended_frac"], "recalled_frac": traffic["recalled_frac"],
+              "hbm_frac": traffic["hbm_frac"], "buffers": buffer_traffic(trace, steps),
+              "ms_per_token": latency(run_dir, cell.recall_rule if cell.policy != "full" else None)}
+    work.mkdir(parents=True, exist_ok=True)
+    from traces.layout import write_atomic
+
+    write_atomic(cached, lambda temp: temp.write_text(json.dumps({"key": key, "result": result}, indent=1)))
+    return result
+
+
+def flat_rows(results: list[dict]) -> list[dict]:
+    """One CSV record per cell: the nested buffer and latency results as columns."""
+    rows = []
+    for r in results:
+        row = {k: v for k, v in r.items() if k not in ("buffers", "ms_per_token")}
+        for capacity, values in r["buffers"].items():
+            for name, value in values.items():
+                row[f"buffer{capacity}_{name}"] = value
+        for key, value in r["ms_per_token"].items():
+            row[f"ms_per_token_{key.replace('/', '_').replace('-', '_')}"] = value
+        rows.append(row)
+    return rows
+
+
+# -- table --------------------------------------------------------------------------------------------------------
+def _pct(value: float) -> str:
+    return f"{100 * value:.1f}%"
+
+
+def _accuracy(r: dict) -> str:
+    return f"{100 * r['accuracy']:.1f} [{100 * r['ci_low']:.1f}, {100 * r['ci_high']:.1f}]"
+
+
+def _ms(value) -> str:
+    return "—" if value is None else f"{value:.2f}"
+
+
+HEADER = ("HBM", "recall ≤", "rule", "accuracy % [95% CI]", "n", "attended %", "recalled %",
+          f"H2D/token @{AS_MODEL}, no buffer", *(f"LRU {n} blocks (+HBM)" for n in BUFFER_SIZES),
+          *(f"ms/token {p}: none / prefetch" for p in PROFILES))
+
+
+def table_row(r: dict) -> list[str]:
+    from traces.stats import bytes_text
+
+    buffers = r["buffers"]
+    label = "full cache" if r["policy"] == "full" else RULE_LABELS[r["recall_rule"]]
+    return [
+        "100%" if r["policy"] == "full" else f"{r['hbm_budget']:.0%}",
+        "—" if r["recall_budget"] is None else f"{r['recall_budget']:.0%}", label, _accuracy(r), str(r["n"]),
+        _pct(r["attended_frac"]), _pct(r["recalled_frac"]), bytes_text(buffers["0"]["h2d_bytes_per_token_ref"]),
+        *(f"{bytes_text(buffers[str(n)]['h2d_bytes_per_token_ref'])} (+{_pct(buffers[str(n)]['hbm_added_frac'])})"
+          for n in BUFFER_SIZES),
+        *(f"{_ms(r['ms_per_token'][f'{p}/none'])} / {_ms(r['ms_per_token'][f'{p}/layer-prefetch'])}"
+          for p in PROFILES),
+    ]
+
+
+def headline(results: list[dict], budget: float = 0.3, recall: float = 0.1) -> str:
+    """How far the real rules are from the ceiling at equal traffic (the same recall budget: the same blocks per
+    step), the best real rule against the cheapest oracle cell that matches it, and what reuse (an LRU of 32
+    blocks) and prefetch (the prefetchable rules' projected ms/token) buy, at HBM `budget`."""
+    from traces.stats import bytes_text
+
+    at = {(r["recall_rule"], r["recall_budget"]): r for r in results
+          if r["policy"] == "hierarchy" and r["hbm_budget"] == budget}
+    if ("oracle", recall) not in at or ("quest", recall) not in at:
+        return "In one sentence: not yet — the oracle or quest cells have not run."
+
+    def h2d(r: dict, capacity: int = 0) -> str:
+        return bytes_text(r["buffers"][str(capacity)]["h2d_bytes_per_token_ref"])
+
+    oracle, quest = at[("oracle", recall)], at[("quest", recall)]
+    real = [r for (rule, _), r in at.items() if rule != "oracle"]
+    best = max(real, key=lambda r: (r["accuracy"], -r["buffers"]["0"]["h2d_bytes_per_token_ref"]))
+    matching = [r for (rule, _), r in at.items() if rule == "oracle" and r["accuracy"] >= best["accuracy"]]
+    text = (f"In one sentence: at {budget:.0%} HBM the oracle keeps {_accuracy(oracle)}% recalling ≤ {recall:.0%} of "
+            f"the context per step ({h2d(oracle)}/token H2D at {AS_MODEL}) where quest keeps {_accuracy(quest)}% at "
+            f"the same budget ({h2d(quest)}), and the best real rule ({best['recall_rule']}, recall ≤ "
+            f"{best['recall_budget']:.0%}) needs {h2d(best)} for {_accuracy(best)}%")
+    if matching:
+        cheapest = min(matching, key=lambda r: r["buffers"]["0"]["h2d_bytes_per_token_ref"])
+        text += f" (the oracle: {_accuracy(cheapest)}% with {h2d(cheapest)})"
+    text += ": the loss is the rule's, not the workload's"
+    reuse = at.get(("quest", 0.2))
+    if reuse is not None:
+        text += (f"; an LRU of 32 blocks per layer cuts quest's H2D at recall ≤ 20% from {h2d(reuse)} to "
+                 f"{h2d(reuse, 32)}/token for +{_pct(reuse['buffers']['32']['hbm_added_frac'])} of the context in HBM")
+    from traces.policy import recall_is_prefetchable
+
+    prefetched = [r for (rule, _), r in at.items() if recall_is_prefetchable(rule)]
+    if prefetched:
+        r = max(prefetched, key=lambda r: r["recall_budget"])
+        ms = r["ms_per_token"]
+        accuracies = sorted(x["accuracy"] for x in prefetched)
+        text += (f"; layer prefetch takes {r['recall_rule']}'s projected ms/token (recall ≤ {r['recall_budget']:.0%}) "
+                 f"from {_ms(ms['h100-pcie/none'])} to {_ms(ms['h100-pcie/layer-prefetch'])} on h100-pcie and from "
+                 f"{_ms(ms['gh200-96gb/none'])} to {_ms(ms['gh200-96gb/layer-prefetch'])} on gh200-96gb, but that rule "
+                 f"keeps {100 * accuracies[0]:.1f}-{100 * accuracies[-1]:.1f}%")
+    return text + "."
+
+
+def write_table(out: Path, runs: Path, work: Path, log=print) -> list[dict]:
+    import csv
+    import io
+
+    from tracer.micro.table_long import BLOCK_SIZE, SINK_TOKENS, WINDOW_TOKENS
+    from traces.layout import write_atomic
+
+    results = []
+    for cell in cells():
+        result = cell_result(cell, runs, work)
+        if result is not None:
+            results.append(result)
+    missing = [c.name for c in cells() if c.name not in {r["cell"] for r in results}]
+    short = [r["cell"] for r in results if r["n"] < N_SAMPLES]
+    lines = [
+        "# The recall design space: ceiling, reuse and prefetch (`chains_long`, bundled `micro_long` model)",
+        "",
+        "Regenerate: `thoughtkv recall-design --out docs/ [--runs DIR] [--work DIR]` (resumable: one `thoughtkv "
+        "trace` run per cell under --runs, default `build/recall_design`, a run already there with the cell's "
+        "settings and enough problems adopted as it is; each cell's results cached under --work; ~2-3 min of one "
+        "core per traced cell at `--batch-size 16`, ~20 s per cell for its replays and projections). Greedy "
+        "decoding, final-answer exact match, 95% Wilson interval, n per row. Hierarchy, nothing evicted, placement "
+        f"by h2o; blocks of {BLOCK_SIZE} tokens, {SINK_TOKENS} sink tokens and a {WINDOW_TOKENS}-token window "
+        "always resident; HBM = share of each sequence's logical length kept resident; `recall ≤` = the recall "
+        "budget per layer and decode step, a share of the current context rounded down to whole blocks "
+        "(`quest-per-head`: each KV head's budget, the union copied; read `recalled %`).",
+        "",
+        "Rules: **quest** (Tang et al., 2024: the key-bound of each block under the current query, max over heads); "
+        "**quest-per-head** (each KV head its own top blocks); **score** (the top DDR blocks by h2o's scores of "
+        "earlier steps: decided before the layer runs, so its copy can overlap the previous layer's compute); "
+        "**oracle** (the DDR blocks with the largest true attention mass under the current query, from an exact "
+        "softmax over every resident and DDR key: a *ceiling* that costs a full attention per layer, not a rule a "
+        "system could run).",
+        "",
+        f"Traffic (decode steps only): `attended %` and `recalled %` are mean shares of the context per layer-step; "
+        f"H2D bytes per generated token over all layers, for this access pattern priced at {AS_MODEL}'s bf16 KV "
+        "(57,344 bytes/token). `LRU N blocks`: the same recalls with a per-(sequence, layer) LRU buffer of N recalled "
+        "blocks kept in HBM (a block still held costs no copy), replayed from the recorded recalled ids "
+        "(simulator/recall_buffer.py; attention reads the same blocks, so accuracy is the row's); `+HBM` is what "
+        "the buffer adds to HBM beyond the step's own recall (the blocks it holds, at most N, growing page by page), "
+        "as a mean share of the context: on this workload's short contexts (~100-550 tokens) N blocks of "
+        f"{BLOCK_SIZE} tokens are a large share, so read the bytes saved against the HBM spent. ms/token: projected "
+        f"decode latency at batch 1 at {AS_MODEL}'s shapes (`thoughtkv simulate --as-model {AS_MODEL} "
+        "--overhead-mode cuda-graphs --transfer dma-batched`), with no buffer, without / with `--overlap "
+        "layer-prefetch`; `—` where the rule needs the layer's own query (prefetch is refused).",
+        "",
+        headline(results),
+        "",
+        "Reading the score rows: score ranks the DDR blocks by h2o's accumulated attention, which a DDR block gains "
+        "only while it is recalled and attended, so it recalls the same blocks step after step (an LRU of 16 blocks "
+        "serves almost every recall: its H2D is a few kB/token) and cannot follow a look-up that moves. Being known "
+        "before the layer runs is what prefetch needs, not what accuracy needs; a prefetchable rule from the previous "
+        "step's or the previous layer's query (as InfiniGen does) is the one to try next.",
+        "",
+        "| " + " | ".join(HEADER) + " |",
+        "|" + "---|" * len(HEADER),
+        *("| " + " | ".join(table_row(r)) + " |" for r in results),
+        "",
+        f"Cells not run yet: {', '.join(missing)}." if missing else "All cells have run.",
+    ]
+    if short:
+        lines.append(f"Rows with n < {N_SAMPLES}: {', '.join(short)} (rerun with `--n-samples {N_SAMPLES}` to extend).")
+    write_atomic(out / f"{TABLE}.md", lambda temp: temp.write_text("\n".join(lines) + "\n"))
+    rows = flat_rows(results)
+    buffer = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    write_atomic(out / f"{TABLE}.csv", lambda temp: temp.write_text(buffer.getvalue()))
+    return results
+
+
+def draw(out: Path) -> Path:
+    import pandas as pd
+
+    from analysis.figures import recall_design_space
+    from analysis.style import save_figure
+
+    frame = pd.read_csv(out / f"{TABLE}.csv")
+    if frame.empty or not (frame["policy"] == "hierarchy").any():
+        raise UserError(f"{out / TABLE}.csv: no hierarchy cell has run yet; run `thoughtkv recall-design` first")
+    return save_figure(recall_design_space(frame, BUFFER_SIZES[0], AS_MODEL), out / "figures", TABLE)[0]
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    if args.n_samples < 1 or args.batch_size < 1:
+        raise UserError(f"--n-samples and --batch-size must be >= 1 (got {args.n_samples}, {args.batch_size})")
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    if not args.figure_only:
+        trace_cells(args.runs, args.n_samples, args.batch_size, args.threads, log)
+    results = write_table(args.out, args.runs, args.work, log)
+    print(headline(results))
+    print(f"wrote {args.out / (TABLE + '.md')}, {draw(args.out)}")
+    return 0

@@ -1,0 +1,72 @@
+"""The recall buffer: a per-(sequence, layer) LRU of recalled block ids kept in HBM (`PolicySpec.recall_buffer_blocks`).
+
+At each decode step a layer recalls some DDR blocks; a block still in the buffer is a hit and costs no copy, a
+miss is copied host-to-device (the trace's `bytes_h2d` counts misses only) and enters the buffer, the least
+recently recalled blocks leaving it once it holds more than its capacity. The buffer does not change which blocks
+attention reads (the rule chooses them; the buffer only says which of them must cross the link), so any capacity
+can be replayed from a trace's recorded `recalled_block_ids` without decoding again (`replay_hits`): the tracer
+(tracer/cache/recall.py) and the simulator's replay both run this one class. Torch-free.
+
+A step's recalled ids are admitted in ascending id order (the order the trace records them), every id counted as
+a hit or a miss against the buffer as the step began. Its HBM: the blocks it holds after the step's recall (at
+most `capacity`: a buffer grows page by page up to it, as a paged pool does), or the step's recall when that is
+larger (the step's recalled blocks are all resident while it attends: `hbm_blocks`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+
+class RecallBuffer:
+    """One (sequence, layer)'s LRU of recalled block ids, `capacity` of them at most."""
+
+    __slots__ = ("capacity", "_ids")
+
+    def __init__(self, capacity: int):
+        self.capacity = int(capacity)
+        self._ids: OrderedDict[int, None] = OrderedDict()
+
+    def admit(self, ids: Iterable[int]) -> int:
+        """Recall `ids` (one step's): returns how many were already held (hits); all of them become the most
+        recent, and the least recent leave past the capacity."""
+        ids = sorted(int(i) for i in ids)
+        held = self._ids
+        hits = sum(1 for i in ids if i in held)
+        for i in ids:
+            held[i] = None
+            held.move_to_end(i)
+        while len(held) > self.capacity:
+            held.popitem(last=False)
+        return hits
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+def hbm_blocks(held_blocks: int, recalled_blocks: int) -> int:
+    """HBM blocks the recall takes at a step: what the buffer holds after it, or the step's recall when larger
+    (without a buffer, the step's recall: its staging pages)."""
+    return max(held_blocks, recalled_blocks)
+
+
+def replay(recalled_ids: Sequence[Sequence[int]], capacity: int) -> tuple[list[int], list[int]]:
+    """(hits, blocks held after the step) per step of one (sequence, layer) whose steps recalled `recalled_ids`
+    (in step order), for a buffer of `capacity` blocks (0: none, every recall a miss, nothing held)."""
+    if capacity <= 0:
+        return [0] * len(recalled_ids), [0] * len(recalled_ids)
+    buffer = RecallBuffer(capacity)
+    hits, held = [], []
+    for ids in recalled_ids:
+        hits.append(buffer.admit(ids))
+        held.append(len(buffer))
+    return hits, held
+
+
+def replay_hits(recalled_ids: Sequence[Sequence[int]], capacity: int) -> list[int]:
+    """Hits per step (`replay`'s first list)."""
+    return replay(recalled_ids, capacity)[0]
