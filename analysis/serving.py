@@ -241,14 +241,19 @@ def goodput_figure(table: pd.DataFrame) -> Figure:
             rows = table[(table["label"] == label) & (table["profile"] == profile)].sort_values("rate_per_s")
             ax.plot(rows["rate_per_s"], rows["goodput_tokens_per_s"], label=label, **series_style(k))
     for profile, ax in axes.items():
-        ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(_plain())
-        ax.xaxis.set_minor_formatter(_plain(minor=True))
-        ax.set_title(profile)
-        ax.set_xlabel("arrival rate (requests/s)")
+        _rate_axis(ax, profile)
     next(iter(axes.values())).set_ylabel("goodput (tokens/s within SLO)")
     _legend(figure, axes)
     return figure
+
+
+def _rate_axis(ax, profile: str) -> None:
+    """A panel's x axis: arrival rate on a log scale with plain tick labels, titled by its profile."""
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(_plain())
+    ax.xaxis.set_minor_formatter(_plain(minor=True))
+    ax.set_title(profile)
+    ax.set_xlabel("arrival rate (requests/s)")
 
 
 @styled
@@ -263,13 +268,9 @@ def tbt_figure(table: pd.DataFrame, tbt_slo_s: float) -> Figure:
                     linestyle=":", linewidth=0.8, markersize=2.5, alpha=0.8)
     for profile, ax in axes.items():
         ax.axhline(1e3 * tbt_slo_s, color="0.4", linewidth=0.8, linestyle="--")
-        ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.xaxis.set_major_formatter(_plain())
-        ax.xaxis.set_minor_formatter(_plain(minor=True))
         ax.yaxis.set_major_formatter(_plain())
-        ax.set_title(profile)
-        ax.set_xlabel("arrival rate (requests/s)")
+        _rate_axis(ax, profile)
     next(iter(axes.values())).set_ylabel("TBT p99 (solid), p50 (dotted), ms")
     _legend(figure, axes)
     return figure

@@ -322,11 +322,8 @@ def headline(results: list[dict], budget: float = 0.3, recall: float = 0.1) -> s
 
 
 def write_table(out: Path, runs: Path, work: Path, log=print) -> list[dict]:
-    import csv
-    import io
-
     from tracer.micro.table_long import BLOCK_SIZE, SINK_TOKENS, WINDOW_TOKENS
-    from traces.layout import write_atomic
+    from traces.layout import write_atomic, write_csv_atomic
 
     results = []
     for cell in cells():
@@ -384,13 +381,7 @@ def write_table(out: Path, runs: Path, work: Path, log=print) -> list[dict]:
     if short:
         lines.append(f"Rows with n < {N_SAMPLES}: {', '.join(short)} (rerun with `--n-samples {N_SAMPLES}` to extend).")
     write_atomic(out / f"{TABLE}.md", lambda temp: temp.write_text("\n".join(lines) + "\n"))
-    rows = flat_rows(results)
-    buffer = io.StringIO()
-    if rows:
-        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    write_atomic(out / f"{TABLE}.csv", lambda temp: temp.write_text(buffer.getvalue()))
+    write_csv_atomic(out / f"{TABLE}.csv", flat_rows(results))
     return results
 
 

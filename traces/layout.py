@@ -97,5 +97,19 @@ def write_atomic(path: Path, write: Callable[[Path], object], check: Callable[[P
         raise
 
 
+def write_csv_atomic(path: Path, rows: list[dict]) -> None:
+    """`rows` (dicts with the same keys, the first row's order) as a CSV file, atomically (`write_atomic`); no
+    rows, an empty file."""
+    import csv
+    import io
+
+    buffer = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    write_atomic(path, lambda temp: temp.write_text(buffer.getvalue()))
+
+
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     write_atomic(path, lambda temp: temp.write_bytes(data))

@@ -224,18 +224,9 @@ def result_rows(runs: Path) -> list[dict]:
 
 
 def write_csv(path: Path, runs: Path) -> None:
-    import csv
-    import io
+    from traces.layout import write_csv_atomic
 
-    from traces.layout import write_atomic
-
-    rows = result_rows(runs)
-    buffer = io.StringIO()
-    if rows:
-        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    write_atomic(path, lambda temp: temp.write_text(buffer.getvalue()))  # shards write side by side
+    write_csv_atomic(path, result_rows(runs))  # shards write side by side
 
 
 def write_markdown(path: Path, runs: Path) -> None:
