@@ -100,7 +100,7 @@ def main() -> None:
         parts = {name: statistics.median(o.get(name, 0.0) for o in own) for _, name in TIMED}
         print(f"B={batch:<3d} recorded {recorded:7.2f} ms/step, not {plain:7.2f}: "
               f"{(recorded - plain) * 1e3 / (batch * args.layers):6.1f} us per row and layer; own functions "
-              f"{sum(parts.values()):.3f} ms/step (occupancy {parts['_occupancy']:.3f}, end of step "
+              f"{sum(parts.values()):.3f} ms/step (occupancy {parts['occupancy']:.3f}, end of step "
               f"{parts['end_step']:.3f}, tables {parts['steps_table'] + parts['access_table']:.3f})")
 
 
