@@ -21,10 +21,17 @@ TINY_CONFIGS = {
 }
 
 
+def default_sigint() -> None:
+    """Give the child the default Ctrl-C (a `preexec_fn`). A job a non-interactive shell starts in the background
+    (`make test &`, a CI runner's step) inherits SIGINT *ignored*, and Python then installs no KeyboardInterrupt
+    handler: a test that sends SIGINT would see the child run on, whatever thoughtkv does with a Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_thoughtkv(args: list[str], cwd: Path, text: bool = False) -> subprocess.Popen:
-    """`python -m thoughtkv ARGS` with one torch thread, stderr captured."""
+    """`python -m thoughtkv ARGS` with one torch thread, stderr captured, Ctrl-C at its default."""
     return subprocess.Popen([sys.executable, "-m", "thoughtkv", *args], cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=text)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=text, preexec_fn=default_sigint)
 
 
 def wait_while_running(process: subprocess.Popen, condition, timeout_s: float, poll_s: float = 0.05) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from _helpers import (
+    default_sigint,
     has_committed_part,
     start_thoughtkv,
     wait_while_running,
@@ -321,7 +322,7 @@ def test_ctrl_c_inside_one_long_torch_op_ends_within_seconds():
         "print('finished', flush=True)\n"
     )
     process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     try:
         assert process.stdout.readline().strip() == "ready"
         time.sleep(1.0)  # well inside the first matmul
