@@ -159,6 +159,10 @@ def test_crosscheck_end_to_end_on_cpu(tmp_path, quick_profile, capsys):
     np.testing.assert_allclose(mine.sort_index(), median.sort_index(), rtol=1e-12)
     assert (reps["measured_s"] > 0).all() and (reps["layers_s"] < reps["measured_s"]).all()
 
+    # The repeats were measured round-robin: every configuration's repeat 0 before any repeat 1.
+    written = sorted((out / "measured").glob("*.parquet"), key=lambda path: path.stat().st_mtime_ns)
+    assert [path.stem for path in written] == ["full-rep0", "hierarchy-b0.5-rep0", "full-rep1", "hierarchy-b0.5-rep1"]
+
     # simulated_s is the simulator's own per-step latency for that trace on the per-policy profile.
     profile, _ = with_overheads(load_profile_file(quick_profile), "hierarchy")
     direct = simulate_run(out / "runs" / "hierarchy-b0.5-rep0", profile, SimOptions(async_offload=False)).steps

@@ -8,7 +8,9 @@ with step timing (tracer.calibrate.measured); the simulator replays the first re
 profile, with the framework overheads calibrated for that policy's decode path, and on the datasheet profile
 of the same GPU when one exists (as is, and with the calibrated overheads added). The measured time of a step
 is the median (or, for a profile calibrated with `--statistic min`, the minimum) over the repeats: the decodes
-are identical (same tokens, same block movements), so repeats differ only by noise.
+are identical (same tokens, same block movements), so repeats differ only by noise. The repeats run round-robin
+(every configuration once, then again): a slow spell of a shared machine then lands on one repeat of several
+configurations, which the median drops, instead of on every repeat of one configuration, which it cannot.
 
 Per step: rel_error = |simulated - measured| / measured; the statistics (median, p95, mean signed error, the
 layers-vs-rest split that names the term the simulator gets wrong), the summary table and the scatter figure
@@ -243,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     specs = run_specs(args.policy, args.hbm_budget)
     loaded = None
     measured_frames = []
-    jobs = [(spec, rep) for spec in specs for rep in range(args.repeats)]
+    jobs = interleaved_jobs(specs, args.repeats)
     for spec, rep in tqdm(jobs, desc="crosscheck: measured decodes", unit="run", disable=args.quiet):
         timing_path = out / "measured" / f"{spec.label}-rep{rep}.parquet"
         run_dir = out / "runs" / f"{spec.label}-rep{rep}"
@@ -313,6 +315,11 @@ def run(args: argparse.Namespace) -> int:
                    f"p95 {overall['p95_rel_error']:.1%} (calibrated)")
     print_table(summary, report, out)
     return 0
+
+
+def interleaved_jobs(specs: list[RunSpec], repeats: int) -> list[tuple[RunSpec, int]]:
+    """(configuration, repeat) in measuring order: repeat 0 of every configuration, then repeat 1, ..."""
+    return [(spec, rep) for rep in range(repeats) for spec in specs]
 
 
 def repeats_consistent(out: Path, specs: list[RunSpec], repeats: int) -> bool:

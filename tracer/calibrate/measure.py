@@ -46,7 +46,7 @@ def _measure(device_type, architecture, plan, threads, overhead_decoder, statist
 
     from tracer.calibrate import bench
     from tracer.calibrate.fit import fit_fixed_plus_linear
-    from tracer.calibrate.overhead import model_shapes, overhead_sweep, token_cost_sweep
+    from tracer.calibrate.overhead import model_shapes, overhead_sweeps, token_cost_sweep
     torch.set_num_threads(threads)
     device = torch.device(device_type)
     dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
@@ -109,26 +109,26 @@ def _measure(device_type, architecture, plan, threads, overhead_decoder, statist
             decoder_factory(decoder, cal.cache_geometry), list(plan.token_prompts), max(8, plan.overhead_steps // 2), dtype, timing,
             model_shapes(arch), TOKEN_SWEEP_LAYERS), f"token_cost/{decoder}"))))
 
-    def overheads(decoder: str, prefix: str, stream) -> None:
-        sweep = overhead_sweep(list(plan.overhead_layer_counts), dtype, plan.overhead_steps, timing,
-                               decoder_factory(decoder, cal.cache_geometry), plan.overhead_prompt_tokens, stream,
-                               own_shapes if stream is None else None)
-        quiet, placement = sweep.quiet, sweep.placement
-        record(_named(quiet, f"{prefix}/{decoder}"))
-        if sweep.attended_tokens is not None:
-            cal.figures[f"attended_tokens/{prefix}/{decoder}"] = sweep.attended_tokens
-        if sweep.split is not None:  # the step split as the trace splits it (layer timer), recorded raw
-            for part in sweep.split:
-                cal.series[f"{part.name.split('/')[0]}_{prefix}/{decoder}"] = {"x": part.x, "time_s": part.time_s,
-                                                                            "unit": part.unit}
-        if placement is not None:  # the steps whose placement moved blocks, timed apart (overhead.py)
-            cal.series[f"placement_{prefix}/{decoder}"] = {"x": placement.x, "time_s": placement.time_s,
-                                                           "unit": placement.unit}
+    def overheads(prefix: str, stream) -> None:
+        # All decoders in one interleaved sweep: the per-policy overheads are then measured side by side.
+        sweeps = overhead_sweeps(list(plan.overhead_layer_counts), dtype, plan.overhead_steps, timing,
+                                 {decoder: decoder_factory(decoder, cal.cache_geometry) for decoder in OVERHEAD_DECODERS},
+                                 plan.overhead_prompt_tokens, stream, own_shapes if stream is None else None)
+        for decoder, sweep in sweeps.items():
+            quiet, placement = sweep.quiet, sweep.placement
+            record(_named(quiet, f"{prefix}/{decoder}"))
+            if sweep.attended_tokens is not None:
+                cal.figures[f"attended_tokens/{prefix}/{decoder}"] = sweep.attended_tokens
+            if sweep.split is not None:  # the step split as the trace splits it (layer timer), recorded raw
+                for part in sweep.split:
+                    cal.series[f"{part.name.split('/')[0]}_{prefix}/{decoder}"] = {"x": part.x, "time_s": part.time_s,
+                                                                                "unit": part.unit}
+            if placement is not None:  # the steps whose placement moved blocks, timed apart (overhead.py)
+                cal.series[f"placement_{prefix}/{decoder}"] = {"x": placement.x, "time_s": placement.time_s,
+                                                               "unit": placement.unit}
 
-    for decoder in OVERHEAD_DECODERS:
-        for prefix, stream in (("overhead", None), ("overhead_with_weights", weights)):
-            steps.append((f"{prefix} {decoder}", lambda decoder=decoder, prefix=prefix, stream=stream:
-                          overheads(decoder, prefix, stream)))
+    for prefix, stream in (("overhead", None), ("overhead_with_weights", weights)):
+        steps.append((f"{prefix} (all decoders)", lambda prefix=prefix, stream=stream: overheads(prefix, stream)))
     from tracer.calibrate.host import host_step  # the host's cost per eager op: the simulator's host term
     steps.append(host_step(cal.figures, timing))
     from tqdm import tqdm

@@ -98,42 +98,119 @@ def time_decode_steps_s(step: Callable[[], StepOutcome | None], n_steps: int, ti
     return time_interleaved_decode_steps_s([step], n_steps, timing)[0]
 
 
-def time_interleaved_decode_steps_s(steps: list[Callable[[], StepOutcome | None]], n_steps: int, timing: Timing
-                                    ) -> list[StepTimes]:
-    """`time_decode_steps_s` of several decoders at once, their steps taken in turn (the order reversed every
-    round): a slope between decoders is then a difference of steps timed within one round, so a slow phase of a
-    shared machine (seconds long here, +-20-30%) lands on every decoder alike instead of on one point of the fit
-    (measured here: the token sweep's slope read 0-3.7 us/token timed one prompt after another)."""
+def time_interleaved_decode_steps_s(steps: list[Callable[[], StepOutcome | None]], n_steps: int, timing: Timing,
+                                    visit_steps: int = 1) -> list[StepTimes]:
+    """`time_decode_steps_s` of several decoders at once, taken in turn `visit_steps` steps at a time (the order
+    reversed every round): a difference between decoders is then a difference of steps timed within one round,
+    so a slow phase of a shared machine (seconds long, +-20-30% on a shared VM) lands on every decoder alike
+    instead of on one point of a fit or one decoder's figures. With `visit_steps` > 1 and several decoders, each
+    visit first takes one untimed step: the other decoders' models have pushed this one's weights and cache out
+    of the CPU caches, and a decode loop runs warm (its previous step just ran), so the timed steps do too."""
     device = timing.device
     clock = time.perf_counter if device.type == "cuda" else timing.clock
     for step in steps:
         for _ in range(timing.warmup):
             step()
+    settle = visit_steps > 1 and len(steps) > 1
     timed = [([], [], [], [], []) for _ in steps]  # per decoder: quiet, moving, attended, layers, rest
-    for round_ in range(n_steps):
+    for round_ in range(-(-n_steps // visit_steps)):
         order = range(len(steps)) if round_ % 2 == 0 else reversed(range(len(steps)))
         for i in order:
+            if settle:
+                steps[i]()
             quiet, moving, attended, layers, rest = timed[i]
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = clock()
-            outcome = steps[i]()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            elapsed = clock() - start
-            moved, reported_s, tokens, layers_s = outcome if outcome is not None else (False, None, None, None)
-            step_s = elapsed if reported_s is None else reported_s
-            (moving if moved else quiet).append(step_s)
-            if tokens is not None:
-                attended.append(tokens)
-            if layers_s is not None and not moved:
-                layers.append(layers_s)
-                rest.append(step_s - layers_s)
+            for _ in range(min(visit_steps, n_steps - round_ * visit_steps)):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = clock()
+                outcome = steps[i]()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                elapsed = clock() - start
+                moved, reported_s, tokens, layers_s = outcome if outcome is not None else (False, None, None, None)
+                step_s = elapsed if reported_s is None else reported_s
+                (moving if moved else quiet).append(step_s)
+                if tokens is not None:
+                    attended.append(tokens)
+                if layers_s is not None and not moved:
+                    layers.append(layers_s)
+                    rest.append(step_s - layers_s)
     reduce = STATISTICS[timing.statistic]
     return [StepTimes(reduce(quiet or moving), reduce(moving) if moving else None,
                       sum(attended) / len(attended) if attended else None,
                       reduce(layers) if layers else None, reduce(rest) if rest else None)
             for quiet, moving, attended, layers, rest in timed]
+
+
+@dataclass(frozen=True)
+class Sweep:
+    quiet: Series  # step time vs layers (steps where nothing moved)
+    placement: Series | None  # extra time of a moving step vs layers
+    attended_tokens: float | None  # mean tokens a layer attended in the timed steps
+    split: tuple[Series, Series] | None = None  # (layers' time, the rest) vs layers, by the trace's layer timer
+
+
+# Steps a decoder takes per visit when the overhead sweep interleaves its models: long enough that the one
+# untimed settling step per visit costs little, short enough that a slow phase spans many visits.
+OVERHEAD_VISIT_STEPS = 8
+
+
+def overhead_sweeps(
+    layer_counts: list[int],
+    dtype: torch.dtype,
+    n_steps: int,
+    timing: Timing,
+    decoders: dict[str, DecoderFactory],
+    prompt_tokens: int = 16,
+    weights: ModelWeights | None = None,
+    shapes: dict | None = None,
+) -> dict[str, Sweep]:
+    """Per decoder (name -> factory): decode-step time of near-zero-work models with each layer count, and (when
+    the decoder's placement moved blocks at every layer count) the extra time of a step in which it did
+    (`placement_extra`, per layer count), and the mean tokens a layer attended (tiered decoders; calibrate
+    subtracts their per-token cost).
+
+    Every (decoder, layer count) model is timed in one interleaved loop (`time_interleaved_decode_steps_s`,
+    `OVERHEAD_VISIT_STEPS` per visit): each point of each decoder's fit is then reduced over steps spread
+    across the whole sweep, so neither the step/layer split of one decoder nor the difference between two
+    decoders (what the per-policy overheads carry) is a slow phase of the machine.
+
+    With `weights`, every decoder layer first reads one layer of the real model's weights and the lm_head reads
+    the real lm_head: the step then streams the memory a real decode step streams, so the framework's dispatch
+    runs with the caches as cold as they really are (the same non-matmul ops cost more next to a real model's
+    weight reads than in a near-zero model alone). Subtracting the weights' own time (`layer_bytes /
+    bandwidth`) leaves the overhead the simulator must add. With `shapes` (no `weights`), the layers have the
+    architecture's own shapes: a small model whose weights stay in the cache pays, besides dispatch, its norms,
+    rotary and attention on real head shapes; its step minus its weights' read time is then the overhead the
+    simulator adds to the roofline."""
+    steps, handles = [], []
+    for make_decoder in decoders.values():
+        for n_layers in layer_counts:  # a model per decoder: a tiered decoder switches its model's attention
+            model = near_zero_model(n_layers, dtype, timing.device, shapes)
+            if weights is not None:
+                handles += [layer.register_forward_pre_hook(lambda *_: weights.layer()) for layer in model.model.layers]
+                handles.append(model.lm_head.register_forward_hook(lambda *_: weights.head()))
+            prompt_ids = torch.arange(prompt_tokens, device=timing.device)[None] % model.config.vocab_size
+            steps.append(make_decoder(model, prompt_ids))
+    try:
+        measured = time_interleaved_decode_steps_s(steps, n_steps, timing, OVERHEAD_VISIT_STEPS)
+    finally:
+        for handle in handles:
+            handle.remove()
+    name = "decode_step_overhead" if weights is None else "decode_step_with_weights"
+    x = [float(n) for n in layer_counts]
+    sweeps = {}
+    for index, decoder in enumerate(decoders):
+        times = measured[index * len(layer_counts):(index + 1) * len(layer_counts)]
+        extra = [None if t.moving_s is None else max(0.0, t.moving_s - t.quiet_s) for t in times]
+        attended = [t.attended_tokens for t in times]
+        layers = [t.layers_s for t in times]
+        placement = None if None in extra else Series(f"placement_extra/{name}", x, extra, "layers")
+        split = None if None in layers else (Series(f"layers/{name}", x, layers, "layers"),
+                                             Series(f"rest/{name}", x, [t.rest_s for t in times], "layers"))
+        sweeps[decoder] = Sweep(Series(name, x, [t.quiet_s for t in times], "layers"), placement,
+                                None if None in attended else sum(attended) / len(attended), split)
+    return sweeps
 
 
 def overhead_sweep(
@@ -146,51 +223,9 @@ def overhead_sweep(
     weights: ModelWeights | None = None,
     shapes: dict | None = None,
 ) -> Sweep:
-    """Decode-step time of near-zero-work models with each layer count, and (when the decoder's placement moved
-    blocks at every layer count) the extra time of a step in which it did (`placement_extra`, per layer count),
-    and the mean tokens a layer attended (tiered decoders; calibrate subtracts their per-token cost).
-
-    With `weights`, every decoder layer first reads one layer of the real model's weights and the lm_head reads
-    the real lm_head: the step then streams the memory a real decode step streams, so the framework's dispatch
-    runs with the caches as cold as they really are (measured here: the same non-matmul ops cost ~2x more next
-    to `tiny`'s weight reads than in a near-zero model alone). Subtracting the weights' own time
-    (`layer_bytes / bandwidth`) leaves the overhead the simulator must add. With `shapes` (no `weights`), the
-    layers have the architecture's own shapes: a small model whose weights stay in the cache pays, besides
-    dispatch, its norms, rotary and attention on real head shapes (measured here for the bundled micro
-    shapes: 641 us per layer vs 404 us near-zero, of which weight reads are ~90 us); its step minus its weights'
-    read time is then the overhead the simulator adds to the roofline."""
-    quiet, extra, attended, layers, rest = [], [], [], [], []
-    for n_layers in layer_counts:
-        model = near_zero_model(n_layers, dtype, timing.device, shapes)
-        handles = []
-        if weights is not None:
-            handles = [layer.register_forward_pre_hook(lambda *_: weights.layer()) for layer in model.model.layers]
-            handles.append(model.lm_head.register_forward_hook(lambda *_: weights.head()))
-        prompt_ids = torch.arange(prompt_tokens, device=timing.device)[None] % model.config.vocab_size
-        step = make_decoder(model, prompt_ids)
-        times = time_decode_steps_s(step, n_steps, timing)
-        quiet.append(times.quiet_s)
-        extra.append(None if times.moving_s is None else max(0.0, times.moving_s - times.quiet_s))
-        attended.append(times.attended_tokens)
-        layers.append(times.layers_s)
-        rest.append(times.rest_s)
-        for handle in handles:
-            handle.remove()
-    name = "decode_step_overhead" if weights is None else "decode_step_with_weights"
-    x = [float(n) for n in layer_counts]
-    placement = None if None in extra else Series(f"placement_extra/{name}", x, extra, "layers")
-    split = None if None in layers else (Series(f"layers/{name}", x, layers, "layers"),
-                                         Series(f"rest/{name}", x, rest, "layers"))
-    return Sweep(Series(name, x, quiet, "layers"), placement,
-                 None if None in attended else sum(attended) / len(attended), split)
-
-
-@dataclass(frozen=True)
-class Sweep:
-    quiet: Series  # step time vs layers (steps where nothing moved)
-    placement: Series | None  # extra time of a moving step vs layers
-    attended_tokens: float | None  # mean tokens a layer attended in the timed steps
-    split: tuple[Series, Series] | None = None  # (layers' time, the rest) vs layers, by the trace's layer timer
+    """`overhead_sweeps` of one decoder."""
+    return overhead_sweeps(layer_counts, dtype, n_steps, timing, {"decoder": make_decoder}, prompt_tokens,
+                           weights, shapes)["decoder"]
 
 
 def token_cost_sweep(make_decoder: DecoderFactory, prompts: list[int], n_steps: int, dtype: torch.dtype,

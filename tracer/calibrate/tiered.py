@@ -17,7 +17,8 @@ import torch
 # One layer timer per model: `token_cost_sweep` makes a decoder per prompt on the same model, and a timer per
 # decoder would stack (each wraps every layer's forward), so later prompts would pay the earlier ones' timers.
 _TIMERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# The sweeps decode at most warmup + overhead_steps (64) tokens per decoder; past this the pools still grow.
+# The sweeps decode at most warmup + overhead_steps (64) + one settling step per visit (overhead.py) tokens per
+# decoder; past this the pools still grow.
 RESERVED_DECODE_STEPS = 128
 
 
