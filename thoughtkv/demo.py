@@ -245,8 +245,9 @@ def trace_all(cells: list[Cell], runs_dir: Path, args: argparse.Namespace) -> di
     """Trace every cell; finished runs are skipped without loading the model, unfinished ones resume.
 
     Runs go to `--trace-workers` processes at once (default 1): two single-threaded processes on two cores
-    finish the grid in ~2/3 of the time, but the decode times they record run ~25% slower (measured: Figure 6's
-    median |error| 26% with two, 14% with one), and those timings are what the simulator is checked against.
+    finish the grid sooner, but each records slower decode times (they share memory bandwidth and caches), and
+    those timings are what the simulator is checked against: the demo's cross-check figure's error grows with
+    two.
     """
     from tracer.run import TraceConfig
 

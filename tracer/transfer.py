@@ -387,9 +387,8 @@ class PinnedBlockStore:
     def get_pages_into(self, rows: torch.Tensor, block_ids: torch.Tensor, pages: list[torch.Tensor]) -> int:
         """`rows`' blocks `block_ids` [m, width] (the j-th of each row into `pages[j]`, a [m, 2, H, block, d] view
         such as every row's j-th staging page): one gather per page, straight into it, no intermediate buffer
-        (measured on the micro shapes at m = 32, width 4: ~10% less than one gather and a copy into the pages,
-        alone; more in a decode step, whose caches the buffer's extra 1.5 MB pass also cleared). Returns bytes
-        copied H2D."""
+        (an intermediate buffer costs one more pass over the recalled bytes and clears the caches a decode step
+        is about to use; tests/bench/tiered_step_cost.py times the recall path). Returns bytes copied H2D."""
         slots = block_ids.t() + self._slots(rows)  # [width, m]: each page's flat slots, one kernel
         if self.view is not None:
             flat = self.view.flatten(0, 1)

@@ -165,7 +165,7 @@ class TraceWriter:
     ) -> tuple[str, dict[str, pa.Table | Callable[[], pa.Table]]]:
         """Check and convert one sample's rows into its tables, nothing written yet: (sample_id, tables) for
         `commit_sample`. What holds the GIL (Python objects into Arrow columns) happens here; the access table's
-        masses, NumPy work on millions of values per long sample (~0.5 s for 2,500 steps x 28 layers here), are
+        masses, NumPy work on millions of values per long sample (tests/bench/write_behind.py times it), are
         encoded by `commit_sample` (its table is a function until then)."""
         sample_id = sample.get("sample_id")
         if not isinstance(sample_id, str) or not sample_id:

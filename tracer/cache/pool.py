@@ -84,8 +84,8 @@ class PagePool:
         """Size the pools for sequences of up to `max_prompt` prompt tokens decoded to `max_len` tokens: the pages
         at the policy's peak (`traces.policy.peak_hbm_tokens`) and recall's staging pages, at once (as
         `tracer.run.kv_buffer_bytes` sized them), not grown as they fill: each growth copies the whole pool and,
-        with more staging pages, shifts every row's main pages (on the micro model at B = 32, ~1.3% of a decode
-        step, and a copy at the first recall). Beyond these (a promotion past its room) the pools still grow.
+        with more staging pages, shifts every row's main pages (a copy of the whole pool inside a decode step, and
+        another at the first recall). Beyond these (a promotion past its room) the pools still grow.
         The cache passes the longest so far (`TieredCache.reserve_length`); before the first update they wait."""
         self.length_hint = LengthHint(max_prompt, max_len)
         if self.initialized:

@@ -1,6 +1,6 @@
 """`thoughtkv calibrate`: microbenchmarks of this machine -> a measured hardware profile YAML.
 
-    thoughtkv calibrate --device cpu            # -> hwprofiles/measured/measured-cpu.yaml (~2 min here)
+    thoughtkv calibrate --device cpu            # -> hwprofiles/measured/measured-cpu.yaml (minutes)
     thoughtkv simulate RUN --profile measured-cpu  # used like any datasheet profile
 
 Each profile field is measured so that it means exactly what the simulator's cost model

@@ -13,8 +13,8 @@ records both. The same code runs on CUDA and on the CPU:
 
 Timing: CUDA events on a GPU; on the CPU the clock that `cpu_clock` picks: with one intra-op thread all work
 runs on the calling thread, so its CPU time (`time.thread_time`) measures the work without the time other
-processes on a shared box steal (measured here under load: a 4096^2 matvec took 3.2-15 ms wall, 3.2-3.6 ms
-thread CPU time). Every figure reduces `repeats` runs after `warmup` runs by the median (default) or the
+processes on a shared box steal (under load a matvec's wall time varies several-fold while its thread CPU time
+stays within ~10%). Every figure reduces `repeats` runs after `warmup` runs by the median (default) or the
 minimum (`Timing.statistic`).
 """
 
@@ -270,8 +270,9 @@ class ModelWeights:
 def model_weights_read_bytes_per_s(weights: ModelWeights, timing: Timing) -> float:
     """Bandwidth of one decode step's weight reads for the model's own linear shapes (`ModelWeights`).
 
-    GEMV speed depends on the shape (measured here: 9.7 GB/s for `tiny`'s 384-wide matrices vs 20.5 GB/s for a
-    4096^2 one), which is why the `hbm_efficiency` of a measured profile comes from this and not a square matvec.
+    GEMV speed depends on the shape (narrow matrices such as `tiny`'s 384-wide ones read at about half the rate
+    of a 4096^2 one: compare the profile's `matvec_read_bytes_per_s` and `model_weights_read_bytes_per_s`),
+    which is why the `hbm_efficiency` of a measured profile comes from this and not a square matvec.
     """
     return weights.step_bytes / timing.time_s(weights.one_step)
 

@@ -90,9 +90,9 @@ def per_layer(series: dict) -> float:
 def effective_cache_bytes(cal: Calibration) -> int | None:
     """The largest working set whose weight reads run at least CACHED_SPEEDUP x the bandwidth of the largest
     one (from memory): up to that size weights stay resident between steps. Measured, not the sysfs size: a
-    virtual machine may report its host's whole last-level cache (480 MiB here) while the slice it gets is far
-    smaller (measured here: 23 GB/s up to 32 MiB, 16 GB/s at 96 MiB, 10 GB/s from 256 MiB). None when no size
-    is that much faster (then no cached set)."""
+    virtual machine may report its host's whole last-level cache while the slice it gets is far smaller (the
+    profile's `working_set_read` series shows the read rate against the size). None when no size is that much
+    faster (then no cached set)."""
     series = cal.series.get("working_set_read")
     if series is None:
         return None

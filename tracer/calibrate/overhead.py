@@ -9,8 +9,8 @@ real Qwen2 from transformers (the layout of `random:tiny` and `random:qwen2-7b`)
 code the measured run uses, so that the overhead it pays is the one calibrated. The test trace never enters.
 
 Steps in which the tiered cache's placement moves blocks (a block completes under a binding budget: every 16th
-step) cost more (measured on this CPU: +0.5-0.7 ms per layer for evict / hierarchy, ~2x a quiet layer), so they
-are timed apart: the quiet steps give the fit above, the moving ones the placement overhead per layer
+step) cost more (up to ~2x a quiet layer for evict / hierarchy on a CPU: the profile's `placement_*` series), so
+they are timed apart: the quiet steps give the fit above, the moving ones the placement overhead per layer
 (`placement_extra`), which the simulator charges on the layer-steps a trace says moved blocks.
 """
 
@@ -102,7 +102,7 @@ def time_interleaved_decode_steps_s(steps: list[Callable[[], StepOutcome | None]
                                     visit_steps: int = 1) -> list[StepTimes]:
     """`time_decode_steps_s` of several decoders at once, taken in turn `visit_steps` steps at a time (the order
     reversed every round): a difference between decoders is then a difference of steps timed within one round,
-    so a slow phase of a shared machine (seconds long, +-20-30% on a shared VM) lands on every decoder alike
+    so a slow phase of a shared machine (seconds long) lands on every decoder alike
     instead of on one point of a fit or one decoder's figures. With `visit_steps` > 1 and several decoders, each
     visit first takes one untimed step: the other decoders' models have pushed this one's weights and cache out
     of the CPU caches, and a decode loop runs warm (its previous step just ran), so the timed steps do too."""
@@ -232,14 +232,13 @@ def token_cost_sweep(make_decoder: DecoderFactory, prompts: list[int], n_steps: 
                      timing: Timing, shapes: dict | None, n_layers: int = 2) -> Series:
     """A decode step's time on an `n_layers` model with `shapes` against the tokens a layer attends, from prompts of
     each length: the slope is what one more attended token costs a layer-step (attention, scoring, the
-    tiered cache's per-token bookkeeping), which a fixed per-layer overhead cannot carry (measured here on the
-    micro shapes: +0.14 us per token and layer, so a 1,000-token context adds ~20% to a 600 us layer).
+    tiered cache's per-token bookkeeping), which a fixed per-layer overhead cannot carry: over a long context
+    it is a sizeable part of a small model's layer (the profile's `token_cost/*` fits).
 
     Where the decoder reports its layers' time (the trace's layer timer, which holds the attention, scoring and
     placement), that is the time: the rest of the step (embedding, LM head, the step's copy) does not grow with
-    the context, and on `tiny`'s shapes its LM head is ~2/3 of the step and the noise that drowned the slope
-    (measured here, smoke plan: the slope read -2.6 to +3.0 us/token from step times, -0.05 to +0.5 from the
-    layers'). The prompts' decoders step in turn (`time_interleaved_decode_steps_s`), so that a slow phase of the
+    the context, and on a model whose LM head dominates the step (`tiny`'s shapes) the noise of the rest
+    drowns the slope when whole steps are timed. The prompts' decoders step in turn (`time_interleaved_decode_steps_s`), so that a slow phase of the
     machine is not the slope either."""
     model = near_zero_model(n_layers, dtype, timing.device, shapes)
     decoders = [make_decoder(model, torch.arange(prompt, device=timing.device)[None] % model.config.vocab_size)
