@@ -651,20 +651,12 @@ def _run_size(run_dir: str) -> dict:
 
 def check_estimate(estimate: SweepEstimate, out_dir: Path, allow_large: bool) -> None:
     """Refuse, before any cell runs, a sweep whose estimate exceeds the memory available or the disk free."""
-    import shutil
+    from simulator.synth import exceeded_limit
 
-    from simulator.synth import size_text
-    from traces.host import available_memory_bytes
-
-    if allow_large:
-        return
-    existing = next((p for p in [out_dir, *out_dir.parents] if p.exists()), Path("."))
-    limits = (("memory", estimate.memory_bytes, available_memory_bytes(), "available"),
-              ("disk space", estimate.disk_bytes, shutil.disk_usage(existing).free, f"free at {existing}"))
-    for what, need, have, where in limits:
-        if need > have:
-            raise SweepError(f"the sweep needs ~{size_text(need)} of {what} ({estimate.text()}) but {size_text(have)} "
-                             f"is {where}; split the grid, use fewer --workers, or --allow-large to try anyway")
+    exceeded = None if allow_large else exceeded_limit(estimate.memory_bytes, estimate.disk_bytes, out_dir)
+    if exceeded:
+        raise SweepError(f"the sweep needs {exceeded} ({estimate.text()}); split the grid, use fewer --workers, "
+                         "or --allow-large to try anyway")
 
 
 @dataclass

@@ -174,22 +174,28 @@ def estimate_synth(arch, prompt_tokens: int, decode_steps: int, block_size: int,
     return SynthEstimate(samples, layer_steps, layer_blocks, int(memory), int(disk), float(seconds))
 
 
-def check_estimate(estimate: SynthEstimate, out: Path, allow_large: bool) -> None:
-    """Refuse, before writing, a run whose estimate exceeds the memory available or the disk free at --out."""
+def exceeded_limit(memory_bytes: float, disk_bytes: float, out: Path) -> str | None:
+    """What an estimated run would exceed, as the start of a refusal ("~X of memory (...) but Y is available"),
+    or None when memory available and the disk free at `out` (or its nearest existing parent) both suffice."""
     import shutil
 
     from traces.host import available_memory_bytes
 
-    if allow_large:
-        return
     existing = next((p for p in [out, *out.parents] if p.exists()), Path("."))
-    limits = (("memory", estimate.memory_bytes, available_memory_bytes(), "available"),
-              ("disk space", estimate.disk_bytes, shutil.disk_usage(existing).free, f"free at {existing}"))
+    limits = (("memory", memory_bytes, available_memory_bytes(), "available"),
+              ("disk space", disk_bytes, shutil.disk_usage(existing).free, f"free at {existing}"))
     for what, need, have, where in limits:
         if need > have:
-            raise SynthError(f"this run needs ~{size_text(need)} of {what} ({estimate.text()}) but {size_text(have)} "
-                             f"is {where}; use fewer --decode-steps or --samples, a larger --block-size, --no-access, "
-                             "or --allow-large to try anyway")
+            return f"~{size_text(need)} of {what} but {size_text(have)} is {where}"
+    return None
+
+
+def check_estimate(estimate: SynthEstimate, out: Path, allow_large: bool) -> None:
+    """Refuse, before writing, a run whose estimate exceeds the memory available or the disk free at --out."""
+    exceeded = None if allow_large else exceeded_limit(estimate.memory_bytes, estimate.disk_bytes, out)
+    if exceeded:
+        raise SynthError(f"this run needs {exceeded} ({estimate.text()}); use fewer --decode-steps or --samples, a "
+                         "larger --block-size, --no-access, or --allow-large to try anyway")
 
 
 def size_text(n_bytes: float) -> str:

@@ -3,6 +3,7 @@ kill or interrupt it mid-run (pytest puts tests/ on sys.path, so `from _helpers 
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -52,3 +53,14 @@ def kill_if_running(process: subprocess.Popen) -> bool:
         os.kill(process.pid, signal.SIGKILL)
     process.wait()
     return killed
+
+
+def assert_same(a: dict, b: dict, what: str = "") -> None:
+    """Every key of `a` equal in `b`: floats to 1e-9 relative (NaN equals NaN), anything else exactly."""
+    prefix = f"{what}: " if what else ""
+    for key, x in a.items():
+        y = b[key]
+        if isinstance(x, float) and isinstance(y, float) and not (math.isnan(x) and math.isnan(y)):
+            assert math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12), f"{prefix}{key} {x} != {y}"
+        elif not (isinstance(x, float) and math.isnan(x)):
+            assert x == y, f"{prefix}{key} {x!r} != {y!r}"

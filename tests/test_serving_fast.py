@@ -5,11 +5,11 @@ transfer mechanism, rates, HBM pressure, batch limits, link duplex and engines, 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 import pandas as pd
 import pytest
+from _helpers import assert_same
 
 from hwprofiles import load_profile
 from simulator.options import ServingConfig, SimOptions
@@ -95,15 +95,6 @@ def simulate_serving_fast(run, profile, config):
     """serve-sim on the fast path (engine fast)."""
     return simulate_serving(run, profile, dataclasses.replace(config, options=dataclasses.replace(config.options,
                                                                                                 engine="fast")))
-
-
-def assert_same(a, b, what: str):
-    for key, x in a.items():
-        y = b[key]
-        if isinstance(x, float) and isinstance(y, float) and not (math.isnan(x) and math.isnan(y)):
-            assert math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12), f"{what}: {key} {x} != {y}"
-        elif not (isinstance(x, float) and math.isnan(x)):
-            assert x == y, f"{what}: {key} {x!r} != {y!r}"
 
 
 @pytest.mark.parametrize("case", cases(), ids=lambda c: f"{c['transfer']}-{c['run']}-{c['machine']}-{c['pressure']}"

@@ -5,12 +5,12 @@ the serving fast path equals the DES under the new options, and the length class
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+from _helpers import assert_same
 
 from hwprofiles import load_profile
 from simulator import simulate_run
@@ -66,15 +66,6 @@ def test_no_projection_is_the_traced_run():
 
 
 # ---------------------------------------------------------------- fast path = DES ----------------------------
-
-
-def assert_same(a: dict, b: dict) -> None:
-    for key, x in a.items():
-        y = b[key]
-        if isinstance(x, float) and isinstance(y, float) and not (math.isnan(x) and math.isnan(y)):
-            assert math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12), f"{key} {x} != {y}"
-        elif not (isinstance(x, float) and math.isnan(x)):
-            assert x == y, f"{key} {x!r} != {y!r}"
 
 
 def squeezed(profile_name: str, requests_in_hbm: float, config: ServingConfig):

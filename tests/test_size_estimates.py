@@ -133,3 +133,13 @@ def test_a_sweep_beyond_the_machine_is_refused_unless_allowed(tmp_path):
     with pytest.raises(SweepError, match="of memory .* --allow-large"):
         check_estimate(too_big, tmp_path, allow_large=False)
     check_estimate(too_big, tmp_path, allow_large=True)
+
+
+def test_the_disk_limit_is_read_at_the_nearest_existing_parent(tmp_path):
+    from simulator.synth import exceeded_limit
+
+    missing = tmp_path / "not" / "yet"
+    assert exceeded_limit(0, 0, missing) is None
+    refusal = exceeded_limit(0, 10**18, missing)
+    assert refusal.startswith("~") and "of disk space" in refusal and f"free at {tmp_path}" in refusal
+    assert "of memory" in exceeded_limit(10**18, 0, tmp_path)
