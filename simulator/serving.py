@@ -254,7 +254,8 @@ def load_arrivals_csv(path: str | Path, works: list[SampleWork]) -> list[Arrival
     times = picked["arrival_s"]
     if not pd.api.types.is_numeric_dtype(times):
         try:
-            times = pd.to_datetime(times, errors="raise")
+            # "mixed": each timestamp parsed on its own (what pandas falls back to, without its warning)
+            times = pd.to_datetime(times, errors="raise", format="mixed")
         except (ValueError, TypeError):
             raise ServingError(f"{path}: arrival times must be seconds or timestamps like 2023-11-16 "
                                "18:15:46.68; fix the column") from None
