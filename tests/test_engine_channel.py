@@ -142,7 +142,7 @@ def _reference_copies(env: simpy.Environment, channel: ResourceChannel, directio
 
 def reference_sequence(env: simpy.Environment, hw: Hardware, work: Workload, overlap: str, async_offload: bool,
              step_end_s: np.ndarray, track: str = "GPU"):
-    """engine.sequence before the counter channels (commit b1af9fa), verbatim: one event per wait."""
+    """engine.sequence as it was before the counter channels, kept verbatim as the reference: one event per wait."""
     compute = work.compute_s.tolist()
     recall = work.recall_s.tolist()
     offload = work.offload_s.tolist()
