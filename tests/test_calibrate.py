@@ -70,10 +70,10 @@ def test_copies_of_more_bytes_take_longer():
 
 def test_overhead_grows_with_layers():
     from tracer.calibrate.bench import Timing
-    from tracer.calibrate.overhead import overhead_sweep
+    from tracer.calibrate.overhead import dynamic_cache_decoder, overhead_sweeps
 
     timing = Timing(torch.device("cpu"), warmup=2, clock=time.thread_time)
-    series = overhead_sweep([1, 6], torch.float32, n_steps=9, timing=timing).quiet
+    series = overhead_sweeps([1, 6], torch.float32, 9, timing, {"hf": dynamic_cache_decoder})["hf"].quiet
     one, six = series.time_s
     assert six > 1.5 * one
 
@@ -224,7 +224,7 @@ def test_the_tiered_overhead_decoders_run_with_the_geometry_they_are_given():
     from tracer.cache import TieredCache
     from tracer.calibrate import cache_geometry, decoder_factory
     from tracer.calibrate.bench import Timing
-    from tracer.calibrate.overhead import overhead_sweep
+    from tracer.calibrate.overhead import overhead_sweeps
     from tracer.decode import DecodeJob, decode_batch, use_tiered_attention
     from tracer.models import load_model
     from tracer.recorder import Recorder
@@ -233,8 +233,8 @@ def test_the_tiered_overhead_decoders_run_with_the_geometry_they_are_given():
     timing = Timing(torch.device("cpu"), repeats=1, warmup=1, clock=time.thread_time)
     attended = {}
     for geometry in (cache_geometry(), cache_geometry(block_size=4, window_tokens=16)):
-        sweep = overhead_sweep([1], torch.float32, n_steps=4, timing=timing,
-                               make_decoder=decoder_factory("tiered/evict", geometry), prompt_tokens=105)
+        sweep = overhead_sweeps([1], torch.float32, 4, timing, {"evict": decoder_factory("tiered/evict", geometry)},
+                                prompt_tokens=105)["evict"]
         attended[geometry["block_size"]] = sweep.attended_tokens
     assert cache_geometry() == {"block_size": 16, "sink_tokens": 4, "window_tokens": 32}
     assert attended[4] != attended[16]

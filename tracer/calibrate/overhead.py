@@ -88,24 +88,21 @@ class StepTimes:
     rest_s: float | None = None  # the rest of a quiet step (embedding, LM head, sampling, the step's copy)
 
 
-def time_decode_steps_s(step: Callable[[], StepOutcome | None], n_steps: int, timing: Timing) -> StepTimes:
-    """Time of one decode step, reduced over `n_steps` consecutive steps (on CUDA: wall time up to the device
-    finishing the step; `timing.repeats` is not used: consecutive steps are the repeats). `step()` returns True
-    when the cache's placement moved blocks in that step (offload, eviction, promotion): those steps pay the
-    placement's bookkeeping on top of the step's fixed cost and are reduced apart, so that neither the
-    per-layer overhead nor the placement overhead is a blend of the two. A step that reports its own time (the
-    tracer's, as a trace records it) is timed by that; otherwise by `timing`'s clock around the call."""
-    return time_interleaved_decode_steps_s([step], n_steps, timing)[0]
-
-
 def time_interleaved_decode_steps_s(steps: list[Callable[[], StepOutcome | None]], n_steps: int, timing: Timing,
                                     visit_steps: int = 1) -> list[StepTimes]:
-    """`time_decode_steps_s` of several decoders at once, taken in turn `visit_steps` steps at a time (the order
-    reversed every round): a difference between decoders is then a difference of steps timed within one round,
-    so a slow phase of a shared machine (seconds long) lands on every decoder alike
-    instead of on one point of a fit or one decoder's figures. With `visit_steps` > 1 and several decoders, each
-    visit first takes one untimed step: the other decoders' models have pushed this one's weights and cache out
-    of the CPU caches, and a decode loop runs warm (its previous step just ran), so the timed steps do too."""
+    """Each decoder's decode-step time, reduced over `n_steps` of its steps (on CUDA: wall time up to the device
+    finishing the step; `timing.repeats` is not used: the steps are the repeats). A step returns whether the
+    cache's placement moved blocks in it (offload, eviction, promotion): those steps pay the placement's
+    bookkeeping on top of the step's fixed cost and are reduced apart, so that neither the per-layer overhead
+    nor the placement overhead is a blend of the two. A step that reports its own time (the tracer's, as a trace
+    records it) is timed by that; otherwise by `timing`'s clock around the call.
+
+    The decoders are taken in turn, `visit_steps` steps at a time (the order reversed every round): a difference
+    between decoders is then a difference of steps timed within one round, so a slow phase of a shared machine
+    (seconds long) lands on every decoder alike instead of on one point of a fit or one decoder's figures. With
+    `visit_steps` > 1 and several decoders, each visit first takes one untimed step: the other decoders' models
+    have pushed this one's weights and cache out of the CPU caches, and a decode loop runs warm (its previous
+    step just ran), so the timed steps do too."""
     device = timing.device
     clock = time.perf_counter if device.type == "cuda" else timing.clock
     for step in steps:
@@ -213,21 +210,6 @@ def overhead_sweeps(
     return sweeps
 
 
-def overhead_sweep(
-    layer_counts: list[int],
-    dtype: torch.dtype,
-    n_steps: int,
-    timing: Timing,
-    make_decoder: DecoderFactory = dynamic_cache_decoder,
-    prompt_tokens: int = 16,
-    weights: ModelWeights | None = None,
-    shapes: dict | None = None,
-) -> Sweep:
-    """`overhead_sweeps` of one decoder."""
-    return overhead_sweeps(layer_counts, dtype, n_steps, timing, {"decoder": make_decoder}, prompt_tokens,
-                           weights, shapes)["decoder"]
-
-
 def token_cost_sweep(make_decoder: DecoderFactory, prompts: list[int], n_steps: int, dtype: torch.dtype,
                      timing: Timing, shapes: dict | None, n_layers: int = 2) -> Series:
     """A decode step's time on an `n_layers` model with `shapes` against the tokens a layer attends, from prompts of
@@ -238,8 +220,8 @@ def token_cost_sweep(make_decoder: DecoderFactory, prompts: list[int], n_steps: 
     Where the decoder reports its layers' time (the trace's layer timer, which holds the attention, scoring and
     placement), that is the time: the rest of the step (embedding, LM head, the step's copy) does not grow with
     the context, and on a model whose LM head dominates the step (`tiny`'s shapes) the noise of the rest
-    drowns the slope when whole steps are timed. The prompts' decoders step in turn (`time_interleaved_decode_steps_s`), so that a slow phase of the
-    machine is not the slope either."""
+    drowns the slope when whole steps are timed. The prompts' decoders step in turn
+    (`time_interleaved_decode_steps_s`), so that a slow phase of the machine is not the slope either."""
     model = near_zero_model(n_layers, dtype, timing.device, shapes)
     decoders = [make_decoder(model, torch.arange(prompt, device=timing.device)[None] % model.config.vocab_size)
                 for prompt in prompts]

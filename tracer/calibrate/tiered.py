@@ -4,7 +4,7 @@ A measured run pays, besides the model's arithmetic, the tiered cache's bookkeep
 bounds, attention weights handed back, scoring, placement, recording. `tiered_decoder_factory(policy, ...)`
 steps a (near-zero-work) model through the trace's own step (`tracer.decode.decode_step`, what
 `decode_batch` runs at batch 1), with the same cache settings,
-so that `tracer.calibrate.overhead.overhead_sweep` measures that bookkeeping as per-step and per-layer overhead.
+so that `tracer.calibrate.overhead.overhead_sweeps` measures that bookkeeping as per-step and per-layer overhead.
 """
 
 from __future__ import annotations
