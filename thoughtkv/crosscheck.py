@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     specs = run_specs(args.policy, args.hbm_budget)
     loaded = None
     measured_frames = []
-    jobs = interleaved_jobs(specs, args.repeats)
+    jobs = [(spec, rep) for rep in range(args.repeats) for spec in specs]  # round-robin (module docstring)
     for spec, rep in tqdm(jobs, desc="crosscheck: measured decodes", unit="run", disable=args.quiet):
         timing_path = out / "measured" / f"{spec.label}-rep{rep}.parquet"
         run_dir = out / "runs" / f"{spec.label}-rep{rep}"
@@ -315,11 +315,6 @@ def run(args: argparse.Namespace) -> int:
                    f"p95 {overall['p95_rel_error']:.1%} (calibrated)")
     print_table(summary, report, out)
     return 0
-
-
-def interleaved_jobs(specs: list[RunSpec], repeats: int) -> list[tuple[RunSpec, int]]:
-    """(configuration, repeat) in measuring order: repeat 0 of every configuration, then repeat 1, ..."""
-    return [(spec, rep) for rep in range(repeats) for spec in specs]
 
 
 def repeats_consistent(out: Path, specs: list[RunSpec], repeats: int) -> bool:
