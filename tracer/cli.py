@@ -47,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="scorers computed alongside (not placing); recorded for `thoughtkv analyze correlation`")
     parser.add_argument("--grad-window", type=int, default=1, help="gradient scorer: next-token losses of the last N positions (default: 1)")
     parser.add_argument("--grad-interval", type=int, default=1, help="gradient scorer: a backward pass every N decode steps (default: 1)")
+    parser.add_argument("--fidelity-reference", default=None, metavar="RUN",
+                        help="a full-cache run of the same model and task: also decode each sample teacher-forced on "
+                             "RUN's chain and on the task's human-written solution, and record KL, top-1 agreement, "
+                             "NLL, first divergence and answer match against the full cache (tracer/fidelity.py; "
+                             "default: none)")
     parser.add_argument("--out", required=True, help="run directory (created; rerun to resume)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars (the weights-loading bar included)")
     parser.set_defaults(_trace_parser=parser)
@@ -85,6 +90,7 @@ def config_from_args(args: argparse.Namespace):
         seed=args.seed, device=args.device, dtype=args.dtype, access=not args.no_access,
         also_score=args.also_score, grad_window=args.grad_window, grad_interval=args.grad_interval,
         threads=args.threads, command=command_words(args), allow_past_context=args.allow_past_context,
+        fidelity_reference=args.fidelity_reference,
     )
 
 

@@ -39,7 +39,7 @@ import gc
 import sys
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,7 +58,7 @@ from tracer.transfer import host_to_device
 class DecodeResult:
     prompt_ids: list[int]
     generated_ids: list[int]
-    stop_reason: str  # eos | max_new_tokens | nonfinite
+    stop_reason: str  # eos | max_new_tokens | nonfinite | forced (a teacher-forced job fed its last token)
     wall_s: float
     cache: TieredCache  # or the sample's TieredRow of a batched cache (valid until its row is refilled)
     logits: list[torch.Tensor] | None = None  # each step's logits when asked for (tests)
@@ -290,6 +290,15 @@ class DecodeJob:
     prompt_ids: list[int]
     settings: object  # tracer.cache.TierSettings
     recorder: Recorder | None = None
+    # Teacher forcing: the tokens fed after the prompt, one per step, in place of the greedy ones (the job
+    # stops after the last, whatever `max_new_tokens` says); None: greedy. `on_logits(step, logits)` sees each
+    # step's next-token logits [vocab] (step 0: the prefill's) before the next token is fed.
+    forced_ids: list[int] | None = None
+    on_logits: Callable[[int, torch.Tensor], None] | None = None
+
+    def token_limit(self, max_new_tokens: int) -> int:
+        """How many tokens this job generates at most: its forced tokens, else `max_new_tokens`."""
+        return len(self.forced_ids) if self.forced_ids is not None else max_new_tokens
 
 
 @dataclass
@@ -306,14 +315,21 @@ class _Row:
 
 
 def _advance(row: _Row, token: int, finite: bool, max_new_tokens: int, eos_ids: set[int], after_step, model, view) -> None:
-    """Apply one step's token to a row, exactly as `greedy_decode` does (nonfinite: the token is dropped)."""
+    """Apply one step's token to a row, exactly as `greedy_decode` does (nonfinite: the token is dropped); a
+    teacher-forced row takes its next forced token instead and stops after the last."""
     if not finite:
         row.stop_reason = "nonfinite"
         return
+    forced = row.job.forced_ids
+    if forced is not None:
+        token = forced[len(row.generated)]
     row.generated.append(token)
     if after_step is not None:
         after_step(model, view, row.job.prompt_ids + row.generated, len(row.generated) - 1)
-    if token in eos_ids:
+    if forced is not None:
+        if len(row.generated) >= len(forced):
+            row.stop_reason = "forced"
+    elif token in eos_ids:
         row.stop_reason = "eos"
     elif len(row.generated) >= max_new_tokens:
         row.stop_reason = "max_new_tokens"
@@ -383,6 +399,8 @@ def _decode_batch(model, jobs, cache, batch_size, max_new_tokens, eos_ids, progr
                 progress.update(1)
             if row.logits is not None:
                 row.logits.append(logits[index].clone())
+            if row.job.on_logits is not None:
+                row.job.on_logits(len(row.generated), logits[index])
             after_step = getattr(row.job.settings.scorer, "after_step", None)
             _advance(row, tokens[index], finite[index], max_new_tokens, eos_ids, after_step, model, cache.row_view(row_id))
             if row.stop_reason is not None:
@@ -416,7 +434,7 @@ def _decode_batch(model, jobs, cache, batch_size, max_new_tokens, eos_ids, progr
                     raise UnsupportedBatch("a batch's samples share one scorer kind: this one runs autograd, the "
                                            "cache's first does not; decode them separately")
                 cache.reset_row(row_id, job.settings, job.recorder)
-                cache.reserve_length(len(job.prompt_ids), len(job.prompt_ids) + max_new_tokens)
+                cache.reserve_length(len(job.prompt_ids), len(job.prompt_ids) + job.token_limit(max_new_tokens))
                 active[row_id] = _Row(job, time.perf_counter(), logits=[] if keep_logits else None)
                 prompt = job.prompt_ids
                 last = prefill_chunks(len(prompt), prefill_chunk_tokens)[-1]

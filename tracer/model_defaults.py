@@ -36,9 +36,14 @@ class TraceDefaultsError(UserError):
 
 
 def model_dir(model: str) -> Path | None:
-    """The directory a `--model` names (a bundled name or a local directory); None for an HF id or `random:`."""
+    """The directory holding a `--model`'s trace_defaults.json (a bundled name's, a packaged model's shipped
+    with thoughtkv: tracer/packaged.py, or a local directory); None for an HF id or `random:`."""
+    from tracer.packaged import PACKAGED_MODELS
+
     if model in BUNDLED_MODELS:
         return BUNDLED_MODELS[model]
+    if model in PACKAGED_MODELS:
+        return PACKAGED_MODELS[model].defaults_dir
     if model.startswith("random:"):
         return None
     path = Path(model).expanduser()

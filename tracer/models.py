@@ -1,5 +1,7 @@
-"""Load the model to trace: an HF id or local path, `micro` (the bundled model), or `random:NAME` (a real
-architecture from traces.architectures with random weights, for timing-only runs: no accuracy is reported).
+"""Load the model to trace: an HF id or local path, `micro` / `micro_long` (bundled), a packaged model
+(`smollm2-135m`: a real pretrained LM that a pip package ships, converted once into the cache; tracer/packaged.py),
+or `random:NAME` (a real architecture from traces.architectures with random weights, for timing-only runs: no
+accuracy is reported).
 
 Defaults: bf16 on CUDA, fp32 on CPU (never fp16 + eager: the seed's NaN trap). `trust_remote_code` stays off.
 """
@@ -78,7 +80,11 @@ def load_model(spec: str, device: str | torch.device | None = None, dtype: str |
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation="sdpa")
         tokenizer, random_weights, revision = ByteTokenizer(), True, None
     else:
+        from tracer.packaged import PACKAGED_MODELS, prepared_dir
+
         bundled = BUNDLED_MODELS.get(spec)
+        if spec in PACKAGED_MODELS:
+            bundled = prepared_dir(spec)
         path = str(bundled) if bundled is not None else spec
         local = Path(path).is_dir() if bundled is not None else model_is_local(path)
         if bundled is not None and not local:

@@ -154,8 +154,13 @@ def check_model_spec(spec: str) -> None:
     """Refuse, before a command writes anything, a --model that cannot load: an unknown `random:` architecture,
     a missing directory, an HF id that is neither cached nor downloadable here."""
     from tracer.model_defaults import BUNDLED_MODELS
+    from tracer.packaged import PACKAGED_MODELS, is_prepared, model_file
 
     if spec in BUNDLED_MODELS:
+        return
+    if spec in PACKAGED_MODELS:
+        if not is_prepared(PACKAGED_MODELS[spec]):
+            model_file(PACKAGED_MODELS[spec])  # installed? (converted on first load)
         return
     if spec.startswith("random:"):
         from traces.architectures import get_architecture

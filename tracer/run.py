@@ -65,6 +65,8 @@ class TraceConfig:
     command: list[str] | None = None  # the `thoughtkv trace` argv, when the CLI made this config (repair command)
     allow_past_context: bool = False  # trace a prompt longer than the model's context anyway (timing only)
     from_model: dict | None = None  # settings taken from the model's trace_defaults.json (run.json records them)
+    # A full-cache run of the same model and task: grade this run by fidelity to it (tracer/fidelity.py).
+    fidelity_reference: str | None = None
 
     def __post_init__(self) -> None:
         from tracer.model_defaults import KEYS, resolve
@@ -119,6 +121,13 @@ class TraceConfig:
             raise BadTraceConfig(f"--max-new-tokens {self.max_new_tokens:,} is more than {MAX_NEW_TOKENS:,}, past any "
                                  "model's context; use fewer")
         check_seed(self.seed)  # the one rule for seeds (thoughtkv_base)
+        if self.fidelity_reference is not None:
+            if not (Path(self.fidelity_reference) / "run.json").is_file():
+                raise BadTraceConfig(f"--fidelity-reference {self.fidelity_reference}: not a trace run (no run.json); "
+                                     "trace the full cache first (--policy full) and pass its --out")
+            if self.scorer == "oracle" and self.policy != "full":
+                raise BadTraceConfig("--fidelity-reference cannot be combined with --scorer oracle (its teacher pass "
+                                     "follows the greedy chain, not the forced one); use another scorer")
         if self.data_file is not None and Path(self.data_file).is_dir():
             raise BadTraceConfig(f"--data-file {self.data_file}: is a directory; pass the task's JSONL file")
         if self.data_file is not None and not Path(self.data_file).is_file():
@@ -374,6 +383,12 @@ def _trace_locked(config: TraceConfig, task, samples, loaded, threads: int, prog
         print(f"warning: {no_recall['warning']}", file=sys.stderr)
         tracer_extra["recall_rounds_to_zero"] = no_recall
     tracer_extra["kv_buffer_bytes"] = check_kv_fits(config, loaded, prompt_lengths)
+    references = None
+    if config.fidelity_reference is not None:
+        from tracer.fidelity import load_references
+
+        references = load_references(config.fidelity_reference, loaded.manifest, task.name, config.max_new_tokens,
+                                     [s.sample_id for s in samples])
     note = describe(config.from_model, config.model)  # after the refusals: those stay one line
     if note is not None:
         print(note, file=sys.stderr)
@@ -410,7 +425,8 @@ def _trace_locked(config: TraceConfig, task, samples, loaded, threads: int, prog
     # GPU written, compressed and fsynced on a thread while the next steps decode (traces.WriteBehind).
     behind = WriteBehind(writer, background=loaded.model.device.type == "cuda")
     with frozen_heap(), behind:  # (frozen: the collector's full passes skip the model's objects)
-        for row, steps, tokens, access in trace_samples(loaded, task, todo, config, progress=progress):
+        for row, steps, tokens, access in trace_samples(loaded, task, todo, config, progress=progress,
+                                                        references=references):
             behind.submit(row, steps, tokens, access)
             bar.update(1)
             bar.set_postfix(tokens=row["generated_tokens"], stop=row["stop_reason"])
@@ -425,9 +441,11 @@ def trace_sample(loaded, task, sample, config: TraceConfig, progress: bool = Fal
     return parts
 
 
-def trace_samples(loaded, task, samples, config: TraceConfig, progress: bool = False):
+def trace_samples(loaded, task, samples, config: TraceConfig, progress: bool = False, references=None):
     """Decode `samples` `config.batch_size` at a time (tracer.decode.decode_batch); yields each sample's four
-    trace parts as it finishes (completion order)."""
+    trace parts as it finishes (completion order). With `references` (sample id -> tracer.fidelity.ReferenceChain)
+    each sample is also decoded teacher-forced on its reference chain and on its human-written solution, in the
+    same batch stream, and its row gets the fidelity columns once all three are done."""
     from tqdm.auto import tqdm
 
     from tracer.cache import TieredCache
@@ -436,14 +454,69 @@ def trace_samples(loaded, task, samples, config: TraceConfig, progress: bool = F
     model = loaded.model
     use_tiered_attention(model)
     eos_ids = eos_token_ids(model, loaded.tokenizer)
-    jobs = (prepare_job(loaded, task, sample, config) for sample in samples)
+    if references is None:
+        jobs = (prepare_job(loaded, task, sample, config) for sample in samples)
+    else:
+        jobs = (job for sample in samples for job in fidelity_jobs(loaded, task, sample, config, references))
     first = TieredCache(model.config.num_hidden_layers, make_settings(config))
-    # No more rows than samples (fewer pools; and a step of every row places its layers together, tracer/cache/step.py)
-    batch_size = min(config.batch_size, len(samples)) if hasattr(samples, "__len__") else config.batch_size
+    # No more rows than jobs (fewer pools; and a step of every row places its layers together, tracer/cache/step.py)
+    per_sample = 1 if references is None else 3
+    batch_size = min(config.batch_size, per_sample * len(samples)) if hasattr(samples, "__len__") else config.batch_size
+    waiting: dict[str, dict] = {}  # fidelity: a sample's finished jobs, by kind, until all are done
     with tqdm(desc="decode", unit="tok", leave=False, disable=not progress) as bar:
         for job, result in decode_batch(model, jobs, first, max(1, batch_size), config.max_new_tokens, eos_ids, bar,
                                         prefill_chunk_tokens=config.prefill_chunk_tokens):
-            yield sample_parts(loaded, task, job, result)
+            if references is None:
+                yield sample_parts(loaded, task, job, result)
+                continue
+            kind, sample, expected = job.key
+            done = waiting.setdefault(sample.sample_id, {})
+            done[kind] = (job, sample_parts(loaded, task, job, result) if kind == "free" else None)
+            if len(done) == expected:
+                del waiting[sample.sample_id]
+                yield fidelity_parts(references[sample.sample_id], done)
+
+
+def fidelity_jobs(loaded, task, sample, config: TraceConfig, references) -> list:
+    """A sample's jobs under --fidelity-reference: its free-running trace (recorded as every run's), then the
+    same policy teacher-forced on the reference chain and on the human-written solution (when the task has
+    one), each scored against the full cache's log-probabilities from a dense forward (tracer/fidelity.py).
+    Each job's key is (kind, sample, jobs of this sample)."""
+    from tracer.decode import DecodeJob
+    from tracer.fidelity import FidelityReferenceError, ForcedScore, dense_log_probs, human_solution
+
+    free = prepare_job(loaded, task, sample, config)
+    reference = references[sample.sample_id]
+    if tuple(free.prompt_ids) != reference.prompt_ids:
+        raise FidelityReferenceError(f"--fidelity-reference: sample {sample.sample_id}'s prompt tokens differ from "
+                                     "the reference run's (another tokenizer, template or instruction); trace the "
+                                     "reference again with this thoughtkv and model")
+    forced = {"chain": list(reference.generated_ids)}
+    solution = human_solution(sample)
+    if solution:
+        ids = list(loaded.tokenizer.encode(solution, add_special_tokens=False))[: config.max_new_tokens - 1]
+        eos = getattr(loaded.tokenizer, "eos_token_id", None)
+        forced["human"] = ids + ([eos] if eos is not None else [])
+    jobs = [free]
+    for ids in forced.values():
+        score = ForcedScore(ids, dense_log_probs(loaded.model, free.prompt_ids + ids, len(free.prompt_ids)))
+        jobs.append(DecodeJob(None, free.prompt_ids, make_settings(config), None, forced_ids=ids, on_logits=score))
+    expected = len(jobs)
+    for job, kind in zip(jobs, ("free", *forced)):
+        job.key = (kind, sample, expected)
+    return jobs
+
+
+def fidelity_parts(reference, done: dict):
+    """A sample's four trace parts (its free-running ones) with the fidelity columns added to its row."""
+    from tracer.fidelity import sample_columns
+
+    free_job, (row, steps, tokens, access) = done["free"]
+    human = done["human"][0].on_logits if "human" in done else None
+    generated = list(tokens["token_id"][row["prompt_tokens"]:])
+    row = {**row, **sample_columns(reference, [int(t) for t in generated], row["predicted"], done["chain"][0].on_logits,
+                                   human)}
+    return row, steps, tokens, access
 
 
 def prepare_job(loaded, task, sample, config: TraceConfig):
@@ -469,7 +542,8 @@ def sample_parts(loaded, task, job, result):
     from tracer.decode import tokens_table
     from tracer.tasks import grading_columns
 
-    tokenizer, sample, prompt_ids = loaded.tokenizer, job.key, job.prompt_ids
+    tokenizer, prompt_ids = loaded.tokenizer, job.prompt_ids
+    sample = job.key[1] if isinstance(job.key, tuple) else job.key  # (a fidelity job's key: kind, sample, n)
     settings, recorder = job.settings, job.recorder
     n_layers = loaded.model.config.num_hidden_layers
     text = tokenizer.decode(result.generated_ids, skip_special_tokens=True)

@@ -105,6 +105,14 @@ ARCHITECTURES: dict[str, Architecture] = {
             vocab_size=32000, tie_word_embeddings=False, rope_theta=10000.0, max_position_embeddings=32768,
             qkv_bias=False, source=_hub("mistralai/Mistral-7B-v0.1"),
         ),
+        # A real pretrained LM that runs on a CPU (`--model smollm2-135m`: tracer/packaged.py); the shapes are those
+        # its GGUF carries, held equal to the converted config.json by tests/test_real_model.py.
+        Architecture(
+            "smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", "LlamaForCausalLM", "llama",
+            n_layers=30, hidden_size=576, n_heads=9, n_kv_heads=3, head_dim=64, intermediate_size=1536,
+            vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192,
+            qkv_bias=False, source=_hub("HuggingFaceTB/SmolLM2-135M-Instruct"),
+        ),
         # ~20M parameters: a real Qwen2 layout small enough for CPU benchmarks and cross-checks.
         Architecture(
             "tiny", "(none: random weights)", "Qwen2ForCausalLM", "qwen2",

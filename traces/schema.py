@@ -46,11 +46,30 @@ SAMPLES = pa.schema(
         # Added with issue 18; parts written before lack them and read as null (LATER_COLUMNS):
         pa.field("grader", pa.string()),  # what scored `correct`, with its version, e.g. "math-verify 0.9.0"
         pa.field("answered_after_think", pa.bool_()),  # `predicted` came from the text after the last </think>
+        # Fidelity to the full cache (`thoughtkv trace --fidelity-reference RUN`, tracer/fidelity.py); null in
+        # other runs. The reference chain is RUN's greedy continuation of this sample (full cache).
+        pa.field("fidelity_reference_tokens", pa.int32()),  # its length
+        pa.field("fidelity_reference_loops", pa.bool_()),  # it repeats an 8-gram (a looping chain)
+        # Teacher-forced on the reference chain, one value per step (step 0: the prefill's prediction):
+        pa.field("fidelity_kl", pa.list_(pa.float32())),  # KL(full || policy) of the next token, nats
+        pa.field("fidelity_top1", pa.list_(pa.bool_())),  # the policy's top-1 token is the reference's
+        pa.field("fidelity_nll", pa.list_(pa.float32())),  # the reference token's NLL under the policy, nats
+        pa.field("fidelity_full_nll", pa.list_(pa.float32())),  # ... and under the full cache
+        # Free-running (this row's own generation): the first step whose token leaves the reference (null:
+        # none within the shorter chain), and whether the extracted final answers are the same string.
+        pa.field("fidelity_first_divergence", pa.int32()),
+        pa.field("fidelity_answer_match", pa.bool_()),
+        pa.field("fidelity_full_answered", pa.bool_()),  # the full cache's chain has an extractable answer
+        # Teacher-forced on the task's human-written solution (null when the task has none), per token:
+        pa.field("fidelity_human_nll", pa.list_(pa.float32())),
+        pa.field("fidelity_human_full_nll", pa.list_(pa.float32())),
     ]
 )
 
+FIDELITY_COLUMNS = tuple(name for name in SAMPLES.names if name.startswith("fidelity_"))
+
 # Nullable columns added to a table after v1 shipped: a part without them is still v1 (they read as null).
-LATER_COLUMNS = {"samples": ("grader", "answered_after_think"),
+LATER_COLUMNS = {"samples": ("grader", "answered_after_think", *FIDELITY_COLUMNS),
                  "steps": ("measured_deferred_us", "recall_hits", "recall_misses")}
 
 STEPS = pa.schema(

@@ -29,5 +29,7 @@ class GSM8KTask(MathTask):
             gold = gold_number(record["answer"])
             if gold is None:
                 raise DataFileError(f"gsm8k record {index} has no '#### N' in its answer field; fix the data file")
-            samples.append(Sample(f"gsm8k/test/{index}", record["question"] + self.instruction, gold))
+            # The worked solution rides along: tracer/fidelity.py teacher-forces a policy on it.
+            samples.append(Sample(f"gsm8k/test/{index}", record["question"] + self.instruction, gold,
+                                  meta={"solution": record["answer"]}))
         return samples
