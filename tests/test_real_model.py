@@ -18,7 +18,7 @@ from transformers import AttentionInterface, DynamicCache
 
 from tracer.cache import TieredCache
 from tracer.decode import DecodeJob, decode_batch, encode_prompt, greedy_decode, use_tiered_attention
-from tracer.fidelity import ForcedScore, dense_log_probs, first_divergence, repeats_ngram
+from tracer.fidelity import ForcedScore, dense_log_probs, first_divergence
 from tracer.packaged import PACKAGED_MODELS, PackagedModelError, model_file, prepared_dir
 from tracer.recorder import Recorder
 from tracer.run import TraceConfig, make_settings
@@ -209,10 +209,3 @@ def test_teacher_forced_kl_equals_a_dense_forward_masked_to_what_was_attended(lo
     use_tiered_attention(model)
     free = _greedy(model, prompt, TieredCache(model.config.num_hidden_layers, settings(**policy, **geometry)))
     assert first_divergence(free, tuple(chain)) == (top1.index(False) if False in top1 else None)
-
-
-def test_a_repeated_ngram_marks_a_looping_chain():
-    assert repeats_ngram([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8])
-    assert not repeats_ngram(list(range(100)))
-    assert repeats_ngram([5] * 9)  # overlapping: positions 0-7 and 1-8
-    assert not repeats_ngram([5] * 8)

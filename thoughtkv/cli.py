@@ -37,6 +37,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("capacity-long", "thoughtkv.capacity_long", "the long workload's capacity-accuracy-traffic table and Pareto figure"),
     ("capacity", "thoughtkv.capacity", "capacity as served: max arrival rate at an SLO per policy x profile, figures"),
     ("capacity-served", "thoughtkv.capacity_served", "the committed table of capacity as served (qwen2-7b, three GPUs)"),
+    ("real-model", "thoughtkv.real_model", "the real LM's capacity-fidelity table (smollm2-135m, GSM8K): docs/real_model.md"),
     ("recall-design", "thoughtkv.recall_design", "recall rules vs the oracle ceiling, with reuse (LRU buffer) and prefetch"),
     ("analyze", "analysis.analyze_cli", "statistics on traces (e.g. rank correlation between scorers)"),
 ]

@@ -127,6 +127,12 @@ def run(args: argparse.Namespace) -> int:
     for line in run_accuracy_lines(out):
         print(line)
     print(f"traffic: {run_traffic_line(out)}")
+    from traces import open_run
+    from traces.fidelity import has_fidelity, summary_line
+
+    samples = open_run(out).samples()
+    if has_fidelity(samples):
+        print(summary_line(samples))
     warning = zero_recall_warning(out)
     if warning is not None:
         print(f"warning: {warning}", file=sys.stderr)

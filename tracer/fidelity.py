@@ -18,8 +18,9 @@ three ways beside the usual free-running trace, all with the policy under test, 
    policy and under the full cache.
 
 A 135M model's greedy chains can fall into loops, which a policy reproduces trivially: `repeats_ngram` flags a
-chain that repeats an 8-gram, and the tables are given for the non-looping chains and the human-written ones
-too. What a run records: `samples` columns `fidelity_*` (traces/schema.py); summaries in analysis/fidelity.py.
+chain that repeats an 8-gram, `longest_repeat` records the longest span it repeats (a whole sentence repeated
+verbatim is a degenerate loop; a repeated 8-gram is often a fluent phrase), and the tables are given for the
+non-looping chains and the human-written ones too. What a run records: `samples` columns `fidelity_*` (traces/schema.py); summaries in analysis/fidelity.py.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ class ReferenceChain:
     def loops(self) -> bool:
         return repeats_ngram(self.generated_ids, LOOP_NGRAM)
 
+    @property
+    def longest_repeat(self) -> int:
+        return longest_repeat(self.generated_ids)
+
 
 def repeats_ngram(ids, n: int = LOOP_NGRAM) -> bool:
     """Whether some n consecutive tokens occur twice (overlapping allowed) in `ids`."""
@@ -64,6 +69,17 @@ def repeats_ngram(ids, n: int = LOOP_NGRAM) -> bool:
             return True
         seen.add(gram)
     return False
+
+
+def longest_repeat(ids) -> int:
+    """The length of the longest token span that occurs twice in `ids` (overlapping allowed; 0: none). A fluent
+    chain repeats short phrases ("the total cost of the donuts is"); a degenerate loop repeats whole sentences.
+    Binary search on the length: a span of n repeating implies one of n - 1 does."""
+    low, high = 0, max(0, len(ids) - 1)
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if repeats_ngram(ids, middle) else (low, middle - 1)
+    return low
 
 
 def human_solution(sample) -> str | None:
@@ -113,8 +129,9 @@ def load_references(run_dir: str | Path, manifest_model: dict, task: str, max_ne
         rows = run.tokens(row.sample_id).sort_values("position")
         ids = rows["token_id"].to_numpy()
         prompt = rows["is_prompt"].to_numpy()
+        predicted = row.predicted if isinstance(row.predicted, str) else None  # (a null reads back as NaN)
         references[row.sample_id] = ReferenceChain(row.sample_id, tuple(int(i) for i in ids[prompt]),
-                                                   tuple(int(i) for i in ids[~prompt]), row.predicted)
+                                                   tuple(int(i) for i in ids[~prompt]), predicted)
     return references
 
 
@@ -174,11 +191,14 @@ def sample_columns(reference: ReferenceChain, generated: list[int], predicted: s
     return {
         "fidelity_reference_tokens": len(reference.generated_ids),
         "fidelity_reference_loops": reference.loops,
+        "fidelity_reference_repeat": reference.longest_repeat,
         "fidelity_kl": floats(on_chain.kl), "fidelity_top1": np.asarray(on_chain.top1, dtype=bool),
         "fidelity_nll": floats(on_chain.nll), "fidelity_full_nll": floats(on_chain.nll_full),
         "fidelity_first_divergence": first_divergence(generated, reference.generated_ids),
         "fidelity_answer_match": (predicted or "") == (reference.predicted or ""),
         "fidelity_full_answered": reference.predicted is not None,
+        "fidelity_human_kl": floats(on_human.kl) if human else None,
+        "fidelity_human_top1": np.asarray(on_human.top1, dtype=bool) if human else None,
         "fidelity_human_nll": floats(on_human.nll) if human else None,
         "fidelity_human_full_nll": floats(on_human.nll_full) if human else None,
     }

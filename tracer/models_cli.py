@@ -15,6 +15,9 @@ from traces.architectures import Architecture, architecture_from_config
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per model instead of the table")
+    parser.add_argument("--prepare", metavar="NAME", default=None,
+                        help="convert packaged model NAME into the cache now (what its first use would do; "
+                             "`make setup` runs it) and print the directory (default: list only)")
 
 
 def model_rows() -> list[dict]:
@@ -53,6 +56,14 @@ def _row(name: str, kind: str, status: str, arch: Architecture, dtype: str, defa
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.prepare is not None:
+        from thoughtkv_base import UserError
+        from tracer.packaged import PACKAGED_MODELS, prepared_dir
+
+        if args.prepare not in PACKAGED_MODELS:
+            raise UserError(f"--prepare {args.prepare}: not a packaged model; use one of {', '.join(PACKAGED_MODELS)}")
+        print(prepared_dir(args.prepare))
+        return 0
     rows = model_rows()
     if args.json:
         for row in rows:

@@ -102,6 +102,12 @@ class TraceConfig:
         if self.scorer not in SCORERS:
             raise BadTraceConfig(f"unknown scorer {self.scorer!r}; use one of {', '.join(SCORERS)}")
         get_task(self.task)
+        from tracer.packaged import PACKAGED_MODELS
+
+        if self.model in PACKAGED_MODELS:  # not installed: say so before any data is read
+            from tracer.preflight import check_model_spec
+
+            check_model_spec(self.model)
         self._validate_extras()
         from tracer.preflight import resolve_device, resolve_threads
 

@@ -50,6 +50,7 @@ SAMPLES = pa.schema(
         # other runs. The reference chain is RUN's greedy continuation of this sample (full cache).
         pa.field("fidelity_reference_tokens", pa.int32()),  # its length
         pa.field("fidelity_reference_loops", pa.bool_()),  # it repeats an 8-gram (a looping chain)
+        pa.field("fidelity_reference_repeat", pa.int32()),  # the longest token span it repeats (0: none)
         # Teacher-forced on the reference chain, one value per step (step 0: the prefill's prediction):
         pa.field("fidelity_kl", pa.list_(pa.float32())),  # KL(full || policy) of the next token, nats
         pa.field("fidelity_top1", pa.list_(pa.bool_())),  # the policy's top-1 token is the reference's
@@ -61,6 +62,8 @@ SAMPLES = pa.schema(
         pa.field("fidelity_answer_match", pa.bool_()),
         pa.field("fidelity_full_answered", pa.bool_()),  # the full cache's chain has an extractable answer
         # Teacher-forced on the task's human-written solution (null when the task has none), per token:
+        pa.field("fidelity_human_kl", pa.list_(pa.float32())),
+        pa.field("fidelity_human_top1", pa.list_(pa.bool_())),
         pa.field("fidelity_human_nll", pa.list_(pa.float32())),
         pa.field("fidelity_human_full_nll", pa.list_(pa.float32())),
     ]
