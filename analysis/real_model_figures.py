@@ -14,8 +14,6 @@ from matplotlib.figure import Figure
 from analysis.figures import _percent_axis
 from analysis.style import new_figure, series_style, styled
 
-TOP_SHARES = ("top1", "top5", "top10", "top20")
-
 
 def profile_by_layer(profile: pd.DataFrame) -> pd.DataFrame:
     """Per layer, the mean over samples of every metric (and n, the samples)."""
@@ -26,22 +24,21 @@ def profile_by_layer(profile: pd.DataFrame) -> pd.DataFrame:
 
 @styled
 def attention_profile(profiles: dict[str, pd.DataFrame], scorers: tuple[str, ...], budgets: tuple[float, ...]) -> Figure:
-    """Three panels, one style per model: (a) the attention mass on the top 1 / 5 / 10 / 20% of positions and on
-    the sink, per layer (depth as a share of the model's layers, so models of different depth line up); (b) the
+    """Three panels, one style per model: (a) the attention mass on the top 1 / 10% of positions and on the sink,
+    per layer (depth as a share of the model's layers, so models of different depth line up); (b) the
     mass by distance back (last 16 / 64 / 256 tokens), mean over layers; (c) each scorer's captured mass at
     budgets 10-50% of the context (mean over layers and steps), the oracle (this step's own top positions) as the
     ceiling."""
-    figure = new_figure((7.2, 2.8))
+    figure = new_figure((7.2, 3.6))
     ax_top, ax_recent, ax_captured = figure.subplots(1, 3)
     for i, (model, frame) in enumerate(profiles.items()):
         by_layer = profile_by_layer(frame)
         depth = (by_layer.index + 0.5) / len(by_layer)
         n = int(by_layer["n"].min())
         style = series_style(i)
-        for j, key in enumerate(TOP_SHARES):
+        for key, linestyle in (("top1", ":"), ("top10", "-")):
             ax_top.plot(depth, by_layer[key], color=style["color"], marker=style["marker"], markersize=2.5,
-                        linestyle=["-", "--", "-.", ":"][j], alpha=0.5 + 0.5 * (j == 0),
-                        label=f"{model}: top {key[3:]}%" + (f" (n={n})" if j == 0 else ""))
+                        linestyle=linestyle, label=f"{model}: top {key[3:]}%" + (f" (n={n})" if key == "top1" else ""))
         ax_top.plot(depth, by_layer["sink"], color=style["color"], linestyle="none", marker="x", markersize=3,
                     label=f"{model}: first 4 tokens")
         recent = [by_layer[f"recent{t}"].mean() for t in (16, 64, 256)]
@@ -57,13 +54,13 @@ def attention_profile(profiles: dict[str, pd.DataFrame], scorers: tuple[str, ...
     ax_top.set_title("(a) mass on the top positions", loc="left")
     _percent_axis(ax_top.yaxis)
     ax_top.set_ylim(0, 1.02)
-    ax_top.legend(fontsize=5, ncols=2, loc="lower right")
+    ax_top.legend(fontsize=5, loc="upper center", bbox_to_anchor=(0.5, -0.2))
     ax_recent.set_xticks(range(3), ["last 16", "last 64", "last 256"])
     ax_recent.set_ylabel("attention mass")
     ax_recent.set_title("(b) how far back it sits", loc="left")
     _percent_axis(ax_recent.yaxis)
     ax_recent.set_ylim(0, 1.02)
-    ax_recent.legend(fontsize=5, loc="upper left")
+    ax_recent.legend(fontsize=5, loc="upper center", bbox_to_anchor=(0.5, -0.12))
     ax_captured.set_xlabel("positions kept (% of the context)")
     ax_captured.set_ylabel("this step's mass on them")
     models = " vs ".join(f"{m} ({'solid' if i == 0 else 'dotted'})" for i, m in enumerate(profiles))
@@ -71,7 +68,8 @@ def attention_profile(profiles: dict[str, pd.DataFrame], scorers: tuple[str, ...
     _percent_axis(ax_captured.xaxis)
     _percent_axis(ax_captured.yaxis)
     ax_captured.set_ylim(0, 1.02)
-    ax_captured.legend(fontsize=5, loc="lower right", title=models, title_fontsize=5)
+    ax_captured.legend(fontsize=5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=3, title=models,
+                       title_fontsize=5)
     return figure
 
 

@@ -12,7 +12,7 @@ from thoughtkv.cli import main
 from traces import open_run
 
 TINY = ["--model", "random:tiny", "--n-samples", "1", "--max-new-tokens", "4", "--budgets", "0.5", "--evict-ratios", "0.2",
-        "--calibrate", "smoke", "--serving-duration-s", "2"]
+        "--calibrate", "smoke", "--serving-duration-s", "2", "--real-model-samples", "0"]
 
 
 @pytest.fixture(scope="module")

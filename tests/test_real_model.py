@@ -25,7 +25,7 @@ from tracer.run import TraceConfig, make_settings
 from tracer.tasks import get_task
 from traces.architectures import architecture_from_config, get_architecture
 
-DATA = Path(__file__).parent / "data" / "gsm8k_test_head.jsonl"
+DATA = Path(__file__).resolve().parents[1] / "tracer" / "assets" / "smollm2-135m" / "gsm8k_test_head.jsonl"
 MODEL = "smollm2-135m"
 STEPS = 64
 
@@ -209,3 +209,19 @@ def test_teacher_forced_kl_equals_a_dense_forward_masked_to_what_was_attended(lo
     use_tiered_attention(model)
     free = _greedy(model, prompt, TieredCache(model.config.num_hidden_layers, settings(**policy, **geometry)))
     assert first_divergence(free, tuple(chain)) == (top1.index(False) if False in top1 else None)
+
+
+def test_the_demos_real_model_section_grades_eviction_and_the_hierarchy_with_their_traffic(tmp_path):
+    from thoughtkv.real_model import DEMO_CELLS, demo_section
+
+    report = tmp_path / "report"
+    report.mkdir()
+    text = demo_section(tmp_path / "runs", report, n_samples=1, max_new_tokens=8, progress=False)
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "method" not in line]
+    assert len(rows) == len(DEMO_CELLS) and all("nats" not in r and r.count("|") == 8 for r in rows)
+    assert text in (report / "report.md").read_text()
+    from traces import open_run
+
+    for cell in DEMO_CELLS:
+        samples = open_run(tmp_path / "runs" / cell.name).samples()
+        assert len(samples["fidelity_kl"].iloc[0]) == samples["fidelity_reference_tokens"].iloc[0] == 8

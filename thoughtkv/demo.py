@@ -12,10 +12,13 @@
 3. report figures, tables and report.md (analysis.report.build_report), and capacity as served: every run at
           qwen2-7b's shapes with R1-7B GSM8K-like request lengths on h100-pcie and gh200-96gb, a small Poisson
           rate sweep (serve-sim's fast path) -> the serving frontier and its section (analysis/serving.py),
+          then a real pretrained LM (smollm2-135m) on a few GSM8K problems: eviction and the hierarchy at one
+          budget graded by fidelity to its full cache, with their traffic (thoughtkv/real_model.py),
 4. print  the best policy per profile (the fastest within 5 points of the best accuracy) with its traffic.
 
     DIR/profiles/  this machine's profile   DIR/runs/<policy>/  trace runs   DIR/sim/<policy>.parquet  results
     DIR/report/    report.md, figures/, tables/   DIR/serving/  the serving sweep's cached cells
+    DIR/real_model/  the real-model section's trace runs
 """
 
 from __future__ import annotations
@@ -98,6 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serving-duration-s", type=float, default=SERVING["duration_s"], metavar="S",
                         help="seconds of Poisson arrivals per rate in the serving sweep; 0 skips the serving section "
                              f"(default: {SERVING['duration_s']:g})")
+    parser.add_argument("--real-model-samples", type=int, default=3, metavar="N",
+                        help="GSM8K problems for the real-model section (smollm2-135m graded by fidelity to its full "
+                             "cache); 0 skips it (default: 3)")
     parser.add_argument("--device", default="cpu", help="device to trace on (default: cpu)")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                         help="simulation processes at once (default: 2 or the CPU count)")
@@ -112,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     evict_ratios = _parse_list(args.evict_ratios, "--evict-ratios", "evict_ratio")
     if args.n_samples < 1:
         raise DemoError(f"--n-samples {args.n_samples} must be at least 1")
+    if args.real_model_samples < 0:
+        raise DemoError(f"--real-model-samples {args.real_model_samples} must be >= 0 (0 skips the section)")
     if not args.serving_duration_s >= 0:  # also refuses nan
         raise DemoError(f"--serving-duration-s {args.serving_duration_s} must be >= 0 (0 skips the serving section)")
     if args.workers < 1 or args.trace_workers < 1:
@@ -136,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
     mechanisms_figure(cells, run_dirs, out / "report", args.overhead_mode)
     if args.serving_duration_s > 0:
         serving_section(cells, run_dirs, out, args.workers, args.serving_duration_s)
+    if args.real_model_samples > 0:
+        real_model_section(out, args.real_model_samples)
     print_summary(report, time.perf_counter() - started)
     return 0
 
@@ -474,6 +484,26 @@ def serving_section(cells: list[Cell], run_dirs: dict[str, Path], out: Path, wor
                                     append_to=out / "report" / "report.md")
     print(f"  wrote {out / 'report' / 'figures' / 'serving_frontier.png'}", file=sys.stderr)
     return written
+
+
+# -- 3c. a real pretrained LM ---------------------------------------------------------------------------------
+
+REAL_MODEL_TOKENS = 64  # new tokens per problem: the section's decodes take about a minute here
+
+
+def real_model_section(out: Path, n_samples: int) -> None:
+    """smollm2-135m on a few shipped GSM8K problems: eviction and the hierarchy graded by fidelity to the full
+    cache, with traffic (thoughtkv.real_model.demo_section); skipped in one line when the model is not installed."""
+    from thoughtkv.real_model import MODEL, demo_section
+    from tracer.packaged import PACKAGED_MODELS, PackagedModelError, model_file
+
+    try:
+        model_file(PACKAGED_MODELS[MODEL])
+    except PackagedModelError as error:
+        print(f"  real-model section skipped: {error}", file=sys.stderr)
+        return
+    _stage(f"real model: {MODEL}, {n_samples} GSM8K problems, full vs evict vs hierarchy at one budget")
+    print(demo_section(out / "real_model", out / "report", n_samples, REAL_MODEL_TOKENS), file=sys.stderr)
 
 
 # -- 4. summary -----------------------------------------------------------------------------------------------

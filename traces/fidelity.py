@@ -46,6 +46,11 @@ def _decode(values) -> np.ndarray:
     return np.asarray(values if values is not None else [], dtype=np.float64)[1:]
 
 
+def _count(value) -> int:
+    """A nullable integer column's value (a null reads back as None or NaN): 0 when null."""
+    return 0 if value is None or (isinstance(value, float) and math.isnan(value)) else int(value)
+
+
 def per_sample(samples):
     """One row per sample with fidelity columns: kl, top1, nll_gap (reference chain), human_nll_gap, human_kl,
     human_top1 (NaN without a solution), first_divergence, answer_match, full_answered, loops."""
@@ -69,7 +74,7 @@ def per_sample(samples):
             else math.nan,
             "first_divergence": row.fidelity_first_divergence, "answer_match": bool(row.fidelity_answer_match),
             "full_answered": bool(row.fidelity_full_answered), "loops": bool(row.fidelity_reference_loops),
-            "repeat": int(getattr(row, "fidelity_reference_repeat", 0) or 0),
+            "repeat": _count(getattr(row, "fidelity_reference_repeat", None)),
         })
     return pd.DataFrame(rows)
 
