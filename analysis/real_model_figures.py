@@ -106,3 +106,33 @@ def fidelity_vs_traffic(cells: pd.DataFrame) -> Figure:
     ax.set_ylabel("KL(full ‖ policy), nats per token")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=5.5)
     return figure
+
+
+@styled
+def served_frontier(capacity: pd.DataFrame) -> Figure:
+    """Per profile: every served run at (max sustainable rate, top-1 agreement with the full cache [95% CI]),
+    labelled with its attended share and H2D bytes per token as served. `capacity`: thoughtkv capacity's table
+    with the fidelity columns of real_model.csv joined (top1, top1_low, top1_high, method)."""
+    from traces.stats import bytes_text
+
+    profiles = list(dict.fromkeys(capacity["profile"]))
+    figure = new_figure((3.4 * len(profiles), 3.0))
+    axes = figure.subplots(1, len(profiles), sharey=True, squeeze=False)[0]
+    methods = list(dict.fromkeys(capacity["method"]))
+    for ax, profile in zip(axes, profiles):
+        rows = capacity[capacity["profile"] == profile]
+        for _, row in rows.iterrows():
+            style = series_style(methods.index(row["method"]))
+            rate = row["max_rate_per_s"] if row["max_rate_per_s"] == row["max_rate_per_s"] else 0.0
+            top1 = 100 * row["top1"]
+            ax.errorbar([rate], [top1], yerr=[[top1 - 100 * row["top1_low"]], [100 * row["top1_high"] - top1]],
+                        color=style["color"], marker=style["marker"], linestyle="none", capsize=2, elinewidth=0.7,
+                        label=row["method"])
+            ax.annotate(f"{100 * row['attended_frac']:.0f}% att., {bytes_text(row['h2d_bytes_per_token_served'])}",
+                        (rate, top1), textcoords="offset points", xytext=(5, -9), fontsize=5, color=style["color"])
+        ax.set_xscale("log")
+        ax.set_title(profile, loc="left")
+        ax.set_xlabel("max sustainable rate (req/s)")
+    axes[0].set_ylabel("top-1 agreement with the full cache (%)")
+    axes[0].legend(fontsize=5, loc="upper center", bbox_to_anchor=(0.5 * len(profiles), -0.2), ncols=3)
+    return figure

@@ -42,7 +42,7 @@ DTYPE = "float32"
 CSV_NAME = "real_model.csv"
 DOC_NAME = "real_model.md"
 LOCK_POLL_S = 10.0
-PARTS = ("table", "profile")
+PARTS = ("table", "profile", "served")
 
 
 @dataclass(frozen=True)
@@ -135,12 +135,23 @@ def run_table(out: Path, runs: Path, n_samples: int, data_file: Path, batch_size
         real_model_profile.write(out, profiles)
         write(out, runs)
     if "table" not in parts:
+        if "served" in parts and index == 0:
+            _serve(out, runs)
         return out / DOC_NAME
     for cell in others[index::count]:
         _trace_when_free(trace_config(cell, runs, n_samples, data_file, batch_size, max_new_tokens), progress)
         write(out, runs)  # after every cell: a partial table, each row with its n
+    if "served" in parts and index == 0:
+        _serve(out, runs)
     write(out, runs)
     return out / DOC_NAME
+
+
+def _serve(out: Path, runs: Path) -> None:
+    from thoughtkv import real_model_served
+
+    real_model_served.serve(out, runs)
+    write(out, runs)
 
 
 # --------------------------------------------------------------------------------------------- results
@@ -346,7 +357,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"the reference chains' decode limit (default: {MAX_NEW_TOKENS})")
     parser.add_argument("--shard", default="0/1", help="I/N: every N-th cell from the I-th (default: 0/1)")
     parser.add_argument("--part", choices=[*PARTS, "all"], default="all",
-                        help="table: the fidelity cells; profile: the attention profile (default: all)")
+                        help="table: the fidelity cells; profile: the attention profile; served: the served "
+                             "frontier of the cells that have run (default: all)")
     parser.add_argument("--table-only", action="store_true", help="rewrite the document from the runs there are")
 
 

@@ -1,6 +1,7 @@
 """Collection throughput: tokens/s of the traced decode (hierarchy 30% + recording, `thoughtkv trace`'s loop,
 tracer.decode.decode_batch) at batch sizes 1, 8, 32 against HF `generate` with a plain DynamicCache + sdpa at
-the same batch and tokens, on `random:tiny` and the bundled micro model; one torch thread, same process,
+the same batch and tokens, on `random:tiny`, the bundled micro model (B = 1, 8, 32) and the real 30-layer
+`smollm2-135m` (B = 1, 16); one torch thread, same process,
 variants interleaved over rounds (the median of each is kept, so background load hits all alike), in a frozen
 heap as `thoughtkv trace` decodes (tracer.decode.frozen_heap; both sides).
 
@@ -44,6 +45,8 @@ from tracer.recorder import Recorder
 from tracer.run import TraceConfig, make_settings
 
 BATCHES = (1, 8, 32)
+# The real 30-layer LM at the batch sizes the issue's goals name (B = 16 >= 6x B = 1); the micro models at 1/8/32.
+BATCHES_BY_MODEL = {"smollm2-135m": (1, 16)}
 
 
 class KernelCount(TorchDispatchMode):
@@ -60,7 +63,7 @@ class KernelCount(TorchDispatchMode):
 
 
 def measure(spec: str, args) -> dict:
-    batches = args.batches
+    batches = args.batches or BATCHES_BY_MODEL.get(spec, BATCHES)
     loaded = load_model(spec, "cpu", "float32")
     model = loaded.model
     vocab = model.config.vocab_size
@@ -132,7 +135,7 @@ def measure(spec: str, args) -> dict:
     paired = {batch: (statistics.median(t / u for t, u in zip(runs["traced", batch], runs["untraced", batch])),
                       statistics.median(t / u for t, u in zip(decode["traced", batch], decode["untraced", batch])))
               for batch in batches}
-    return {"params_m": loaded.manifest["n_params"] / 1e6, "launches": launches, "paired": paired,
+    return {"params_m": loaded.manifest["n_params"] / 1e6, "launches": launches, "paired": paired, "batches": batches,
             "decode": {key: statistics.median(v) for key, v in decode.items()},
             **{key: statistics.median(v) for key, v in runs.items()}}
 
@@ -142,15 +145,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--models", default="random:tiny,micro")
-    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes, comma-separated")
+    parser.add_argument("--models", default="random:tiny,micro,smollm2-135m")
+    parser.add_argument("--batches", default=None,
+                        help=f"batch sizes, comma-separated (default: {','.join(map(str, BATCHES))}; smollm2-135m 1,16)")
     parser.add_argument("--recall-k", type=int, default=4,
                         help="blocks recalled per layer and step (0: hierarchy without recall, what recall costs)")
     parser.add_argument("--recall-rule", default="quest", help="the traced recall rule (default: quest)")
     parser.add_argument("--recall-buffer-blocks", type=int, default=0,
                         help="a per-layer LRU of recalled blocks (0: none, the default)")
     args = parser.parse_args()
-    args.batches = tuple(int(b) for b in args.batches.split(","))
+    args.batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else None
     torch.set_num_threads(1)
     print(f"prompt {args.prompt} tokens, {args.steps} new tokens per sample, {args.rounds} rounds (median), "
           f"torch threads {torch.get_num_threads()}; traced = hierarchy 0.3, recall_k {args.recall_k}, rule "
@@ -162,7 +166,7 @@ def main() -> None:
         print(f"{'B':>4} {'untraced tok/s':>15} {'traced tok/s':>13} {'traced/untraced':>16}  (goal >= 0.8)"
               f"   decode steps only: {'untraced':>9} {'traced':>8} {'ratio':>6}   "
               "(ratios: median over rounds of each round's pair; of the medians in brackets)")
-        for batch in args.batches:
+        for batch in r["batches"]:
             u, t = r["untraced", batch], r["traced", batch]
             du, dt = r["decode"]["untraced", batch], r["decode"]["traced", batch]
             whole, steps = r["paired"][batch]
@@ -170,7 +174,7 @@ def main() -> None:
                   f"{steps:>6.3f} ({dt / du:.3f})")
         print(f"B=1 decode_batch / greedy_decode (the batched loop vs the batch-1 loop, one cache): "
               f"{r['traced', 1] / r['v1', 1]:.3f}")
-        widest = max(args.batches)
+        widest = max(r["batches"])
         print(f"B={widest} vs B=1 traced tok/s: {r['traced', widest] / r['traced', 1]:.2f}x  "
               f"(untraced: {r['untraced', widest] / r['untraced', 1]:.2f}x)")
         for batch, (tiered, plain) in r["launches"].items():

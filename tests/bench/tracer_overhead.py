@@ -1,10 +1,15 @@
 """Tracer overhead: tok/s of `hierarchy` + recording over untraced DynamicCache + sdpa, same model, same run.
 
-The model is `random:tiny` (~20M-parameter Qwen2 from traces.architectures); both variants decode the same
-prompt greedily for the same number of steps, interleaved over several rounds (the median of each is kept,
-so background load hits both alike). Goal: ratio >= 0.8.
+Per model (default: `random:tiny`, a ~20M-parameter Qwen2 from traces.architectures, and `smollm2-135m`, the
+real pretrained 30-layer LM) and batch size (1 and 16): both variants decode the same prompt (at B = 16, the
+same prompt in every row) greedily for the same number of steps, interleaved over several rounds; the
+traced/untraced ratio is the median of each round's pair (measured back to back, so a shared machine's slow
+phase hits both). Untraced: a plain decode loop over a DynamicCache (batch-1 `greedy_decode`, or the same loop
+over B rows); traced: `thoughtkv trace`'s loop (`decode_batch`) with the tiered cache and a recorder per row.
+Goal: ratio >= 0.85 on smollm2-135m at B = 1 and B = 16.
 
-    .venv/bin/python tests/bench/tracer_overhead.py [--steps 128] [--rounds 3] [--prompt 256] [--threads 1]
+    .venv/bin/python tests/bench/tracer_overhead.py [--models random:tiny,smollm2-135m] [--batches 1,16]
+        [--steps 128] [--rounds 3] [--prompt 256] [--threads 1]
 """
 
 from __future__ import annotations
@@ -17,57 +22,84 @@ import torch
 from transformers import DynamicCache
 
 from tracer.cache import TieredCache
-from tracer.decode import greedy_decode
+from tracer.decode import DecodeJob, decode_batch, frozen_heap, use_tiered_attention
 from tracer.models import load_model
 from tracer.recorder import Recorder
 from tracer.run import TraceConfig, make_settings
 
 
+def measure(spec: str, args) -> dict:
+    loaded = load_model(spec, "cpu", "float32")
+    model = loaded.model
+    vocab = model.config.vocab_size
+    prompt = torch.randint(3, min(vocab, 259), (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+    # Geometry pinned (not the model's trace defaults), so that a figure compares across commits and models.
+    config = TraceConfig(model=spec, task="gsm8k", out="-", policy="hierarchy", hbm_budget=args.hbm_budget,
+                         evict_ratio=0.1, recall_k=args.recall_k, block_size=16, sink_tokens=4, window_tokens=32)
+    n_layers = model.config.num_hidden_layers
+
+    @torch.inference_mode()
+    def untraced(batch: int) -> float:
+        model.set_attn_implementation("sdpa")
+        cache = DynamicCache(config=model.config)
+        ids = torch.tensor([prompt] * batch)
+        positions = torch.arange(len(prompt))[None].expand(batch, -1)
+        started = time.perf_counter()
+        for step in range(args.steps):
+            logits = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1).logits
+            ids = logits[:, -1].argmax(-1, keepdim=True)
+            positions = torch.full((batch, 1), len(prompt) + step)
+            ids.tolist()  # the host reads the next tokens, as every decode loop does
+        return batch * args.steps / (time.perf_counter() - started)
+
+    def traced(batch: int) -> float:
+        use_tiered_attention(model)
+        jobs = [DecodeJob(i, prompt, make_settings(config), Recorder()) for i in range(batch)]
+        started = time.perf_counter()
+        for job, _ in decode_batch(model, jobs, TieredCache(n_layers, jobs[0].settings), batch, args.steps, set()):
+            job.recorder.steps_table(), job.recorder.access_table()  # the columns the writer receives
+        return batch * args.steps / (time.perf_counter() - started)
+
+    results = {}
+    for batch in args.batches:
+        untraced(batch), traced(batch)  # warm-up
+        base, tiered = [], []
+        for _ in range(args.rounds):
+            base.append(untraced(batch))
+            tiered.append(traced(batch))
+        results[batch] = (statistics.median(base), statistics.median(tiered),
+                          statistics.median(t / u for t, u in zip(tiered, base)))
+    return {"params_m": loaded.manifest["n_params"] / 1e6, "layers": n_layers, "by_batch": results}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="random:tiny,smollm2-135m")
+    parser.add_argument("--batches", default="1,16", help="batch sizes, comma-separated (default: 1,16)")
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--hbm-budget", default="0.5")
     parser.add_argument("--recall-k", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (1: a 20M model's decode is dispatch-bound, threads add jitter)")
+                        help="torch intra-op threads (1: a small model's ops are too short to split; threads add jitter)")
     args = parser.parse_args()
+    args.batches = tuple(int(b) for b in args.batches.split(","))
     torch.set_num_threads(args.threads)
-
-    loaded = load_model("random:tiny")
-    model = loaded.model
-    prompt = torch.randint(3, 259, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
-    config = TraceConfig(model="random:tiny", task="gsm8k", out="-", policy="hierarchy", hbm_budget=args.hbm_budget,
-                         evict_ratio=0.1, recall_k=args.recall_k)
-    n_layers = model.config.num_hidden_layers
-
-    def untraced() -> float:
-        model.set_attn_implementation("sdpa")
-        started = time.perf_counter()
-        greedy_decode(model, prompt, DynamicCache(config=model.config), args.steps, set())
-        return args.steps / (time.perf_counter() - started)
-
-    def traced() -> float:
-        model.set_attn_implementation("thoughtkv")
-        recorder = Recorder()
-        started = time.perf_counter()
-        greedy_decode(model, prompt, TieredCache(n_layers, make_settings(config), recorder), args.steps, set(), recorder)
-        recorder.steps_table(), recorder.access_table()  # the columns the writer receives
-        return args.steps / (time.perf_counter() - started)
-
-    untraced(), traced()  # warm-up
-    base, tiered = [], []
-    for _ in range(args.rounds):
-        base.append(untraced())
-        tiered.append(traced())
-    base_tok_s, tiered_tok_s = statistics.median(base), statistics.median(tiered)
-    print(f"model random:tiny ({loaded.manifest['n_params'] / 1e6:.1f}M params), prompt {args.prompt}, "
-          f"{args.steps} steps, {args.rounds} rounds, torch threads {torch.get_num_threads()}")
-    print(f"untraced DynamicCache+sdpa : {base_tok_s:8.1f} tok/s")
-    print(f"hierarchy + recording      : {tiered_tok_s:8.1f} tok/s "
-          f"(budget {args.hbm_budget}, evict 0.1, recall_k {args.recall_k}, block 16)")
-    print(f"ratio traced/untraced      : {tiered_tok_s / base_tok_s:.3f}  (goal >= 0.8)")
+    print(f"prompt {args.prompt} tokens, {args.steps} steps, {args.rounds} rounds (median), torch threads "
+          f"{torch.get_num_threads()}; traced = hierarchy {args.hbm_budget}, evict 0.1, recall_k {args.recall_k}, "
+          "block 16, sink 4, window 32, recording on; ratio = median over rounds of each round's pair")
+    for spec in args.models.split(","):
+        with frozen_heap():  # as `thoughtkv trace` decodes (both sides measured in it)
+            r = measure(spec, args)
+        print(f"\n{spec} ({r['params_m']:.1f}M params, {r['layers']} layers)")
+        print(f"{'B':>4} {'untraced tok/s':>15} {'traced tok/s':>13} {'traced/untraced':>16}  (goal >= 0.85)")
+        for batch, (base, tiered, ratio) in r["by_batch"].items():
+            print(f"{batch:>4} {base:>15.1f} {tiered:>13.1f} {ratio:>16.3f}")
+        widest = max(r["by_batch"])
+        if widest > 1 and 1 in r["by_batch"]:
+            print(f"B={widest} vs B=1 traced tok/s: {r['by_batch'][widest][1] / r['by_batch'][1][1]:.2f}x "
+                  f"(untraced {r['by_batch'][widest][0] / r['by_batch'][1][0]:.2f}x)")
 
 
 if __name__ == "__main__":
