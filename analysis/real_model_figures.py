@@ -113,6 +113,7 @@ def served_frontier(capacity: pd.DataFrame) -> Figure:
     """Per profile: every served run at (max sustainable rate, top-1 agreement with the full cache [95% CI]),
     labelled with its attended share and H2D bytes per token as served. `capacity`: thoughtkv capacity's table
     with the fidelity columns of real_model.csv joined (top1, top1_low, top1_high, method)."""
+    from analysis.serving import _plain
     from traces.stats import bytes_text
 
     profiles = list(dict.fromkeys(capacity["profile"]))
@@ -128,9 +129,13 @@ def served_frontier(capacity: pd.DataFrame) -> Figure:
             ax.errorbar([rate], [top1], yerr=[[top1 - 100 * row["top1_low"]], [100 * row["top1_high"] - top1]],
                         color=style["color"], marker=style["marker"], linestyle="none", capsize=2, elinewidth=0.7,
                         label=row["method"])
+            k = methods.index(row["method"])  # labels of points that coincide are stacked, not overprinted
             ax.annotate(f"{100 * row['attended_frac']:.0f}% att., {bytes_text(row['h2d_bytes_per_token_served'])}",
-                        (rate, top1), textcoords="offset points", xytext=(5, -9), fontsize=5, color=style["color"])
+                        (rate, top1), textcoords="offset points", xytext=(6, 6 - 6 * (k % 4)), fontsize=5,
+                        color=style["color"])
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(_plain())
+        ax.xaxis.set_minor_formatter(_plain(minor=True))
         ax.set_title(profile, loc="left")
         ax.set_xlabel("max sustainable rate (req/s)")
     axes[0].set_ylabel("top-1 agreement with the full cache (%)")
