@@ -174,3 +174,23 @@ def test_a_packaged_model_not_installed_or_not_the_pinned_file_is_refused_in_one
         packaged.prepared_dir("other-model")
     assert packaged.converted_dir(other).name == "other-model-0000000000000000"  # keyed on the file's sha256
     assert not packaged.converted_dir(other).exists()
+
+
+def test_the_full_caches_log_probs_read_back_from_the_hidden_state_cache_are_the_same(tmp_path):
+    import torch
+
+    from tracer.fidelity import dense_log_probs, hidden_key
+    from tracer.models import load_model
+
+    model = load_model("micro", "cpu", "float32").model
+    ids = list(range(5, 45))
+    plain = dense_log_probs(model, ids, 12)
+    first = dense_log_probs(model, ids, 12, tmp_path)
+    [stored] = list(tmp_path.iterdir())
+    again = dense_log_probs(model, ids, 12, tmp_path)  # read back: only the LM head runs
+    assert plain.shape == (len(ids) - 12, model.config.vocab_size)
+    torch.testing.assert_close(first, plain, rtol=0, atol=1e-5)
+    assert torch.equal(again, first) and len(list(tmp_path.iterdir())) == 1
+    assert hidden_key(model, ids, 13) != hidden_key(model, ids, 12) != hidden_key(model, ids[:-1], 12)
+    other = load_model("micro_long", "cpu", "float32").model  # other weights, the same shapes
+    assert hidden_key(other, ids, 12) != stored.stem

@@ -136,14 +136,63 @@ def load_references(run_dir: str | Path, manifest_model: dict, task: str, max_ne
 
 
 @torch.inference_mode()
-def dense_log_probs(model, ids: list[int], start: int) -> torch.Tensor:
+def dense_log_probs(model, ids: list[int], start: int, cache: Path | None = None) -> torch.Tensor:
     """The full cache's next-token log-probabilities [len(ids) - start, vocab] (float32) for the tokens
-    ids[start:], from one causal forward over `ids` without a cache (row j predicts ids[start + j])."""
-    device = model.device
-    keep = len(ids) - start + 1
-    logits = model(input_ids=torch.tensor([ids], device=device), position_ids=torch.arange(len(ids), device=device)[None],
-                   use_cache=False, logits_to_keep=keep).logits[0, :-1]
-    return torch.log_softmax(logits.float(), dim=-1)
+    ids[start:], from one causal forward over `ids` without a cache (row j predicts ids[start + j]).
+
+    With `cache` (a directory), the decoder's final hidden states at those positions are kept there, keyed on
+    the weights' fingerprint and the ids (`hidden_key`): every policy graded against the same reference reads
+    them back and applies only the LM head, instead of running the whole model over the chain again."""
+    head = model.get_output_embeddings()
+    path = None if cache is None else cache / f"{hidden_key(model, ids, start)}.safetensors"
+    if path is not None and path.is_file():
+        from safetensors.torch import load_file
+
+        hidden = load_file(str(path))["hidden"].to(model.device)
+    else:
+        device = model.device
+        out = model.get_decoder()(input_ids=torch.tensor([ids], device=device),
+                                  position_ids=torch.arange(len(ids), device=device)[None], use_cache=False)
+        hidden = out.last_hidden_state[0, start - 1 : len(ids) - 1].contiguous()
+        if path is not None:
+            _save_hidden(path, hidden)
+    return torch.log_softmax(head(hidden).float(), dim=-1)
+
+
+def hidden_key(model, ids: list[int], start: int) -> str:
+    """sha256 over the model's weights fingerprint (`weights_fingerprint`), its dtype and the token ids."""
+    import hashlib
+
+    digest = hashlib.sha256(weights_fingerprint(model).encode())
+    digest.update(np.asarray([start, *ids], dtype=np.int64).tobytes())
+    return digest.hexdigest()[:32]
+
+
+def weights_fingerprint(model) -> str:
+    """A cheap content fingerprint of a model's weights: every parameter's name, shape, dtype and a strided
+    sample of its values (the whole of the small ones), hashed; kept on the model once computed."""
+    cached = getattr(model, "_thoughtkv_fingerprint", None)
+    if cached is not None:
+        return cached
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, parameter in model.named_parameters():
+        flat = parameter.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy()
+        digest.update(f"{name}{tuple(parameter.shape)}{parameter.dtype}".encode())
+        digest.update(sample.tobytes())
+    model._thoughtkv_fingerprint = digest.hexdigest()
+    return model._thoughtkv_fingerprint
+
+
+def _save_hidden(path: Path, hidden: torch.Tensor) -> None:
+    from safetensors.torch import save_file
+
+    from traces.layout import write_atomic
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, lambda temp: save_file({"hidden": hidden.cpu()}, str(temp)))
 
 
 @dataclass

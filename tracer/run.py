@@ -505,12 +505,20 @@ def fidelity_jobs(loaded, task, sample, config: TraceConfig, references) -> list
         forced["human"] = ids + ([eos] if eos is not None else [])
     jobs = [free]
     for ids in forced.values():
-        score = ForcedScore(ids, dense_log_probs(loaded.model, free.prompt_ids + ids, len(free.prompt_ids)))
+        score = ForcedScore(ids, dense_log_probs(loaded.model, free.prompt_ids + ids, len(free.prompt_ids),
+                                                 fidelity_cache()))
         jobs.append(DecodeJob(None, free.prompt_ids, make_settings(config), None, forced_ids=ids, on_logits=score))
     expected = len(jobs)
     for job, kind in zip(jobs, ("free", *forced)):
         job.key = (kind, sample, expected)
     return jobs
+
+
+def fidelity_cache() -> Path:
+    """Where the full cache's hidden states along reference chains are kept between fidelity runs."""
+    from tracer.packaged import cache_root
+
+    return cache_root() / "fidelity"
 
 
 def fidelity_parts(reference, done: dict):
