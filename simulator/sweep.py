@@ -33,7 +33,7 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -507,22 +507,22 @@ Executor = Callable[[list, int], Iterator[tuple[Any, bytes | BaseException]]]
 
 
 def execute_local(cells: list, workers: int, keys: dict | None = None) -> Iterator[tuple[Any, bytes | BaseException]]:
-    """A process pool (spawned workers: safe next to a Ray driver's threads); yields cells as they finish."""
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-    from multiprocessing import get_context
+    """A process pool (spawned workers: safe next to a Ray driver's threads); yields cells as they finish.
+    Stopped early (Ctrl-C, SIGTERM, the caller closing this generator), it terminates its workers at once
+    (thoughtkv_base.pool); finished cells are already on disk, the driver writes them."""
+    from concurrent.futures import as_completed
+
+    from thoughtkv_base.pool import process_pool
 
     if workers == 1:  # no pool: same code path, no start-up cost
         for cell in cells:
             yield cell, _call(cell, keys)
         return
-    pool = ProcessPoolExecutor(max_workers=min(workers, len(cells) or 1), mp_context=get_context("spawn"))
-    try:
+    with process_pool(min(workers, len(cells) or 1)) as pool:
         futures = {pool.submit(run_cell_to_parquet, cell_to_dict(cell), _key(cell, keys)): cell for cell in cells}
         for future in as_completed(futures):
             exc = future.exception()
             yield futures[future], exc if exc is not None else future.result()
-    finally:  # on Ctrl-C: drop the cells not started; finished ones are already on disk
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _key(cell, keys: dict | None) -> str:
@@ -694,8 +694,10 @@ def run_sweep(
     failed: dict[str, str] = {}
     from tqdm import tqdm
 
-    with tqdm(total=len(cells), initial=len(cells) - len(todo), unit="cell", disable=not progress,
-              desc=f"sweep ({executor})") as bar:
+    # closing: a Ctrl-C raised here, between two results, still stops the executor's workers now (an unclosed
+    # generator would run its cleanup only when collected, after the command has exited)
+    with closing(finished), tqdm(total=len(cells), initial=len(cells) - len(todo), unit="cell",
+                                 disable=not progress, desc=f"sweep ({executor})") as bar:
         for cell, result in finished:
             if isinstance(result, BaseException):
                 lines = str(result).strip().splitlines() or [""]
