@@ -298,7 +298,8 @@ def _pareto(data: Data) -> tuple[Figure, str]:
     if points.empty:
         raise Skip("no simulated run has a measured accuracy (need scored trace runs among RUN_DIRs)")
     frontier = points[points["on_frontier_latency"]].sort_values("ms_per_token")
-    names = ", ".join(f"{r.method} @ {r.hbm_budget:.0%} on {r.profile}" for r in frontier.head(3).itertuples())
+    names = ", ".join(f"{frames.with_budget(r.method, r.hbm_budget, r.is_full)} on {r.profile}"
+                      for r in frontier.head(3).itertuples())
     caption = (
         f"Accuracy vs projected latency ({plural(len(points), 'policy x profile point')}) and vs KV bytes in HBM per "
         f"sequence, {priced_text(latency, data.run_table)}; the black step line is the Pareto frontier (fastest "
@@ -616,7 +617,8 @@ def best_per_profile(latency: pd.DataFrame, max_accuracy_drop: float = 0.05) -> 
         # apart (the 5-point rule compares point estimates), and the summary says so instead of naming a winner.
         others = group[(group["method"] != best["method"]) | (group["hbm_budget"] != best["hbm_budget"])]
         overlapping = others[(others["ci_high"] >= best["ci_low"]) & (others["ci_low"] <= best["ci_high"])]
-        unseparated = [f"{r.method} @ {r.hbm_budget:.0%}" for r in overlapping.sort_values("ms_per_token").itertuples()]
+        unseparated = [frames.with_budget(r.method, r.hbm_budget, r.method == frames.FULL_LABEL)
+                       for r in overlapping.sort_values("ms_per_token").itertuples()]
         rows.append({"profile": profile, "method": best["method"], "hbm_budget": best["hbm_budget"],
                      "accuracy": best["accuracy"], "ci_low": best["ci_low"], "ci_high": best["ci_high"],
                      "ms_per_token": best["ms_per_token"], "n": best["n_scored"], "not_separated_from": unseparated,

@@ -41,34 +41,23 @@ HBM_BOUND_OCCUPANCY = 0.9  # ... and HBM reserved beyond this share of its capac
 # ---------------------------------------------------------------- numbers --------------------------------------
 
 
-def policy_label(row) -> str:
-    """'full cache', 'evict h2o 30%', 'hierarchy 30%, recall ≤ 20%' (', evict 10%' when the hierarchy evicts)."""
-    policy = str(row["policy"])
-    if policy == "full":
-        return "full cache"
-    budget = float(row["hbm_budget"])
-    budget_text = f"{budget:.0%}" if budget <= 1 else f"{budget:g} tokens"
-    if policy == "evict":
-        return f"evict {row.get('scorer', '')} {budget_text}".replace("  ", " ")
-    from analysis.frames import recall_label
-
-    label = f"{policy} {budget_text}, {recall_label(row.get('recall_k'), row.get('recall_budget'), row.get('recall_rule'))}"
-    if float(row.get("evict_ratio") or 0) > 0:
-        label += f", evict {float(row['evict_ratio']):.0%}"
-    return label
-
-
 def run_info(run_dirs) -> pd.DataFrame:
-    """One row per trace run: its policy label, accuracy with 95% Wilson CI and traffic (analysis.load.run_row)."""
+    """One row per trace run: its label, accuracy with 95% Wilson CI and traffic (analysis.load.run_row).
+
+    The label is the report's (`frames.add_method`: a scorer, recall or model named when the runs shown differ in
+    it) at the run's budget, 'pure eviction @ 30%' (`frames.with_budget`), so that `plot` and `capacity` name the
+    same runs alike. Runs that still share a label (same knobs, e.g. two seeds) keep their own rates here, so
+    their directory names are added."""
+    from analysis.frames import add_method, with_budget
     from analysis.load import run_row
     from traces import open_run
 
-    rows = []
-    for run_dir in run_dirs:
-        row = run_row(open_run(run_dir))
-        row["label"] = policy_label(row)
-        rows.append(row)
-    return pd.DataFrame(rows)
+    info = add_method(pd.DataFrame([run_row(open_run(run_dir)) for run_dir in run_dirs]))
+    labels = [with_budget(m, b, f) for m, b, f in zip(info["method"], info["hbm_budget"], info["is_full"])]
+    for names in (info["run_label"], info["run_dir"]):  # the directory's name, else its whole path
+        shared = {label for label in labels if labels.count(label) > 1}
+        labels = [f"{label} ({name})" if label in shared else label for label, name in zip(labels, names)]
+    return info.assign(label=labels)
 
 
 def serving_table(results: pd.DataFrame, run_dirs, profiles=None) -> pd.DataFrame:

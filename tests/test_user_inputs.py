@@ -8,15 +8,22 @@ processes left, not only the message.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from _helpers import start_thoughtkv, wait_while_running
 
+from analysis.frames import add_method
+from analysis.load import run_table
 from simulator.synth import synth_run
+from thoughtkv.cli import main
+from traces import open_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,3 +117,53 @@ def test_a_sweep_stopped_mid_run_leaves_no_child_process(signum, tiny_run, tmp_p
     assert not left, [cmdline(p) for p in left]
     assert "finished work is kept, rerun to resume" in process.stderr.read()
     assert not (out / "results.parquet").exists()  # no cell finished: nothing merged, nothing half-written
+
+
+# -- capacity: runs that differ only by scorer ---------------------------------------------------------------
+
+MICRO_HIERARCHY = REPO / "traces" / "samples" / "micro-hierarchy-b30-e0"
+
+
+def with_policy(source: Path, out: Path, **policy) -> Path:
+    """A copy of a run whose run.json policy has `policy` set (the traces are the source's)."""
+    shutil.copytree(source, out)
+    manifest = json.loads((out / "run.json").read_text())
+    manifest["policy"].update(policy)
+    (out / "run.json").write_text(json.dumps(manifest))
+    return out
+
+
+def test_capacity_names_the_scorer_of_runs_at_one_budget_as_plot_does(tmp_path, capsys):
+    tova = with_policy(MICRO_HIERARCHY, tmp_path / "h30tova", scorer="tova")
+    out = tmp_path / "cap"
+    assert main(["capacity", str(MICRO_HIERARCHY), str(tova), "--profile", "h100-pcie", "--rates", "1024,4096",
+                 "--refine", "0", "--duration-s", "1", "--workers", "1", "--out", str(out)]) == 0, capsys.readouterr()
+    capacity = pd.read_csv(out / "report" / "tables" / "capacity_served.csv")
+    assert sorted(capacity["label"]) == ["hierarchy, evict 0% [h2o] @ 30%", "hierarchy, evict 0% [tova] @ 30%"]
+    # the rule is the report's: the same two runs get the same method names in `plot`
+    runs = run_table([open_run(MICRO_HIERARCHY), open_run(tova)])
+    assert sorted(f"{m} @ 30%" for m in add_method(runs)["method"]) == sorted(capacity["label"])
+    assert (out / "report" / "figures" / "serving_knee.png").is_file()
+
+
+def test_capacity_names_runs_the_labels_cannot_tell_apart(tmp_path):
+    from analysis.serving import run_info
+
+    copy = tmp_path / "again"
+    shutil.copytree(MICRO_HIERARCHY, copy)
+    labels = list(run_info([MICRO_HIERARCHY, copy])["label"])
+    assert labels == [f"hierarchy, evict 0% @ 30% ({MICRO_HIERARCHY.name})", "hierarchy, evict 0% @ 30% (again)"]
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--refine", "-1"], "--refine -1: give a number of refinement rounds >= 0"),
+    (["--workers", "0"], "--workers 0: give at least 1"),
+    (["RUN_AGAIN"], "given twice; name each run once"),
+])
+def test_capacity_refuses_in_plain_words(flags, problem, tmp_path, capsys):
+    runs = [str(MICRO_HIERARCHY)] + [str(MICRO_HIERARCHY) for f in flags if f == "RUN_AGAIN"]
+    flags = [f for f in flags if f != "RUN_AGAIN"]
+    out = tmp_path / "cap"
+    assert main(["capacity", *runs, "--profile", "h100-pcie", "--out", str(out), *flags]) == 2
+    assert problem in one_line_error(capsys)
+    assert not out.exists()

@@ -149,14 +149,21 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.profile:
         raise CapacityError("no hardware given; add --profile NAME (repeatable; see `thoughtkv profiles list`)")
-    if args.refine < 0 or (args.workers is not None and args.workers < 1):
-        raise CapacityError(f"--refine must be >= 0 and --workers >= 1 (got {args.refine}, {args.workers})")
+    if args.refine < 0:
+        raise CapacityError(f"--refine {args.refine}: give a number of refinement rounds >= 0 (0: the swept rates "
+                            "and their extensions only)")
+    if args.workers is not None and args.workers < 1:
+        raise CapacityError(f"--workers {args.workers}: give at least 1 parallel cell")
     if args.address is not None and args.executor != "ray":
         raise CapacityError("--address joins a Ray cluster; add --executor ray or drop --address")
     rates = parse_rates(args.rates)
     config = base_config(args)
     for run_dir in args.run_dirs:
         open_run(run_dir)  # a run.json that cannot be read fails before anything is simulated
+    resolved = [Path(r).resolve() for r in args.run_dirs]
+    twice = next((r for r, path in zip(args.run_dirs, resolved) if resolved.count(path) > 1), None)
+    if twice is not None:
+        raise CapacityError(f"{twice}: given twice; name each run once")
     profiles = [load_profile(name).name for name in args.profile]  # unknown names fail now, in one line
     if args.out.exists() and not args.out.is_dir():
         raise CapacityError(f"--out {args.out}: exists and is not a directory; choose another path")
