@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -166,4 +167,110 @@ def test_capacity_refuses_in_plain_words(flags, problem, tmp_path, capsys):
     out = tmp_path / "cap"
     assert main(["capacity", *runs, "--profile", "h100-pcie", "--out", str(out), *flags]) == 2
     assert problem in one_line_error(capsys)
+    assert not out.exists()
+
+
+# -- serve-sim: arrival CSV lengths, SLO and overload, size, stops -------------------------------------------
+
+
+def serve(run: Path, out: Path, *flags: str) -> list[str]:
+    return ["serve-sim", str(run), "--profile", "h100-pcie", "--out", str(out), *flags]
+
+
+def test_an_arrival_csvs_lengths_are_served(tiny_run, tmp_path, capsys):
+    """A 4,000-token prompt costs its prefill and its KV, though every traced prompt has 16 tokens."""
+    csv = tmp_path / "a.csv"
+    csv.write_text("arrival_s,prompt_tokens,output_tokens\n0,4000,30\n0.5,16,41\n1.0,16,200\n")
+    out = tmp_path / "s"
+    assert main(serve(tiny_run, out, "--arrivals-csv", str(csv))) == 0, capsys.readouterr().err
+    served = pd.read_parquet(out / "serving_requests.parquet")
+    assert list(zip(served["prompt_tokens"], served["tokens"])) == [(4000, 30), (16, 41), (16, 200)]
+    traced = open_run(tiny_run).samples()
+    assert (traced["prompt_tokens"] == 16).all() and (traced["generated_tokens"] == 41).all()
+    long, same = served.iloc[0], served.iloc[1]
+    assert long["peak_hbm_kv_bytes"] > 50 * same["peak_hbm_kv_bytes"]  # ~4,030 tokens of KV against ~57
+    assert long["ttft_s"] > same["ttft_s"]
+
+
+@pytest.mark.parametrize("content, problem", [
+    (None, "is a directory; pass the CSV file itself"),
+    ("arrival_s,prompt_tokens,output_tokens\n0,8,\n", "line 2: output tokens (empty) is not a finite whole number"),
+    ("arrival_s,prompt_tokens,output_tokens\n0,8,nan\n", "line 2: output tokens (empty) is not a finite whole number"),
+    ("arrival_s,prompt_tokens,output_tokens\n0,8,2.5\n", "line 2: output tokens 2.5 is not a finite whole number"),
+])
+def test_a_bad_arrival_csv_is_one_plain_line(content, problem, tiny_run, tmp_path, capsys):
+    csv = tmp_path / "a.csv"
+    if content is None:
+        csv.mkdir()
+    else:
+        csv.write_text(content)
+    out = tmp_path / "s"
+    assert main(serve(tiny_run, out, "--arrivals-csv", str(csv))) == 2
+    error = one_line_error(capsys)
+    assert problem in error and "np.float64" not in error
+    assert not out.exists()
+
+
+def test_a_window_without_requests_is_refused_not_a_row_of_nan(tiny_run, tmp_path, capsys):
+    out = tmp_path / "s"
+    assert main(serve(tiny_run, out, "--rate-per-s", "1e-9")) == 2
+    assert "no request arrived in the 60 s window at 1e-09 req/s (6e-08 expected" in one_line_error(capsys)
+    assert not out.exists()
+
+
+def test_an_overloaded_server_says_so_and_misses_its_ttft_slo(tiny_run, tmp_path, capsys):
+    """hf-eager makes a tiny step ~1 ms; one request at a time at 100 req/s falls ~4x behind."""
+    flags = ("--overhead-mode", "hf-eager", "--max-batch", "1", "--duration-s", "1")
+    assert main(serve(tiny_run, tmp_path / "over", "--rate-per-s", "100", *flags)) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: overloaded")]
+    assert len(warnings) == 1 and "of 100 req/s offered" in warnings[0] and "p99 TTFT" in warnings[0]
+    over = pd.read_parquet(tmp_path / "over" / "serving_summary.parquet").iloc[0]
+    requests = pd.read_parquet(tmp_path / "over" / "serving_requests.parquet")
+    assert over["ttft_slo_s"] == 10.0  # the TTFT bound is in the SLO by default, as in capacity
+    good = (requests["tbt_mean_s"] <= over["tbt_slo_s"]) & (requests["ttft_s"] <= over["ttft_slo_s"])
+    assert over["slo_attainment"] == pytest.approx(good.mean())
+    assert main(serve(tiny_run, tmp_path / "ok", "--rate-per-s", "5", *flags)) == 0
+    assert "overloaded" not in capsys.readouterr().err
+    assert pd.read_parquet(tmp_path / "ok" / "serving_summary.parquet").iloc[0]["slo_attainment"] == 1.0
+
+
+def test_the_slo_attainment_counts_ttft(tiny_run, tmp_path):
+    out = tmp_path / "s"
+    assert main(serve(tiny_run, out, "--rate-per-s", "100", "--overhead-mode", "hf-eager", "--max-batch", "1",
+                      "--duration-s", "1", "--ttft-slo-s", "0.5")) == 0
+    summary = pd.read_parquet(out / "serving_summary.parquet").iloc[0]
+    requests = pd.read_parquet(out / "serving_requests.parquet")
+    assert requests["tbt_mean_s"].max() <= summary["tbt_slo_s"]  # TBT alone would call every request good
+    assert summary["slo_attainment"] == pytest.approx((requests["ttft_s"] <= 0.5).mean())
+    assert summary["slo_attainment"] < 0.5
+    assert summary["goodput_tokens_per_s"] < summary["throughput_tokens_per_s"]
+
+
+def test_a_huge_serving_window_is_estimated_and_refused_first(tiny_run, tmp_path, capsys):
+    out = tmp_path / "s"
+    assert main(serve(tiny_run, out, "--rate-per-s", "1", "--duration-s", "2000000")) == 2
+    err = capsys.readouterr().err
+    assert "note: estimate: ~2,000,000 requests, ~82,000,000 tokens" in err
+    refusal = [line for line in err.splitlines() if "error:" in line]
+    assert len(refusal) == 1 and "of memory but" in refusal[0] and "--allow-large" in refusal[0]
+    assert not out.exists()
+
+
+def test_sigterm_during_serve_sim_says_nothing_was_written(tiny_run, tmp_path):
+    out = tmp_path / "s"
+    process = start_thoughtkv(serve(tiny_run, out, "--rate-per-s", "300", "--duration-s", "600"), REPO, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stderr), daemon=True)
+    reader.start()
+    try:
+        wait_while_running(process, lambda: any(line.startswith("note: estimate") for line in lines), timeout_s=120)
+        time.sleep(1.0)  # serving
+        process.send_signal(signal.SIGTERM)
+        rc = process.wait(timeout=30)
+    finally:
+        process.kill()
+    reader.join(timeout=10)
+    assert rc == 143
+    stopped = [line for line in lines if "terminated (SIGTERM)" in line]
+    assert len(stopped) == 1 and "nothing was written" in stopped[0] and "finished work is kept" not in stopped[0]
     assert not out.exists()

@@ -12,7 +12,7 @@ sustainable rate per policy and profile with each run's accuracy and traffic.
 
 Sustainable: p99 TBT <= --tbt-slo-s, p99 TTFT <= --ttft-slo-s, nothing rejected (analysis/serving.py). An
 overloaded server's TBT can stay low (admission caps the batch) while its queue grows, so capacity needs a TTFT
-bound: unset, `CAPACITY_TTFT_SLO_S` is used and said.
+bound: serving's own default (`simulator.options.DEFAULT_TTFT_SLO_S`) unless given.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from pathlib import Path
 
 from thoughtkv_base import UserError
 
-CAPACITY_TTFT_SLO_S = 10.0  # a queue bound when --ttft-slo-s is unset: overload shows as TTFT growing past it
 DEFAULT_RATES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 REFINE_POINTS = 3  # rates added inside the failing bracket per refinement round (log-spaced)
 MAX_EXTENSIONS = 8  # doublings (or halvings) of the grid while every (or no) swept rate is sustainable
@@ -47,9 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--refine", type=int, default=2, metavar="N",
                         help=f"rounds of {REFINE_POINTS} more rates inside each failing bracket (default: 2)")
     # --duration-s, --max-batch, --tbt-slo-s, --ttft-slo-s, --seed, --lengths, --batch-copies (ServingConfig)
-    sim_options.add_arguments(parser, sim_options.ServingConfig, exclude=("rate_per_s", "arrivals_csv"),
-                              default_note={"ttft_slo_s": f"{CAPACITY_TTFT_SLO_S:g} (a queue bound; capacity "
-                                                          "needs one)"})
+    sim_options.add_arguments(parser, sim_options.ServingConfig, exclude=("rate_per_s", "arrivals_csv"))
     sim_options.add_arguments(parser, exclude=("batch", "engine"))  # --overlap, --overhead-mode, --transfer, ...
     sim_options.add_arguments(parser, sim_options.Projection)  # --as-model, --as-dtype, --context-scale, --recalls
     parser.add_argument("--executor", choices=("local", "ray"), default="local",
@@ -64,9 +61,8 @@ def base_config(args: argparse.Namespace):
     """The ServingConfig every cell shares (the rate aside), checked once before anything runs."""
     from simulator import options as sim_options
 
-    ttft = args.ttft_slo_s if args.ttft_slo_s is not None else CAPACITY_TTFT_SLO_S
     return sim_options.from_args(args, sim_options.ServingConfig, options=sim_options.from_args(args),
-                                 projection=sim_options.from_args(args, sim_options.Projection), ttft_slo_s=ttft)
+                                 projection=sim_options.from_args(args, sim_options.Projection))
 
 
 def parse_rates(text: str) -> list[float]:
@@ -168,8 +164,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out.exists() and not args.out.is_dir():
         raise CapacityError(f"--out {args.out}: exists and is not a directory; choose another path")
     if args.ttft_slo_s is None:
-        print(f"capacity: --ttft-slo-s unset: a rate is sustainable only with p99 TTFT <= {CAPACITY_TTFT_SLO_S:g} s "
-              "(the queue stays bounded)", file=sys.stderr)
+        print(f"capacity: a rate is sustainable only with p99 TTFT <= {config.ttft_slo_s:g} s (--ttft-slo-s: the "
+              "queue stays bounded)", file=sys.stderr)
     table, capacity = capacity_sweep(args.run_dirs, profiles, config, rates, args.refine, args.out / "sweep",
                                      args.executor, args.workers, args.address,
                                      log=lambda m: print(m, file=sys.stderr))
