@@ -36,6 +36,7 @@ FIGURE_STEMS = ("serving_goodput", "serving_tbt", "serving_knee", "serving_front
 DODGE = 0.04  # the frontier draws policies with the same rate this factor apart (x), for legibility
 LINK_BOUND_UTILISATION = 0.5  # at the knee, an H2D link busier than this is what limits the rate
 HBM_BOUND_OCCUPANCY = 0.9  # ... and HBM reserved beyond this share of its capacity
+ALONE_CONCURRENCY = 1.5  # at most this many requests running on average: a request's steps are (mostly) alone
 
 
 # ---------------------------------------------------------------- numbers --------------------------------------
@@ -116,6 +117,7 @@ def capacity_table(table: pd.DataFrame, tbt_slo_s: float, ttft_slo_s: float | No
         knee = group[group["rate_per_s"] == low].iloc[0] if low is not None else group.iloc[0]
         beyond = group[group["rate_per_s"] == high].iloc[0] if high is not None else None
         first = group.iloc[0]
+        alone = alone_failure(beyond, tbt_slo_s, ttft_slo_s) if low is None else None
         rows.append({
             "run_dir": run_dir, "profile": profile, "label": first["label"], "policy": first["policy"],
             "hbm_budget": first["hbm_budget"], "max_rate_per_s": low, "first_failing_rate_per_s": high,
@@ -123,7 +125,9 @@ def capacity_table(table: pd.DataFrame, tbt_slo_s: float, ttft_slo_s: float | No
             "knee_link_util_h2d": knee["link_util_h2d"], "knee_hbm_occupancy": knee["hbm_occupancy"],
             "knee_hbm_occupancy_peak": knee["hbm_occupancy_peak"], "knee_mean_concurrency": knee["mean_concurrency"],
             "knee_throughput_tokens_per_s": knee["throughput_tokens_per_s"],
-            "limit": limit(beyond if beyond is not None else knee, tbt_slo_s, ttft_slo_s, beyond is None),
+            "limit": f"SLO out of reach: {alone}" if alone else
+            limit(beyond if beyond is not None else knee, tbt_slo_s, ttft_slo_s, beyond is None),
+            "no_rate_meets_slo": alone is not None,
             "h2d_bytes_per_token_served": knee["h2d_bytes_per_token_served"],
             **{c: first[c] for c in ("n_scored", "n_correct", "accuracy", "ci_low", "ci_high", "attended_frac",
                                      "model", "as_model", "lengths", "overhead_mode", "host_term", "transfer",
@@ -148,6 +152,27 @@ def limit(row, tbt_slo_s: float, ttft_slo_s: float | None, never_failed: bool) -
     if row["n_rejected"] > 0:
         return "requests larger than HBM"
     return "batch limit" if row["max_concurrency"] >= row["max_batch"] else "queueing"
+
+
+def alone_failure(row, tbt_slo_s: float, ttft_slo_s: float | None) -> str | None:
+    """Why no rate can meet the SLO, read at a failing rate where requests rarely overlapped (mean concurrency
+    <= ALONE_CONCURRENCY): a step's time only grows with the batch, so when even the median token (or first
+    token) there misses the SLO, no lower rate can meet a p99 bound: 'one request alone takes ~9.1 ms between
+    tokens'. None when requests overlapped more, none arrived, or the median met the SLO."""
+    if row["n_requests"] < 1 or row["mean_concurrency"] > ALONE_CONCURRENCY:
+        return None
+    at = f"p50 at {row['rate_per_s']:g} req/s, mean concurrency {row['mean_concurrency']:.2g}"
+    if row["n_rejected"] >= row["n_requests"]:
+        return "one request alone does not fit in HBM"
+    if row["tbt_p50_s"] > tbt_slo_s:
+        return f"one request alone takes ~{_duration(row['tbt_p50_s'])} between tokens ({at})"
+    if ttft_slo_s is not None and row["ttft_p50_s"] > ttft_slo_s:
+        return f"one request alone takes ~{_duration(row['ttft_p50_s'])} to its first token ({at})"
+    return None
+
+
+def _duration(seconds: float) -> str:
+    return f"{1e3 * seconds:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
 def rate_text(value) -> str:

@@ -36,6 +36,14 @@ def one_line_error(capsys) -> str:
     return lines[0]
 
 
+def error_line(capsys) -> str:
+    """The one error line of a command that also logs progress (capacity's rounds) on stderr."""
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    return errors[0]
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> Path:
     """Two 40-step samples of the `tiny` architecture, full cache (serve-sim and sweeps in seconds)."""
@@ -274,3 +282,18 @@ def test_sigterm_during_serve_sim_says_nothing_was_written(tiny_run, tmp_path):
     stopped = [line for line in lines if "terminated (SIGTERM)" in line]
     assert len(stopped) == 1 and "nothing was written" in stopped[0] and "finished work is kept" not in stopped[0]
     assert not out.exists()
+
+
+def test_capacity_at_an_slo_no_rate_meets_says_what_one_request_takes(tmp_path, capsys):
+    out = tmp_path / "cap"
+    assert main(["capacity", str(MICRO_HIERARCHY), "--profile", "h100-pcie", "--rates", "0.5", "--refine", "0",
+                 "--duration-s", "10", "--workers", "1", "--tbt-slo-s", "0.000001", "--out", str(out)]) == 2
+    error = error_line(capsys)
+    assert "no rate meets this SLO (p99 TBT ≤ 0.001 ms" in error and "one request alone takes" in error
+    assert "between tokens (p50 at 0.5 req/s" in error and "on h100-pcie" in error and "queueing" not in error
+    assert not (out / "report").exists()
+    cells = pd.concat([pd.read_parquet(p) for p in (out / "sweep" / "cells").glob("*.parquet")])
+    assert list(cells["rate_per_s"]) == [0.5] and cells["mean_concurrency"].max() < 1.5  # no halving past "alone"
+    alone_ms = float(error.split("one request alone takes ~")[1].split(" ms")[0])
+    assert alone_ms == pytest.approx(1e3 * cells["tbt_p50_s"].iloc[0], rel=1e-2)
+    assert alone_ms > 0.001

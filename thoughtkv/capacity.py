@@ -29,6 +29,7 @@ DEFAULT_RATES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 REFINE_POINTS = 3  # rates added inside the failing bracket per refinement round (log-spaced)
 MAX_EXTENSIONS = 8  # doublings (or halvings) of the grid while every (or no) swept rate is sustainable
 MIN_RATE_PER_S = 1e-3
+MIN_WINDOW_REQUESTS = 3  # halvings stop where a window expects fewer requests (P(none) = 5%): they say nothing
 
 
 class CapacityError(UserError):
@@ -81,17 +82,17 @@ def _rounded(rate: float) -> float:
 
 
 def next_rates(rates: list[float], ok: list[bool], refined: int, extended: int, refine: int,
-               max_extensions: int = MAX_EXTENSIONS) -> tuple[list[float], str | None]:
+               max_extensions: int = MAX_EXTENSIONS, min_rate: float = MIN_RATE_PER_S) -> tuple[list[float], str | None]:
     """Rates to add for one (run, profile), and why: "extend" (double past the top while nothing failed, halve
-    below the bottom while everything failed, at most `max_extensions` times) or "refine" (REFINE_POINTS
-    log-spaced rates inside the failing bracket, `refine` rounds); ([], None) when the bracket is done. `refined`
-    and `extended`: the rounds of each kind this (run, profile) had."""
+    below the bottom while everything failed, at most `max_extensions` times and not below `min_rate`) or
+    "refine" (REFINE_POINTS log-spaced rates inside the failing bracket, `refine` rounds); ([], None) when the
+    bracket is done. `refined` and `extended`: the rounds of each kind this (run, profile) had."""
     from analysis.serving import bracket
 
     low, high = bracket(rates, ok)
     if high is None or low is None:
         rate = 2 * max(rates) if high is None else min(rates) / 2
-        if extended >= max_extensions or rate < MIN_RATE_PER_S:
+        if extended >= max_extensions or rate < min_rate:
             return [], None
         return [_rounded(rate)], "extend"
     if refined >= refine:
@@ -105,8 +106,10 @@ def next_rates(rates: list[float], ok: list[bool], refined: int, extended: int, 
 def capacity_sweep(run_dirs: list[Path], profiles: list[str], config, rates: list[float], refine: int, out: Path,
                    executor: str = "local", workers: int | None = None, address: str | None = None,
                    progress: bool = True, log=print, max_extensions: int = MAX_EXTENSIONS):
-    """Sweep rates per run x profile until every bracket is refined; returns (serving table, capacity table)."""
-    from analysis.serving import capacity_table, serving_table, sustainable
+    """Sweep rates per run x profile until every bracket is refined; returns (serving table, capacity table).
+    Halving stops where a window would hold fewer than MIN_WINDOW_REQUESTS expected requests, and where the
+    lowest rate failed with every request alone (analysis.serving.alone_failure: no lower rate can help)."""
+    from analysis.serving import alone_failure, capacity_table, serving_table, sustainable
     from simulator.sweep import ServeCell, run_sweep
 
     runs = [str(Path(r).resolve()) for r in run_dirs]
@@ -126,8 +129,13 @@ def capacity_sweep(run_dirs: list[Path], profiles: list[str], config, rates: lis
         for (run, profile), grid in swept.items():
             rows = table[(table["run_dir"] == run) & (table["profile"] == profile)]
             done = rounds[(run, profile)]
-            more, kind = next_rates(list(rows["rate_per_s"]), list(rows["sustainable"]), done["refine"],
-                                    done["extend"], refine, max_extensions)
+            lowest = rows.loc[rows["rate_per_s"].idxmin()]
+            if not lowest["sustainable"] and alone_failure(lowest, config.tbt_slo_s, config.ttft_slo_s):
+                more, kind = [], None  # the SLO is out of reach at any rate
+            else:
+                more, kind = next_rates(list(rows["rate_per_s"]), list(rows["sustainable"]), done["refine"],
+                                        done["extend"], refine, max_extensions,
+                                        max(MIN_RATE_PER_S, MIN_WINDOW_REQUESTS / config.duration_s))
             if kind is not None:
                 done[kind] += 1
             swept[(run, profile)] = sorted(set(grid) | set(more))
@@ -139,7 +147,7 @@ def capacity_sweep(run_dirs: list[Path], profiles: list[str], config, rates: lis
 
 
 def run(args: argparse.Namespace) -> int:
-    from analysis.serving import max_rate_text, write_serving_section
+    from analysis.serving import max_rate_text, slo_text, write_serving_section
     from hwprofiles import load_profile
     from traces import open_run
 
@@ -169,8 +177,17 @@ def run(args: argparse.Namespace) -> int:
     table, capacity = capacity_sweep(args.run_dirs, profiles, config, rates, args.refine, args.out / "sweep",
                                      args.executor, args.workers, args.address,
                                      log=lambda m: print(m, file=sys.stderr))
+    if capacity["no_rate_meets_slo"].all():  # nothing to draw: say why, write no report
+        row = capacity.iloc[0]
+        raise CapacityError(f"no rate meets this SLO ({slo_text(config.tbt_slo_s, config.ttft_slo_s)}): "
+                            f"{row['limit'].removeprefix('SLO out of reach: ')} on {row['profile']} "
+                            f"({row['label']}); relax --tbt-slo-s / --ttft-slo-s")
     written = write_serving_section(table, capacity, args.out / "report", config.tbt_slo_s, config.ttft_slo_s)
     for _, row in capacity.iterrows():
+        if row["no_rate_meets_slo"]:
+            print(f"{row['profile']:<14} {row['label']:<34} no rate meets this SLO: "
+                  f"{row['limit'].removeprefix('SLO out of reach: ')}")
+            continue
         print(f"{row['profile']:<14} {row['label']:<34} max {max_rate_text(row):>8} req/s ({row['limit']}); "
               f"accuracy {100 * row['accuracy']:.1f}% [{100 * row['ci_low']:.1f}, {100 * row['ci_high']:.1f}] "
               f"n={int(row['n_scored'])}")
