@@ -297,3 +297,52 @@ def test_capacity_at_an_slo_no_rate_meets_says_what_one_request_takes(tmp_path, 
     alone_ms = float(error.split("one request alone takes ~")[1].split(" ms")[0])
     assert alone_ms == pytest.approx(1e3 * cells["tbt_p50_s"].iloc[0], rel=1e-2)
     assert alone_ms > 0.001
+
+
+# -- plot ----------------------------------------------------------------------------------------------------
+
+
+def test_plot_refuses_a_copied_run_it_would_pool_twice(tmp_path, capsys):
+    copy = tmp_path / "oldver"
+    shutil.copytree(MICRO_HIERARCHY, copy)
+    manifest = json.loads((copy / "run.json").read_text())
+    manifest["thoughtkv"]["version"] = "0.0.1"  # an edited copy: same config, same sample ids
+    (copy / "run.json").write_text(json.dumps(manifest))
+    out = tmp_path / "report"
+    assert main(["plot", str(MICRO_HIERARCHY), str(copy), "--out", str(out), "--quiet"]) == 2
+    error = one_line_error(capsys)
+    assert "trace the same 20 sample(s)" in error and "pass one of them" in error
+    assert main(["plot", str(MICRO_HIERARCHY), str(MICRO_HIERARCHY), "--out", str(out), "--quiet"]) == 2
+    assert "is given twice" in one_line_error(capsys)
+    assert not out.exists()
+
+
+def shard(source: Path, out: Path, keep) -> Path:
+    """A copy of a run with only the samples whose ids `keep` accepts (as a run split over machines)."""
+    from traces.layout import sample_id_of_part
+
+    shutil.copytree(source, out)
+    for table in ("samples", "steps", "tokens", "access"):
+        for part in (out / f"{table}.parquet").iterdir():
+            if not keep(sample_id_of_part(part.name)):
+                part.unlink()
+    return out
+
+
+def test_plot_still_pools_two_shards_of_one_policy(tmp_path, capsys):
+    ids = open_run(MICRO_HIERARCHY).sample_ids()
+    first = shard(MICRO_HIERARCHY, tmp_path / "a", lambda sid: sid in ids[:10])
+    second = shard(MICRO_HIERARCHY, tmp_path / "b", lambda sid: sid in ids[10:])
+    out = tmp_path / "report"
+    assert main(["plot", str(first), str(second), "--out", str(out), "--quiet"]) == 0, capsys.readouterr().err
+    table = (out / "tables" / "table_capacity_accuracy.md").read_text()
+    assert "| 20 |" in table  # 10 + 10 samples pooled into one row
+
+
+@pytest.mark.parametrize("budget", ["7", "1.5", "0", "-0.3"])
+def test_plot_refuses_a_budget_that_is_no_fraction(budget, tmp_path, capsys):
+    out = tmp_path / "report"
+    assert main(["plot", str(MICRO_HIERARCHY), "--budget", budget, "--out", str(out), "--quiet"]) == 2
+    error = one_line_error(capsys)
+    assert "--budget" in error and budget in error and "(0, 1]" in error
+    assert not out.exists()
