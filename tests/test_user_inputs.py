@@ -346,3 +346,42 @@ def test_plot_refuses_a_budget_that_is_no_fraction(budget, tmp_path, capsys):
     error = one_line_error(capsys)
     assert "--budget" in error and budget in error and "(0, 1]" in error
     assert not out.exists()
+
+
+# -- damaged runs: a deleted table, an edited run.json ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("table", ["samples", "steps", "tokens", "access"])
+def test_validate_names_a_deleted_table(table, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(MICRO_HIERARCHY, run)
+    shutil.rmtree(run / f"{table}.parquet")
+    assert main(["traces", "validate", str(run)]) == 2
+    error = one_line_error(capsys)
+    assert f"{table}.parquet" in error and ("missing" in error or "no access part" in error)
+    assert "OK" not in error
+    if table == "samples":  # every reader says what validate says, instead of "0 committed samples"
+        assert "missing while steps.parquet" in error
+        assert main(["simulate", str(run), "--profile", "h100-pcie", "--out", str(tmp_path / "sim")]) == 2
+        assert "samples.parquet: missing" in one_line_error(capsys)
+        assert not (tmp_path / "sim").exists()
+
+
+@pytest.mark.parametrize("key, value, named", [
+    ("hbm_budget", "abc", "policy.hbm_budget 'abc' is not a number"),
+    ("evict_ratio", 2, "policy.evict_ratio 2 must be in [0, 1)"),
+    ("recall_budget", "x", "policy.params.recall_budget 'x' is not a number"),
+    ("name", "magic", "policy 'magic' is not one of"),
+])
+def test_an_edited_run_json_policy_is_refused_naming_the_file_and_key(key, value, named, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(MICRO_HIERARCHY, run)
+    manifest = json.loads((run / "run.json").read_text())
+    (manifest["policy"]["params"] if key == "recall_budget" else manifest["policy"])[key] = value
+    (run / "run.json").write_text(json.dumps(manifest))
+    for argv in (["traces", "validate", str(run)], ["simulate", str(run), "--profile", "h100-pcie", "--out",
+                                                    str(tmp_path / "sim")]):
+        assert main(argv) == 2
+        error = one_line_error(capsys)
+        assert f"{run / 'run.json'}: " in error and named in error and "--hbm-budget" not in error, error
+    assert not (tmp_path / "sim").exists()
