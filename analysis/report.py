@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 
 from analysis import figures, frames, load, stats, tables
 from analysis.style import save_figure
+from hwprofiles.overhead_modes import MODE_TEXT
 from thoughtkv_base import UserError, __version__
 from traces import TraceRun
 from traces.stats import REFERENCE_ARCHITECTURE, bytes_text
@@ -277,9 +278,7 @@ def _config_text(latency: pd.DataFrame) -> str:
             f"{overheads_text(latency)}")
 
 
-OVERHEAD_MODE_TEXT = {"measured": "measured (calibrated on the machine)",
-                      "kernel-only": "kernel-only (no framework overhead: a bound no decode loop reaches)",
-                      "hf-eager": "hf-eager (datasheet + a cited transformers-eager launch estimate)"}
+OVERHEAD_MODE_TEXT = MODE_TEXT  # hwprofiles/overhead_modes.py: the one description of each mode
 
 
 def overheads_text(latency: pd.DataFrame) -> str:

@@ -385,3 +385,60 @@ def test_an_edited_run_json_policy_is_refused_naming_the_file_and_key(key, value
         error = one_line_error(capsys)
         assert f"{run / 'run.json'}: " in error and named in error and "--hbm-budget" not in error, error
     assert not (tmp_path / "sim").exists()
+
+
+# -- profiles: an edited copy keeping a shipped name; --all-profiles ---------------------------------------------
+
+
+def edited_copy(tmp_path: Path, name: str = "h100-pcie") -> Path:
+    """hw2/<name>.yaml: the shipped profile with half its HBM bandwidth, still `name: <name>`."""
+    from hwprofiles.loader import PROFILES_DIR
+
+    path = tmp_path / "hw2" / f"{name}.yaml"
+    path.parent.mkdir()
+    text = (PROFILES_DIR / f"{name}.yaml").read_text()
+    assert "hbm_peak_bandwidth:\n    value: 2.0" in text
+    path.write_text(text.replace("hbm_peak_bandwidth:\n    value: 2.0", "hbm_peak_bandwidth:\n    value: 1.0"))
+    return path
+
+
+def test_an_edited_profile_copy_is_named_after_its_file_and_replaces_no_rows(tmp_path, capsys):
+    copy = edited_copy(tmp_path)
+    out = tmp_path / "sim"
+    assert main(["simulate", str(MICRO_HIERARCHY), "--profile", str(copy), "--out", str(out)]) == 0
+    assert main(["simulate", str(MICRO_HIERARCHY), "--profile", "h100-pcie", "--out", str(out)]) == 0
+    assert f"h100-pcie (file {copy})" in capsys.readouterr().out
+    summary = pd.read_parquet(out / "summary.parquet").set_index("profile")
+    assert sorted(summary.index) == ["h100-pcie", f"h100-pcie (file {copy})"]  # both kept
+    assert summary.loc[f"h100-pcie (file {copy})", "ms_per_token"] > summary.loc["h100-pcie", "ms_per_token"]
+    from hwprofiles import load_profile
+    from hwprofiles.loader import PROFILES_DIR
+
+    same = tmp_path / "same" / "h100-pcie.yaml"  # an unedited copy is the same profile: its plain name
+    same.parent.mkdir()
+    shutil.copy(PROFILES_DIR / "h100-pcie.yaml", same)
+    assert load_profile(same).name == load_profile(PROFILES_DIR / "h100-pcie.yaml").name == "h100-pcie"
+
+
+def test_capacity_serves_an_edited_profile_copy_from_its_file(tmp_path, capsys):
+    copy = edited_copy(tmp_path)
+    out = tmp_path / "cap"
+    assert main(["capacity", str(MICRO_HIERARCHY), "--profile", str(copy), "--profile", "h100-pcie", "--rates",
+                 "1024,4096", "--refine", "0", "--duration-s", "1", "--workers", "1", "--out", str(out)]) == 0, \
+        capsys.readouterr().err
+    served = pd.read_csv(out / "report" / "tables" / "serving.csv")
+    assert set(served["profile"]) == {"h100-pcie", f"h100-pcie (file {copy})"}
+    bandwidth = served.groupby("profile")["tbt_p50_s"].min()
+    assert bandwidth[f"h100-pcie (file {copy})"] > bandwidth["h100-pcie"]  # the copy's slower HBM was served
+
+
+def test_all_profiles_leaves_examples_out_and_names_the_overhead_mode(tmp_path, capsys):
+    out = tmp_path / "sim"
+    assert main(["simulate", str(MICRO_HIERARCHY), "--all-profiles", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "example-measured-cpu (an example, not this machine)" in captured.err
+    assert "example-measured-cpu" not in set(pd.read_parquet(out / "summary.parquet")["profile"])
+    header = captured.out.splitlines()[0]
+    assert header.startswith("overheads charged: kernel-only (no framework overhead") and "hf-eager" in header
+    rows = [line for line in captured.out.splitlines() if line.startswith(("h100-pcie ", "measured-"))]
+    assert len({line.index(" traced") for line in rows}) == 1  # one column width, whatever the names

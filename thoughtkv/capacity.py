@@ -110,9 +110,13 @@ def capacity_sweep(run_dirs: list[Path], profiles: list[str], config, rates: lis
     Halving stops where a window would hold fewer than MIN_WINDOW_REQUESTS expected requests, and where the
     lowest rate failed with every request alone (analysis.serving.alone_failure: no lower rate can help)."""
     from analysis.serving import alone_failure, capacity_table, serving_table, sustainable
+    from hwprofiles import load_profile
     from simulator.sweep import ServeCell, run_sweep
 
     runs = [str(Path(r).resolve()) for r in run_dirs]
+    # the cells load each profile as given (a name or a file), the tables name it as results do
+    # (hwprofiles.loader.load_profile: a copy of a shipped profile is named after its file)
+    named = {profile: load_profile(profile).name for profile in profiles}
     swept = {(run, profile): sorted(rates) for run in runs for profile in profiles}
     rounds = {pair: {"refine": 0, "extend": 0} for pair in swept}  # per (run, profile): rounds of each kind
     table = None
@@ -123,11 +127,11 @@ def capacity_sweep(run_dirs: list[Path], profiles: list[str], config, rates: lis
         if report.failed:
             key, error = sorted(report.failed.items())[0]
             raise CapacityError(f"{len(report.failed)} serving cell(s) failed, e.g. {key}: {error}")
-        table = serving_table(report.table, runs, profiles)
+        table = serving_table(report.table, runs, [named[p] for p in profiles])
         table["sustainable"] = sustainable(table, config.tbt_slo_s, config.ttft_slo_s)
         added = 0
         for (run, profile), grid in swept.items():
-            rows = table[(table["run_dir"] == run) & (table["profile"] == profile)]
+            rows = table[(table["run_dir"] == run) & (table["profile"] == named[profile])]
             done = rounds[(run, profile)]
             lowest = rows.loc[rows["rate_per_s"].idxmin()]
             if not lowest["sustainable"] and alone_failure(lowest, config.tbt_slo_s, config.ttft_slo_s):
@@ -168,7 +172,9 @@ def run(args: argparse.Namespace) -> int:
     twice = next((r for r, path in zip(args.run_dirs, resolved) if resolved.count(path) > 1), None)
     if twice is not None:
         raise CapacityError(f"{twice}: given twice; name each run once")
-    profiles = [load_profile(name).name for name in args.profile]  # unknown names fail now, in one line
+    for name in args.profile:
+        load_profile(name)  # unknown names fail now, in one line
+    profiles = list(dict.fromkeys(args.profile))
     if args.out.exists() and not args.out.is_dir():
         raise CapacityError(f"--out {args.out}: exists and is not a directory; choose another path")
     if args.ttft_slo_s is None:
