@@ -79,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
             _read_existing(out / name)
     if args.timeline is not None:
         _check_writable_file(args.timeline, "--timeline")
+    if len(run_.samples()) and (run_.samples()["generated_tokens"] <= 1).all():  # every sample ended at its prefill
+        print(f"warning: {args.run_dir} has no decode step (every sample ended at its prefill): ms/token shows "
+              "the prefill's time and tokens/s is undefined (nan)", file=sys.stderr)
 
     timeline = Timeline() if args.timeline is not None else None
     results, written = [], []

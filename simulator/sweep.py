@@ -363,6 +363,13 @@ def grid_from_dict(data: Any, base_dir: Path, where: str, out_dir: str | Path | 
 def _check_axis(where: str, key: str, value: Any) -> None:
     if isinstance(value, list) and not value:
         raise SweepError(f"{where}: axis {key!r} is empty; give at least one value or remove the key")
+    if isinstance(value, list):  # a value twice would be the same cells twice (run_sweep refuses those too)
+        seen = []
+        for item in value:
+            text = json.dumps(item, sort_keys=True, default=str)
+            if text in seen:
+                raise SweepError(f"{where}: axis {key!r} lists {item!r} twice; remove the duplicate")
+            seen.append(text)
     if isinstance(value, dict):
         for sub_key, sub_value in value.items():
             _check_axis(where, f"{key}.{sub_key}", sub_value)
@@ -685,8 +692,7 @@ def run_sweep(
     workers = workers or os.cpu_count() or 1
     with inputs_snapshot():
         paths = {cell: cell_result_path(out_dir, cell) for cell in cells}  # keys from the inputs as they are now
-    if len(set(paths.values())) != len(cells):
-        raise SweepError("the grid lists the same cell twice; remove duplicate values from its axes")
+    check_distinct_cells(cells, {cell: path.stem for cell, path in paths.items()})
     (out_dir / "cells").mkdir(parents=True, exist_ok=True)
     todo = [c for c in cells if not _readable(paths[c])]  # a damaged cached result is computed again
     keys = {cell: path.stem for cell, path in paths.items()}
@@ -708,6 +714,18 @@ def run_sweep(
     table, written = merge_results(cells, out_dir, [paths[c] for c in cells])
     return SweepReport(table=table, computed=len(todo) - len(failed), cached=len(cells) - len(todo), failed=failed,
                        results_path=written)
+
+
+def check_distinct_cells(cells: list, keys: dict) -> None:
+    """Refuse a grid whose cells compute the same thing twice (axis values that differ as written but mean the
+    same, such as 1 and 1.0), naming the cell key; `keys`: cell -> cell_key. (A value listed twice as written
+    is refused when the grid is read, naming its axis.)"""
+    seen: set[str] = set()
+    for cell in cells:
+        if keys[cell] in seen:
+            raise SweepError(f"the grid lists the same cell twice (cell {keys[cell]}); remove the duplicate value "
+                             "from its axis")
+        seen.add(keys[cell])
 
 
 def is_cached(out_dir: Path, cell) -> bool:

@@ -442,3 +442,60 @@ def test_all_profiles_leaves_examples_out_and_names_the_overhead_mode(tmp_path, 
     assert header.startswith("overheads charged: kernel-only (no framework overhead") and "hf-eager" in header
     rows = [line for line in captured.out.splitlines() if line.startswith(("h100-pcie ", "measured-"))]
     assert len({line.index(" traced") for line in rows}) == 1  # one column width, whatever the names
+
+
+# -- sweep grids, synthetic runs, messages ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("axis, text", [
+    ("profiles: [h100-pcie, h200-sxm, h100-pcie]", "axis 'profiles' lists 'h100-pcie' twice"),
+    ("profiles: [h100-pcie]\nwhat_if: {budget: [0.1, 0.3, 0.1]}", "axis 'what_if.budget' lists 0.1 twice"),
+])
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_grid_listing_a_value_twice_is_refused_naming_the_axis(axis, text, dry_run, tiny_run, tmp_path, capsys):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(f"kind: simulate\nruns: [{tiny_run}]\n{axis}\n")
+    out = tmp_path / "out"
+    assert main(["sweep", "--grid", str(grid), "--out", str(out), *(["--dry-run"] if dry_run else [])]) == 2
+    assert text in one_line_error(capsys)
+    assert not out.exists()
+
+
+def test_a_synthetic_run_without_decode_steps_is_refused(tmp_path, capsys):
+    out = tmp_path / "zero"
+    assert main(["traces", "synth", "--model", "tiny", "--prompt-tokens", "16", "--decode-steps", "0", "--out",
+                 str(out)]) == 2
+    assert "--decode-steps 0: give at least 1 decode step" in one_line_error(capsys)
+    assert not out.exists()
+
+
+def test_simulate_warns_once_when_a_run_has_no_decode_step(tmp_path, capsys):
+    """A traced run can still end every sample at its prefill (EOS first): one line says what ms/token is then."""
+    run = tmp_path / "run"
+    synth_run(run, model="tiny", prompt_tokens=16, decode_steps=1, samples=1, policy="full")
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    for table in ("samples", "steps", "access"):  # as if the sample had stopped at its prefill (step 0)
+        for part in (run / f"{table}.parquet").glob("*.parquet"):
+            data = pq.read_table(part)
+            if table == "samples":
+                field = data.schema.field("generated_tokens")
+                data = data.set_column(data.schema.get_field_index(field.name), field,
+                                       pa.array([1] * data.num_rows, type=field.type))
+            else:
+                data = data.filter(pc.equal(data.column("step"), 0))
+            pq.write_table(data, part)
+    assert main(["simulate", str(run), "--profile", "h100-pcie", "--out", str(tmp_path / "sim")]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "no decode step" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning:") and "tokens/s is undefined" in warnings[0]
+
+
+@pytest.mark.parametrize("typo, meant", [("micro-long", "micro_long"), ("mirco", "micro"), ("Micro_Long", "micro_long")])
+def test_a_misspelt_bundled_model_gets_a_did_you_mean(typo, meant, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["trace", "--model", typo, "--task", "chains_long", "--out", str(out), "--quiet"]) == 2
+    error = one_line_error(capsys)
+    assert f"did you mean {meant}?" in error and "Hub" not in error
+    assert not out.exists()
