@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from _helpers import start_thoughtkv, wait_while_running
@@ -499,3 +500,79 @@ def test_a_misspelt_bundled_model_gets_a_did_you_mean(typo, meant, tmp_path, cap
     error = one_line_error(capsys)
     assert f"did you mean {meant}?" in error and "Hub" not in error
     assert not out.exists()
+
+
+# -- the report: its opening, its figures ------------------------------------------------------------------------
+
+MICRO_FULL = REPO / "traces" / "samples" / "micro-full"
+MICRO_EVICT = REPO / "traces" / "samples" / "micro-evict-h2o-b30"
+
+
+@pytest.fixture(scope="module")
+def hf_eager_report(tmp_path_factory) -> Path:
+    """plot of three micro runs simulated on four GPUs under hf-eager (host-bound at micro's shapes)."""
+    work = tmp_path_factory.mktemp("report")
+    for run in (MICRO_FULL, MICRO_EVICT, MICRO_HIERARCHY):
+        assert main(["simulate", str(run), "--profile", "h100-pcie", "--profile", "h200-sxm", "--profile", "l40s",
+                     "--profile", "b200", "--overhead-mode", "hf-eager", "--out", str(work / "sim" / run.name)]) == 0
+    out = work / "report"
+    sims = [str(work / "sim" / run.name) for run in (MICRO_FULL, MICRO_EVICT, MICRO_HIERARCHY)]
+    assert main(["plot", str(MICRO_FULL), str(MICRO_EVICT), str(MICRO_HIERARCHY), "--sim", *sims,
+                 "--out", str(out), "--quiet"]) == 0
+    return out
+
+
+def test_the_report_opens_with_a_three_line_summary(hf_eager_report):
+    lines = (hf_eager_report / "report.md").read_text().splitlines()
+    assert lines[0] == "# thoughtkv report" and lines[1] == "" and lines[5] == ""
+    traced, accuracy, projected = lines[2:5]
+    assert traced.startswith("- **Traced:** 3 runs of `micro` on chains, 20 samples each; simulated on 4 hardware")
+    assert accuracy.startswith("- **Accuracy with its traffic:** full cache 100.0% [83.9–100.0] (n=20); best below it")
+    assert "attending" in accuracy and "H2D" in accuracy  # never an accuracy without its traffic
+    assert projected.startswith("- **Projected** (hf-eager; Figure 3):") and "ms/token on" in projected
+
+
+def test_latency_captions_say_why_the_profiles_lines_coincide(hf_eager_report):
+    report = (hf_eager_report / "report.md").read_text()
+    for figure in ("Figure 3.", "Figure 4."):
+        section = next(s for s in report.split("\n## ") if s.startswith(figure))
+        assert "The lines of 4 profiles coincide at" in section and "host-bound" in section, section
+    assert report.count("priced at `micro`") == 1  # the shapes are named once, at the top
+
+
+def test_a_dozen_profiles_get_distinct_colours():
+    from analysis.figures import _profile_styles
+    from hwprofiles import list_profiles
+
+    names = [p.name for p in list_profiles()] + ["measured-here-cpu"]
+    styles = _profile_styles(names)
+    assert len({s["color"] for s in styles.values()}) == len(names) >= 15
+
+
+def test_the_frontiers_labels_overlap_no_error_bar():
+    from analysis.serving import frontier_figure
+
+    rows = []
+    for profile, rates in (("h100-pcie", (34, 34, 64, 61, 64)), ("gh200-96gb", (66, 68, 64, 120, 124))):
+        for label, rate, accuracy, low, high in zip(
+                ["hier 30%", "hier 50%", "full cache", "evict 30%", "evict 50%"], rates, (0.375, 0.75, 1.0, 0, 0),
+                (0.14, 0.41, 0.68, 0, 0), (0.69, 0.93, 1.0, 0.32, 0.32)):
+            rows.append({"profile": profile, "label": label, "policy": label.split()[0], "hbm_budget": 0.3,
+                         "max_rate_per_s": float(rate), "first_failing_rate_per_s": 2.0 * rate, "accuracy": accuracy,
+                         "ci_low": low, "ci_high": high, "attended_frac": 0.5, "h2d_bytes_per_token_served": 6.8e6})
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    figure = frontier_figure(pd.DataFrame(rows))
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    from matplotlib.text import Text
+    from matplotlib.transforms import Bbox
+
+    for ax in figure.axes:
+        labels = [Text.get_window_extent(text, renderer) for text in ax.texts]  # the text, not its joining line
+        bars = [Bbox(ax.transData.transform(np.vstack(collection.get_segments())))  # the bar, end to end
+                for container in ax.containers for collection in container.lines[2]]
+        assert len(labels) == 5 and len(bars) == 5
+        assert not [(t, b) for t in labels for b in bars if t.overlaps(b)]
+        assert all(t.x1 <= ax.get_window_extent(renderer).x1 + 1 for t in labels)  # inside the panel
