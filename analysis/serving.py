@@ -465,7 +465,8 @@ def write_serving_section(table: pd.DataFrame, capacity: pd.DataFrame, report_di
              f"Continuous batching with HBM admission (each request reserves its peak KV) and one shared host link "
              f"(`thoughtkv capacity`, simulator/serving.py); {table['duration_s'].iloc[0]:g} s of Poisson arrivals per "
              f"rate (a window of few request lifetimes overstates the knee: simulator/README.md, \"Finite windows\"); "
-             f"sustainable = {slo_text(tbt_slo_s, ttft_slo_s)}, nothing rejected. {priced_text(table)}.", ""]
+             f"sustainable = {slo_text(tbt_slo_s, ttft_slo_s)}, nothing rejected. Priced: {priced_text(table)} (every "
+             f"figure of this section).", ""]
     for stem in ("serving_frontier", "serving_goodput", "serving_tbt", "serving_knee"):
         paths = save_figure(drawn[stem], figures_dir, stem)
         written += paths
