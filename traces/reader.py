@@ -121,11 +121,6 @@ class TraceRun:
         """Read every part of every committed sample and check it against the manifest; first problem raises."""
         from tqdm import tqdm
 
-        recorded = [t for t in TABLES if t != "access" or self.has_access]
-        for table in recorded:  # the writer makes every table's folder before its first sample
-            if not table_dir(self.path, table).is_dir():
-                raise TraceFormatError(self.missing_table_text(table, [t for t in recorded
-                                                                       if list_parts(self.path, t)]))
         samples = self.samples()
         rows = samples.itertuples(index=False)
         for sample in tqdm(rows, total=len(samples), desc="validate", unit="sample", disable=not progress):
