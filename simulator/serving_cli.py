@@ -11,9 +11,9 @@ start at 0). Each request replays the run's sample nearest in (prompt, output) l
 prompt and output tokens (simulator/lengths.py: the same resampling as `--lengths`), so a 40k-token prompt costs
 a 40k-token prefill and its KV whatever the traced lengths were.
 
-Before it starts it prints its estimate (requests, tokens, time, memory: `estimate_serving`) and refuses one that
-would not fit in this machine's memory unless --allow-large; a window in which no request arrived is refused.
-After it, a row whose server fell behind gets one `warning: overloaded` line (`overload_line`).
+Before a large one starts it prints its estimate (requests, tokens, time, memory: `estimate_serving`) and refuses
+one that would not fit in this machine's memory unless --allow-large; a window in which no request arrived is
+refused. After it, a row whose server fell behind gets one `warning: overloaded` line (`overload_line`).
 
 Writes OUT/serving_summary.{parquet,csv} (one row per run x profile), OUT/serving_requests.parquet and
 OUT/serving_timeline.parquet (per iteration: running, waiting, HBM/DDR occupancy), once every case is served:
@@ -38,6 +38,7 @@ STOPPED_NOTE = "nothing was written (serve-sim writes its tables once every run 
 # (its record and row), ~400 B per iteration (its occupancy row) and ~48 B per token (its times).
 SECONDS_PER_ITERATION, SECONDS_PER_ITERATION_OP = 30e-6, 10e-6
 BYTES_PER_REQUEST, BYTES_PER_ITERATION, BYTES_PER_TOKEN = 3_000, 400, 48
+ESTIMATE_SHOWN_S, ESTIMATE_SHOWN_BYTES = 10.0, 2**30  # a smaller serving simulation starts without its estimate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,8 +102,13 @@ def run(args: argparse.Namespace) -> int:
     if args.timeline is not None and (args.timeline.is_dir() or not args.timeline.parent.is_dir()):
         raise ServingError(f"--timeline {args.timeline}: give a file name in an existing directory")
 
+    from simulator.tiers import tier_chain
+
+    for profile in profiles:  # an unknown --offload-tier fails before the estimate, in one line
+        tier_chain(profile, config.options.offload_tier)
     estimate = estimate_serving(args.run_dirs, profiles, config)
-    print(f"note: estimate: {estimate.text()}", file=sys.stderr, flush=True)
+    if estimate.seconds_low >= ESTIMATE_SHOWN_S or estimate.memory_bytes >= ESTIMATE_SHOWN_BYTES:
+        print(f"note: estimate: {estimate.text()}", file=sys.stderr, flush=True)
     if not args.allow_large:
         from simulator.synth import exceeded_limit
 
