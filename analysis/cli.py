@@ -29,9 +29,11 @@ def run(args: argparse.Namespace) -> int:
     from analysis.report import build_report
 
     if args.budget is not None:
-        from traces.policy import parse_budget
+        from traces.policy import PolicyError, parse_budget
 
         args.budget = parse_budget(args.budget, "--budget")
+        if args.budget > 1:  # the report's budgets are shares of the context (a token count would read as 700%)
+            raise PolicyError(f"--budget {args.budget:g}: give a fraction of the context in (0, 1], e.g. 0.3")
     if args.measured_profile is not None:
         from hwprofiles import ProfileError, load_profile
 

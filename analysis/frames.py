@@ -83,6 +83,18 @@ def add_method(frame: pd.DataFrame, show_scorer: bool | None = None) -> pd.DataF
     return frame
 
 
+def budget_text(budget: float) -> str:
+    """An HBM budget as labels write it: '30%' (a share of the context) or '512 tokens' (a count)."""
+    budget = float(budget)
+    return f"{budget:.0%}" if budget <= 1 else f"{budget:g} tokens"
+
+
+def with_budget(method: str, budget: float, is_full: bool) -> str:
+    """A method at one HBM budget, where no axis shows the budget (tables, serving figures): 'pure eviction @ 30%';
+    the full cache alone ('full cache': its budget is the whole context)."""
+    return method if is_full else f"{method} @ {budget_text(budget)}"
+
+
 def method_order(frame: pd.DataFrame) -> list[str]:
     """Methods in a stable legend order: full cache, pure eviction, then the rest by name."""
 

@@ -56,7 +56,28 @@ def classify_paths(run_paths: list[str | Path], sim_paths: list[str | Path]) -> 
         if not found:
             raise AnalysisInputError(f"--sim {path}: no results file (.parquet or .csv) there; pass what `thoughtkv simulate --out` wrote")
         inputs.sim_files.extend(found)
+    check_distinct_runs(inputs.runs)
     return inputs
+
+
+def check_distinct_runs(runs: list[TraceRun]) -> None:
+    """Refuse two runs that trace the same samples of one task with the same model and policy (a run given twice,
+    a copy with an edited version): the report pools runs of one method and budget (e.g. two seeds' shards), so
+    their accuracy would count each of those samples twice. One line names both and the shared samples."""
+    seen: dict[tuple, list[TraceRun]] = {}
+    for run in runs:
+        manifest = run.manifest
+        key = (manifest["model"]["id"], manifest["task"]["name"],
+               PolicySpec.from_manifest(manifest["policy"]).identity())
+        for other in seen.get(key, []):
+            shared = sorted(set(other.sample_ids()) & set(run.sample_ids()))
+            if run.path.resolve() == other.path.resolve():
+                raise AnalysisInputError(f"{run.path} is given twice: its accuracy would count twice; pass it once")
+            if shared:
+                raise AnalysisInputError(
+                    f"{run.path} and {other.path} trace the same {len(shared)} sample(s) (e.g. {shared[0]!r}) with "
+                    "the same model and policy: pooled, each would count twice in the accuracy; pass one of them")
+        seen.setdefault(key, []).append(run)
 
 
 def _add_run_path(path: Path, inputs: Inputs) -> None:

@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 
 from analysis import figures, frames, load, stats, tables
 from analysis.style import save_figure
+from hwprofiles.overhead_modes import MODE_TEXT
 from thoughtkv_base import UserError, __version__
 from traces import TraceRun
 from traces.stats import REFERENCE_ARCHITECTURE, bytes_text
@@ -50,6 +51,12 @@ class Data:
     budget: float | None  # the budget the breakdown and latency table single out
     measured_profile: str | None
     top_share: pd.DataFrame | None = None  # set by the importance figure, shown again as a table
+    priced: str = ""  # what every simulator row priced (priced_text), said once at the top of report.md
+
+    def priced_clause(self, rows: pd.DataFrame, lead: str = ", ") -> str:
+        """`lead` + what `rows` priced, for a caption; empty when that is what the report's opening says for all."""
+        text = priced_text(rows, self.run_table)
+        return "" if text == self.priced else f"{lead}{text}"
 
 
 @dataclass
@@ -223,6 +230,96 @@ def _rows_of(sim: pd.DataFrame, frame: pd.DataFrame) -> pd.DataFrame:
     return sim[sim["run_dir"].isin(frame["run_dir"]) & sim["profile"].isin(frame["profile"])]
 
 
+COINCIDE_REL = 0.005  # profiles whose every ms/token agrees within this share draw one line
+
+
+def coinciding_text(latency: pd.DataFrame) -> str:
+    """' The lines of N profiles coincide at X ms/token: ...why.' when several profiles project the same ms/token at
+    every (method, budget) (their lines and markers lie on top of each other), else ''. Why: under a host mode the
+    step takes the longer of the host and the GPU, and a host-bound step (overheads most of it) costs the same on
+    every GPU; otherwise their GPU times agree."""
+    if latency.empty or latency["profile"].nunique() < 2:
+        return ""
+    grid = latency.pivot_table(index="profile", columns=["method", "hbm_budget"], values="ms_per_token")
+    groups: list[list[str]] = []
+    for profile, row in grid.iterrows():
+        for group in groups:
+            reference = grid.loc[group[0]]
+            if np.allclose(row, reference, rtol=COINCIDE_REL, equal_nan=True):
+                group.append(profile)
+                break
+        else:
+            groups.append([profile])
+    largest = max(groups, key=len)
+    if len(largest) < 2:
+        return ""
+    rows = latency[latency["profile"].isin(largest)]
+    ms = float(rows["ms_per_token"].median())
+    overhead_share = float((rows["overhead_ms"] / rows["step_ms"]).median()) if "overhead_ms" in rows else 0.0
+    modes = ", ".join(sorted(rows["overhead_mode"].dropna().astype(str).unique())) or "the same overhead mode"
+    names = ", ".join(largest) if len(largest) <= 3 else f"{len(largest)} profiles"
+    if overhead_share > 0.5:
+        why = (f"under {modes} the step is host-bound ({overhead_share:.0%} of it is the host issuing ops at one cost "
+               "per op, whatever the GPU), so the GPUs cannot be told apart at these shapes; `--overhead-mode "
+               "kernel-only` or `--as-model` separates them")
+    else:
+        why = "their GPU times agree at these shapes (the same bound: compute, bandwidth or the link)"
+    return f" The lines of {names} coincide at {ms:.3g} ms/token (one colour and marker each, drawn on top of each " \
+           f"other): {why}."
+
+
+def summary_lines(data: Data) -> list[str]:
+    """The report's opening three lines: what was traced and simulated; the best accuracy below the full cache
+    with its traffic; what the simulator projects (or that it was not run)."""
+    lines = []
+    table = data.run_table
+    if table.empty:
+        lines.append("**Traced:** no trace run (simulator results only).")
+    else:
+        models = ", ".join(f"`{m}`" for m in sorted(table["model"].dropna().unique()))
+        tasks = ", ".join(sorted(table["task"].dropna().astype(str).unique()))
+        n = table["n_samples"]
+        samples = f"{int(n.min())}" if n.min() == n.max() else f"{int(n.min())}–{int(n.max())}"
+        simulated = f"; simulated on {plural(data.sim['profile'].nunique(), 'hardware profile')}" \
+            if not data.sim.empty else ""
+        lines.append(f"**Traced:** {plural(len(table), 'run')} of {models} on {tasks}, {samples} samples each"
+                     f"{simulated}.")
+    accuracy = frames.accuracy_frame(table) if not table.empty else pd.DataFrame()
+    if accuracy.empty:
+        lines.append("**Accuracy:** no scored sample.")
+    else:
+        pooled = frames.pooled_accuracy(accuracy)
+
+        def text(row) -> str:
+            return (f"{100 * row['accuracy']:.1f}% [{100 * row['ci_low']:.1f}–{100 * row['ci_high']:.1f}] "
+                    f"(n={int(row['n_scored'])})")
+
+        full = pooled[pooled["is_full"]]
+        parts = [f"full cache {text(full.iloc[0])}"] if not full.empty else []
+        others = pooled[~pooled["is_full"]].sort_values(["accuracy", "hbm_budget"], ascending=[False, True])
+        if not others.empty:
+            best = others.iloc[0]
+            runs = accuracy[(accuracy["method"] == best["method"]) & (accuracy["hbm_budget"] == best["hbm_budget"])]
+            parts.append(f"best below it {frames.with_budget(best['method'], best['hbm_budget'], False)} "
+                         f"{text(best)}, attending {runs['attended_frac'].mean():.0%} of the context, H2D "
+                         f"{bytes_text(runs['h2d_bytes_per_token_ref'].mean())}/token at {REFERENCE_ARCHITECTURE}")
+        lines.append(f"**Accuracy with its traffic:** {'; '.join(parts)} (Figure 2, the first table).")
+    latency = data.latency
+    if latency.empty:
+        lines.append("**Projected:** not simulated (`thoughtkv simulate RUN --all-profiles`, then pass its results).")
+    else:
+        focus = frames.focus_method(latency) or frames.FULL_LABEL
+        rows = latency[latency["method"] == focus]
+        budget = rows["hbm_budget"].min()
+        rows = rows[rows["hbm_budget"] == budget].sort_values("ms_per_token")
+        fastest, slowest = rows.iloc[0], rows.iloc[-1]
+        modes = ", ".join(sorted(latency["overhead_mode"].dropna().astype(str).unique()))
+        lines.append(f"**Projected** ({modes}; Figure 3): {frames.with_budget(focus, budget, bool(fastest['is_full']))} "
+                     f"{fastest['ms_per_token']:.3g} ms/token on {fastest['profile']} to "
+                     f"{slowest['ms_per_token']:.3g} ms/token on {slowest['profile']}.")
+    return lines
+
+
 def _zero_text(points: pd.DataFrame) -> str:
     """Figure 4 leaves 0%-accuracy points off the frontier (frames.pareto_frame); the caption says how many."""
     zero = int((points["accuracy"] == 0).sum())
@@ -246,10 +343,11 @@ def _projected_latency(data: Data) -> tuple[Figure, str]:
     breakdown = frames.breakdown_frame(latency, data.budget, focus)
     fastest, slowest = breakdown.iloc[0], breakdown.iloc[-1]
     caption = (
-        f"Projected ms/token vs HBM budget on {latency['profile'].nunique()} hardware profiles, "
-        f"{priced_text(latency, data.run_table)} ({_config_text(latency)}); right: where the time goes for {breakdown['method'].iloc[0]} at "
-        f"{breakdown['hbm_budget'].iloc[0]:.0%}, from {fastest['ms_per_token']:.3g} ms ({fastest['profile']}) to "
-        f"{slowest['ms_per_token']:.3g} ms ({slowest['profile']})."
+        f"Projected ms/token vs HBM budget on {latency['profile'].nunique()} hardware profiles"
+        f"{data.priced_clause(latency)} ({_config_text(latency)}); right: where the time goes for "
+        f"{breakdown['method'].iloc[0]} at {breakdown['hbm_budget'].iloc[0]:.0%}, from "
+        f"{fastest['ms_per_token']:.3g} ms ({fastest['profile']}) to {slowest['ms_per_token']:.3g} ms "
+        f"({slowest['profile']}).{coinciding_text(latency)}"
     )
     return figures.projected_latency(latency, breakdown, methods, link_stall_label(breakdown["profile"])), caption
 
@@ -277,9 +375,7 @@ def _config_text(latency: pd.DataFrame) -> str:
             f"{overheads_text(latency)}")
 
 
-OVERHEAD_MODE_TEXT = {"measured": "measured (calibrated on the machine)",
-                      "kernel-only": "kernel-only (no framework overhead: a bound no decode loop reaches)",
-                      "hf-eager": "hf-eager (datasheet + a cited transformers-eager launch estimate)"}
+OVERHEAD_MODE_TEXT = MODE_TEXT  # hwprofiles/overhead_modes.py: the one description of each mode
 
 
 def overheads_text(latency: pd.DataFrame) -> str:
@@ -298,11 +394,12 @@ def _pareto(data: Data) -> tuple[Figure, str]:
     if points.empty:
         raise Skip("no simulated run has a measured accuracy (need scored trace runs among RUN_DIRs)")
     frontier = points[points["on_frontier_latency"]].sort_values("ms_per_token")
-    names = ", ".join(f"{r.method} @ {r.hbm_budget:.0%} on {r.profile}" for r in frontier.head(3).itertuples())
+    names = ", ".join(f"{frames.with_budget(r.method, r.hbm_budget, r.is_full)} on {r.profile}"
+                      for r in frontier.head(3).itertuples())
     caption = (
         f"Accuracy vs projected latency ({plural(len(points), 'policy x profile point')}) and vs KV bytes in HBM per "
-        f"sequence, {priced_text(latency, data.run_table)}; the black step line is the Pareto frontier (fastest "
-        f"frontier points: {names}){_zero_text(points)}; {overheads_text(latency)}."
+        f"sequence{data.priced_clause(latency)}; the black step line is the Pareto frontier (fastest "
+        f"frontier points: {names}){_zero_text(points)}; {overheads_text(latency)}.{coinciding_text(latency)}"
     )
     return figures.pareto(points), caption
 
@@ -322,8 +419,8 @@ def _capacity(data: Data) -> tuple[Figure, str]:
     source = (f"throughput simulated with batched replays for {simulated} of {plural(len(capacity), 'point')}, elsewhere "
               "bounded by max sequences x single-sequence tokens/s" if simulated else
               "throughput is the bound max sequences x single-sequence tokens/s (no batched replays simulated)")
-    caption = (f"Max concurrent sequences (HBM and DDR limits) vs HBM budget for {method}, per profile{gain}, "
-               f"{priced_text(latency, data.run_table)}; {source}; {overheads_text(latency)}. A bound, not a served "
+    caption = (f"Max concurrent sequences (HBM and DDR limits) vs HBM budget for {method}, per profile{gain}"
+               f"{data.priced_clause(latency)}; {source}; {overheads_text(latency)}. A bound, not a served "
                f"capacity: requests as served (arrivals, queueing, one shared link, an SLO) are in the section "
                f"\"Capacity as served\" (`thoughtkv capacity`).")
     return figures.capacity(capacity, method), caption
@@ -360,8 +457,8 @@ def _sim_vs_measured(data: Data) -> tuple[Figure, str]:
     errors = stats.error_stats(frame["simulated_s"], frame["measured_s"])
     caption = (
         f"Simulated vs measured decode time per sample on the measured profile(s) {', '.join(sorted(frame['profile'].unique()))}: "
-        f"median |error| {errors['median_abs_rel_err']:.1%}, p95 {errors['p95_abs_rel_err']:.1%} (n={errors['n']}), "
-        f"{priced_text(_rows_of(data.sim, frame), data.run_table)}; {_trust_text(frame)}."
+        f"median |error| {errors['median_abs_rel_err']:.1%}, p95 {errors['p95_abs_rel_err']:.1%} (n={errors['n']})"
+        f"{data.priced_clause(_rows_of(data.sim, frame))}; {_trust_text(frame)}."
     )
     return figures.sim_vs_measured(frame, errors), caption
 
@@ -389,8 +486,8 @@ def _mass_lost(data: Data) -> tuple[Figure, str]:
     rho_text = (f"Spearman rho = {rho:.2f}" if np.isfinite(rho)
                 else "no rank correlation (fewer than 3 points, or accuracy or mass lost does not vary)")
     caption = (
-        f"Projected attention mass lost (evicted + not recalled, from what-if replays of the runs, "
-        f"{priced_text(data.sim[data.sim['result_kind'] == 'projected'], data.run_table)}) vs the measured accuracy "
+        f"Projected attention mass lost (evicted + not recalled, from what-if replays of the runs"
+        f"{data.priced_clause(data.sim[data.sim['result_kind'] == 'projected'])}) vs the measured accuracy "
         f"of the same policy, {plural(len(frame), 'policy', 'policies')}: {rho_text}."
     )
     return figures.mass_lost_vs_accuracy(frame, rho), caption
@@ -424,8 +521,8 @@ def _tables(data: Data) -> list[tuple[str, str, pd.DataFrame]]:
                         tables.display_completion(data.run_table)))
     if not data.latency.empty:
         budget = data.budget if data.budget is not None else _default_budget(data.latency)
-        out.append(("table_latency", f"Projected ms/token per profile (budget nearest {budget:.0%}), "
-                    f"{priced_text(data.latency, data.run_table)}",
+        out.append(("table_latency", f"Projected ms/token per profile (budget nearest {budget:.0%})"
+                    f"{data.priced_clause(data.latency)}",
                     tables.display_latency(tables.latency_table(data.latency, budget))))
     if data.top_share is not None and not data.top_share.empty:
         out.append(("table_importance", f"Share of attention mass held by the top {TOP_FRAC:.0%} of tokens, per layer",
@@ -435,8 +532,8 @@ def _tables(data: Data) -> list[tuple[str, str, pd.DataFrame]]:
     except Skip:
         pass
     else:
-        out.append(("table_sim_vs_measured", "Simulated vs measured time per sample: relative error, "
-                    f"{priced_text(_rows_of(data.sim, pairs), data.run_table)}",
+        out.append(("table_sim_vs_measured", "Simulated vs measured time per sample: relative error"
+                    f"{data.priced_clause(_rows_of(data.sim, pairs))}",
                     tables.display_sim_vs_measured(tables.sim_vs_measured_table(pairs))))
     return out
 
@@ -487,7 +584,8 @@ def build_report(
     run_table = load.run_table(inputs.runs)
     sim = load.align_run_dirs(load.load_sim_results(inputs.sim_files), [load.run_key(r) for r in inputs.runs])
     latency = frames.latency_frame(sim, run_table if not run_table.empty else None) if not sim.empty else pd.DataFrame()
-    data = Data(inputs.runs, run_table, sim, latency, budget, measured_profile)
+    data = Data(inputs.runs, run_table, sim, latency, budget, measured_profile,
+                priced=priced_text(sim, run_table) if not sim.empty else "")
     for line in host_warnings(sim):
         print(line, file=sys.stderr)  # printed even with --quiet: a comparison across machines is worth a line
 
@@ -517,7 +615,7 @@ def build_report(
 
     report_path = out_dir / REPORT_NAME
     out_dir.mkdir(parents=True, exist_ok=True)  # even when nothing could be drawn: the report says why
-    report_path.write_text(render_markdown(out_dir, entries, table_entries, inputs, run_table, sim))
+    report_path.write_text(render_markdown(out_dir, entries, table_entries, inputs, run_table, sim, summary_lines(data)))
     log(f"wrote {report_path}")
     written = [report_path, *(p for e in entries for p in e.paths), *(p for e in table_entries for p in e.paths)]
     for stale in replace_owned_files(out_dir, written):
@@ -565,9 +663,11 @@ def add_owned_files(out_dir: Path, paths: list[Path]) -> None:
 
 
 def render_markdown(out_dir: Path, entries: list[FigureEntry], table_entries: list[TableEntry], inputs: load.Inputs,
-                    run_table: pd.DataFrame, sim: pd.DataFrame) -> str:
+                    run_table: pd.DataFrame, sim: pd.DataFrame, summary: list[str] = ()) -> str:
     lines = [
         "# thoughtkv report",
+        "",
+        *(f"- {line}" for line in summary),
         "",
         f"Generated {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')} by thoughtkv {__version__} from "
         f"{len(inputs.runs)} trace run(s) and {len(inputs.sim_files)} simulator results file(s)"
@@ -581,7 +681,8 @@ def render_markdown(out_dir: Path, entries: list[FigureEntry], table_entries: li
                   "a small model's ms/token and concurrent sequences are not a 7B's (`thoughtkv simulate --as-model` "
                   "prices the same access pattern at another architecture's shapes).", ""]
     if not sim.empty:
-        lines += [f"Simulator results: {priced_text(sim, run_table)}.", ""]
+        lines += [f"Simulator results: {priced_text(sim, run_table)} (every projected figure and table below, "
+                  "unless its caption names other shapes).", ""]
     for number, entry in enumerate(entries, start=1):
         lines.append(f"## Figure {number}. {entry.title}")
         lines.append("")
@@ -616,7 +717,8 @@ def best_per_profile(latency: pd.DataFrame, max_accuracy_drop: float = 0.05) -> 
         # apart (the 5-point rule compares point estimates), and the summary says so instead of naming a winner.
         others = group[(group["method"] != best["method"]) | (group["hbm_budget"] != best["hbm_budget"])]
         overlapping = others[(others["ci_high"] >= best["ci_low"]) & (others["ci_low"] <= best["ci_high"])]
-        unseparated = [f"{r.method} @ {r.hbm_budget:.0%}" for r in overlapping.sort_values("ms_per_token").itertuples()]
+        unseparated = [frames.with_budget(r.method, r.hbm_budget, r.method == frames.FULL_LABEL)
+                       for r in overlapping.sort_values("ms_per_token").itertuples()]
         rows.append({"profile": profile, "method": best["method"], "hbm_budget": best["hbm_budget"],
                      "accuracy": best["accuracy"], "ci_low": best["ci_low"], "ci_high": best["ci_high"],
                      "ms_per_token": best["ms_per_token"], "n": best["n_scored"], "not_separated_from": unseparated,

@@ -36,39 +36,29 @@ FIGURE_STEMS = ("serving_goodput", "serving_tbt", "serving_knee", "serving_front
 DODGE = 0.04  # the frontier draws policies with the same rate this factor apart (x), for legibility
 LINK_BOUND_UTILISATION = 0.5  # at the knee, an H2D link busier than this is what limits the rate
 HBM_BOUND_OCCUPANCY = 0.9  # ... and HBM reserved beyond this share of its capacity
+ALONE_CONCURRENCY = 1.5  # at most this many requests running on average: a request's steps are (mostly) alone
 
 
 # ---------------------------------------------------------------- numbers --------------------------------------
 
 
-def policy_label(row) -> str:
-    """'full cache', 'evict h2o 30%', 'hierarchy 30%, recall ≤ 20%' (', evict 10%' when the hierarchy evicts)."""
-    policy = str(row["policy"])
-    if policy == "full":
-        return "full cache"
-    budget = float(row["hbm_budget"])
-    budget_text = f"{budget:.0%}" if budget <= 1 else f"{budget:g} tokens"
-    if policy == "evict":
-        return f"evict {row.get('scorer', '')} {budget_text}".replace("  ", " ")
-    from analysis.frames import recall_label
-
-    label = f"{policy} {budget_text}, {recall_label(row.get('recall_k'), row.get('recall_budget'), row.get('recall_rule'))}"
-    if float(row.get("evict_ratio") or 0) > 0:
-        label += f", evict {float(row['evict_ratio']):.0%}"
-    return label
-
-
 def run_info(run_dirs) -> pd.DataFrame:
-    """One row per trace run: its policy label, accuracy with 95% Wilson CI and traffic (analysis.load.run_row)."""
+    """One row per trace run: its label, accuracy with 95% Wilson CI and traffic (analysis.load.run_row).
+
+    The label is the report's (`frames.add_method`: a scorer, recall or model named when the runs shown differ in
+    it) at the run's budget, 'pure eviction @ 30%' (`frames.with_budget`), so that `plot` and `capacity` name the
+    same runs alike. Runs that still share a label (same knobs, e.g. two seeds) keep their own rates here, so
+    their directory names are added."""
+    from analysis.frames import add_method, with_budget
     from analysis.load import run_row
     from traces import open_run
 
-    rows = []
-    for run_dir in run_dirs:
-        row = run_row(open_run(run_dir))
-        row["label"] = policy_label(row)
-        rows.append(row)
-    return pd.DataFrame(rows)
+    info = add_method(pd.DataFrame([run_row(open_run(run_dir)) for run_dir in run_dirs]))
+    labels = [with_budget(m, b, f) for m, b, f in zip(info["method"], info["hbm_budget"], info["is_full"])]
+    for names in (info["run_label"], info["run_dir"]):  # the directory's name, else its whole path
+        shared = {label for label in labels if labels.count(label) > 1}
+        labels = [f"{label} ({name})" if label in shared else label for label, name in zip(labels, names)]
+    return info.assign(label=labels)
 
 
 def serving_table(results: pd.DataFrame, run_dirs, profiles=None) -> pd.DataFrame:
@@ -127,6 +117,7 @@ def capacity_table(table: pd.DataFrame, tbt_slo_s: float, ttft_slo_s: float | No
         knee = group[group["rate_per_s"] == low].iloc[0] if low is not None else group.iloc[0]
         beyond = group[group["rate_per_s"] == high].iloc[0] if high is not None else None
         first = group.iloc[0]
+        alone = alone_failure(beyond, tbt_slo_s, ttft_slo_s) if low is None else None
         rows.append({
             "run_dir": run_dir, "profile": profile, "label": first["label"], "policy": first["policy"],
             "hbm_budget": first["hbm_budget"], "max_rate_per_s": low, "first_failing_rate_per_s": high,
@@ -134,7 +125,9 @@ def capacity_table(table: pd.DataFrame, tbt_slo_s: float, ttft_slo_s: float | No
             "knee_link_util_h2d": knee["link_util_h2d"], "knee_hbm_occupancy": knee["hbm_occupancy"],
             "knee_hbm_occupancy_peak": knee["hbm_occupancy_peak"], "knee_mean_concurrency": knee["mean_concurrency"],
             "knee_throughput_tokens_per_s": knee["throughput_tokens_per_s"],
-            "limit": limit(beyond if beyond is not None else knee, tbt_slo_s, ttft_slo_s, beyond is None),
+            "limit": f"SLO out of reach: {alone}" if alone else
+            limit(beyond if beyond is not None else knee, tbt_slo_s, ttft_slo_s, beyond is None),
+            "no_rate_meets_slo": alone is not None,
             "h2d_bytes_per_token_served": knee["h2d_bytes_per_token_served"],
             **{c: first[c] for c in ("n_scored", "n_correct", "accuracy", "ci_low", "ci_high", "attended_frac",
                                      "model", "as_model", "lengths", "overhead_mode", "host_term", "transfer",
@@ -159,6 +152,27 @@ def limit(row, tbt_slo_s: float, ttft_slo_s: float | None, never_failed: bool) -
     if row["n_rejected"] > 0:
         return "requests larger than HBM"
     return "batch limit" if row["max_concurrency"] >= row["max_batch"] else "queueing"
+
+
+def alone_failure(row, tbt_slo_s: float, ttft_slo_s: float | None) -> str | None:
+    """Why no rate can meet the SLO, read at a failing rate where requests rarely overlapped (mean concurrency
+    <= ALONE_CONCURRENCY): a step's time only grows with the batch, so when even the median token (or first
+    token) there misses the SLO, no lower rate can meet a p99 bound: 'one request alone takes ~9.1 ms between
+    tokens'. None when requests overlapped more, none arrived, or the median met the SLO."""
+    if row["n_requests"] < 1 or row["mean_concurrency"] > ALONE_CONCURRENCY:
+        return None
+    at = f"p50 at {row['rate_per_s']:g} req/s, mean concurrency {row['mean_concurrency']:.2g}"
+    if row["n_rejected"] >= row["n_requests"]:
+        return "one request alone does not fit in HBM"
+    if row["tbt_p50_s"] > tbt_slo_s:
+        return f"one request alone takes ~{_duration(row['tbt_p50_s'])} between tokens ({at})"
+    if ttft_slo_s is not None and row["ttft_p50_s"] > ttft_slo_s:
+        return f"one request alone takes ~{_duration(row['ttft_p50_s'])} to its first token ({at})"
+    return None
+
+
+def _duration(seconds: float) -> str:
+    return f"{1e3 * seconds:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
 def rate_text(value) -> str:
@@ -252,7 +266,7 @@ def _rate_axis(ax, profile: str) -> None:
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(_plain())
     ax.xaxis.set_minor_formatter(_plain(minor=True))
-    ax.set_title(profile)
+    ax.set_title(_wrapped(profile))
     ax.set_xlabel("arrival rate (requests/s)")
 
 
@@ -293,7 +307,7 @@ def knee_figure(capacity: pd.DataFrame) -> Figure:
                    hatch=HATCHES[k % len(HATCHES)], edgecolor="0.2", linewidth=0.4)
             if column == "knee_hbm_occupancy_peak":
                 ax.scatter(x, rows["knee_hbm_occupancy"], marker="_", s=60, color="black", zorder=3)
-        ax.set_xticks(range(len(profiles)), profiles)
+        ax.set_xticks(range(len(profiles)), [_wrapped(p, 18) for p in profiles])
         ax.set_ylim(0, 1.05)
         ax.yaxis.set_major_formatter(_percent())
         ax.set_title(title, fontsize=8)
@@ -302,20 +316,34 @@ def knee_figure(capacity: pd.DataFrame) -> Figure:
     return figure
 
 
+def _wrapped(name: str, width: int = 32) -> str:
+    """A profile name on lines of at most `width` characters (a file's name, 'h100-pcie (file hw2/...)', is long)."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(name, width)) or name
+
+
 def _percent():
     from matplotlib.ticker import PercentFormatter
 
     return PercentFormatter(xmax=1.0, decimals=0)
 
 
+LABEL_COLUMN_X = 0.74  # the frontier's traffic labels start here (axes fraction); every point lies left of it
+LABEL_GAP = 11.0  # accuracy points between two labels' anchors (two lines of 5 pt text)
+
+
 @styled
 def frontier_figure(capacity: pd.DataFrame) -> Figure:
-    """Per profile: every policy at (max sustainable rate, accuracy [95% CI]), labelled with its traffic."""
+    """Per profile: every policy at (max sustainable rate, accuracy [95% CI]), labelled with its traffic.
+
+    The labels stand in a column right of every point (x limits chosen so that the points end before
+    LABEL_COLUMN_X), at their points' accuracies spread LABEL_GAP apart, each joined to its point by a thin
+    line: no label lies on an error bar however the rates and intervals fall."""
     figure, axes = _panels(capacity, height_scale=1.25, sharex=True)
     labels = _labels(capacity)
     plotted = set()  # the rates drawn, for the shared x range
-    low_labels = {profile: list(group.sort_values("max_rate_per_s")["label"])
-                  for profile, group in capacity[capacity["accuracy"] < 0.15].groupby("profile")}
+    notes: dict[str, list[tuple[float, float, str, str]]] = {p: [] for p in axes}  # (accuracy, rate, text, colour)
     for k, label in enumerate(labels):
         style = series_style(k)
         dodge = 1.0 + DODGE * (k - (len(labels) - 1) / 2)  # policies at one rate stay apart
@@ -333,24 +361,41 @@ def frontier_figure(capacity: pd.DataFrame) -> Figure:
                         color=style["color"], marker=style["marker"], linestyle="none", capsize=2, label=label,
                         markerfacecolor="none" if row["first_failing_rate_per_s"] is None or
                         pd.isna(row["first_failing_rate_per_s"]) else style["color"])
-            traffic = (f"{max_rate_text(row)}/s, att {row['attended_frac']:.0%}\n"
-                       f"H2D {bytes_text(row['h2d_bytes_per_token_served'] or 0)}/tok")
-            # points near the axis: alternately below and above them (by rate), the others labelled beside
-            low = low_labels.get(profile, [])
-            offset = (5, 2 - 10 * (k % 2)) if label not in low else (-12, -20 if low.index(label) % 2 == 0 else 8)
-            ax.annotate(traffic, (rate, accuracy), textcoords="offset points", fontsize=5.5, color=style["color"],
-                        xytext=offset)
+            notes[profile].append((accuracy, rate, f"{max_rate_text(row)}/s, att {row['attended_frac']:.0%}\n"
+                                   f"H2D {bytes_text(row['h2d_bytes_per_token_served'] or 0)}/tok", style["color"]))
+    low, high = min(plotted) / 1.6, max(plotted) * (1 + DODGE * len(labels)) * 1.15
+    x_max = low * (high / low) ** (1 / (LABEL_COLUMN_X - 0.04))  # the points end left of the label column
     for profile, ax in axes.items():
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(_plain())
         ax.xaxis.set_minor_formatter(_plain(minor=True))
-        ax.set_xlim(min(plotted) / 1.6, max(plotted) * 2.2)  # room for the traffic labels
+        ax.set_xlim(low, x_max)
         ax.set_ylim(-16, 112)
-        ax.set_title(profile)
+        column_x = low * (x_max / low) ** (LABEL_COLUMN_X - 0.02)
+        ax.axvspan(column_x, x_max, color="0.96", zorder=0, linewidth=0)  # the labels' column
+        ax.set_title(_wrapped(profile))
         ax.set_xlabel("max sustainable rate (requests/s)")
+        for (accuracy, rate, text, color), y in zip(sorted(notes[profile]), _spread([a for a, *_ in
+                                                                                     sorted(notes[profile])])):
+            ax.annotate(text, (rate, accuracy), xytext=(LABEL_COLUMN_X, y), textcoords=("axes fraction", "data"),
+                        fontsize=5.0, color=color, va="center", ha="left",
+                        arrowprops=dict(arrowstyle="-", color=color, linewidth=0.4, alpha=0.5, shrinkA=0, shrinkB=2))
     next(iter(axes.values())).set_ylabel("accuracy (%), 95% CI")
     _legend(figure, axes)
     return figure
+
+
+def _spread(values: list[float], low: float = -12.0, high: float = 108.0, gap: float = LABEL_GAP) -> list[float]:
+    """Sorted `values` moved apart to at least `gap` each, within [low, high] where they fit (label anchors)."""
+    out = [max(low, v) for v in values]
+    for i in range(1, len(out)):
+        out[i] = max(out[i], out[i - 1] + gap)
+    overflow = out[-1] - high if out else 0.0
+    if overflow > 0:  # shift down, then keep the gaps from the top
+        out[-1] = high
+        for i in range(len(out) - 2, -1, -1):
+            out[i] = min(out[i], out[i + 1] - gap)
+    return out
 
 
 # ---------------------------------------------------------------- the report section ---------------------------
@@ -377,23 +422,25 @@ def slo_text(tbt_slo_s: float, ttft_slo_s: float | None) -> str:
 
 
 def captions(table: pd.DataFrame, capacity: pd.DataFrame, tbt_slo_s: float, ttft_slo_s: float | None) -> dict:
-    priced = priced_text(table)
+    """Each serving figure's caption. What was priced (model shapes, lengths, overheads: `priced_text`) is said once,
+    in the section's opening paragraph, not in every caption."""
     slo = slo_text(tbt_slo_s, ttft_slo_s)
     return {
         "serving_goodput": f"Goodput (tokens/s of requests whose mean TBT ≤ {1e3 * tbt_slo_s:g} ms"
                            f"{'' if ttft_slo_s is None else f' and TTFT ≤ {ttft_slo_s:g} s'}) vs Poisson arrival rate, "
-                           f"per policy and profile; {priced}.",
-        "serving_tbt": f"Time between tokens vs arrival rate: p99 (solid) and p50 (dotted), the SLO dashed; TBT "
-                       f"grows with the batch (every running request's KV read per iteration) and with the link's "
-                       f"queue (recalls); {priced}.",
+                           f"per policy and profile.",
+        "serving_tbt": "Time between tokens vs arrival rate: p99 (solid) and p50 (dotted), the SLO dashed; TBT "
+                       "grows with the batch (every running request's KV read per iteration) and with the link's "
+                       "queue (recalls).",
         "serving_knee": f"At each policy's max sustainable rate ({slo}): H2D link utilisation and mean HBM occupancy "
                         f"(weights + reserved KV, share of capacity). A busy link says the link limits the "
-                        f"hierarchy; a full HBM says capacity limits the cache; {priced}.",
+                        f"hierarchy; a full HBM says capacity limits the cache.",
         "serving_frontier": f"The serving frontier: per profile, every policy at (max arrival rate with {slo}, "
                             f"accuracy with its 95% Wilson interval from the traces), labelled with its traffic "
-                            f"(attended share of the context; H2D bytes per generated token as served); hollow: no "
-                            f"swept rate failed; policies at one rate are dodged apart by a few percent. Which policy wins where and why: {winners_text(capacity)}. "
-                            f"{priced}.",
+                            f"(attended share of the context; H2D bytes per generated token as served) in the "
+                            f"shaded column, each label joined to its point; hollow: no swept rate failed; policies "
+                            f"at one rate are dodged apart by a few percent. Which policy wins where and why: "
+                            f"{winners_text(capacity)}.",
     }
 
 
@@ -418,7 +465,8 @@ def write_serving_section(table: pd.DataFrame, capacity: pd.DataFrame, report_di
              f"Continuous batching with HBM admission (each request reserves its peak KV) and one shared host link "
              f"(`thoughtkv capacity`, simulator/serving.py); {table['duration_s'].iloc[0]:g} s of Poisson arrivals per "
              f"rate (a window of few request lifetimes overstates the knee: simulator/README.md, \"Finite windows\"); "
-             f"sustainable = {slo_text(tbt_slo_s, ttft_slo_s)}, nothing rejected. {priced_text(table)}.", ""]
+             f"sustainable = {slo_text(tbt_slo_s, ttft_slo_s)}, nothing rejected. Priced: {priced_text(table)} (every "
+             f"figure of this section).", ""]
     for stem in ("serving_frontier", "serving_goodput", "serving_tbt", "serving_knee"):
         paths = save_figure(drawn[stem], figures_dir, stem)
         written += paths

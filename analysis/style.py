@@ -16,8 +16,11 @@ matplotlib.use("Agg")  # files only; never open a window (CI, SSH, the demo)
 
 from matplotlib.figure import Figure  # noqa: E402  (after the backend choice)
 
-# Okabe & Ito (2008) palette, black first; distinct in colour-blind vision and mostly distinct in grey.
-COLORS = ["#000000", "#E69F00", "#0072B2", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442"]
+# Okabe & Ito (2008) palette, black first; distinct in colour-blind vision and mostly distinct in grey. Then eight
+# more of Paul Tol's (muted: indigo, wine, green, olive, purple, sand, rose; and a brown), so that the 14+ hardware
+# profiles of a report each get their own colour (markers and line styles still tell them apart in grey).
+COLORS = ["#000000", "#E69F00", "#0072B2", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442",
+          "#332288", "#882255", "#117733", "#999933", "#AA4499", "#8C564B", "#DDCC77", "#CC6677"]
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "p", "h", "d", "8"]  # 14 shapes: a dozen profiles stay apart
 LINESTYLES = ["-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (1, 1)), (0, (5, 5))]
 HATCHES = ["", "///", "...", "xxx", "\\\\\\", "+++", "ooo"]

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import stats
-from analysis.frames import focus_method, method_order, pooled_accuracy
+from analysis.frames import focus_method, method_order, pooled_accuracy, with_budget
 from traces.stats import REFERENCE_ARCHITECTURE, bytes_text
 
 # Traffic columns of a run row (`analysis.load.run_row`, from traces.stats.traffic_summary) and the weight that
@@ -101,7 +101,7 @@ def latency_table(latency: pd.DataFrame, hbm_budget: float, stall_method: str | 
         rows = latency[latency["method"] == method]
         nearest = rows["hbm_budget"].iloc[(rows["hbm_budget"] - hbm_budget).abs().argmin()]
         rows = rows[np.isclose(rows["hbm_budget"], nearest)]
-        name = method if rows["is_full"].all() else f"{method} @ {nearest:.0%}"
+        name = with_budget(method, nearest, bool(rows["is_full"].all()))
         columns[f"{name} (ms/token)"] = rows.groupby("profile")["ms_per_token"].mean()
         if method == stall_method:
             stall_column = f"link stall share, {name}"

@@ -144,10 +144,16 @@ def _single(name: str, paths: list[Path]) -> Path:
     return paths[0]
 
 
+def is_path(name_or_path: str | Path) -> bool:
+    """A --profile value that names a file (a .yaml name or a path), not a profile to search for."""
+    text = str(name_or_path)
+    return text.endswith(YAML_SUFFIXES) or "/" in text or "\\" in text
+
+
 def profile_file(name_or_path: str | Path, profiles_dir: str | Path | None = None) -> Path:
     """The file `load_profile` reads for a name (searched in `profiles_dir`, shipped, measured) or a path."""
     text = str(name_or_path)
-    if text.endswith(YAML_SUFFIXES) or "/" in text or "\\" in text:
+    if is_path(text):
         return Path(text)
     by_name = _profile_files(search_dirs(profiles_dir))
     if text not in by_name:
@@ -157,8 +163,25 @@ def profile_file(name_or_path: str | Path, profiles_dir: str | Path | None = Non
 
 
 def load_profile(name_or_path: str | Path, profiles_dir: str | Path | None = None) -> HardwareProfile:
-    """A profile by name (searched in `profiles_dir`, shipped, measured) or by path to a .yaml file."""
-    return load_profile_file(profile_file(name_or_path, profiles_dir))
+    """A profile by name (searched in `profiles_dir`, shipped, measured) or by path to a .yaml file.
+
+    A file given by path that keeps the name of a profile found by name but differs from it (an edited copy,
+    hw2/h100-pcie.yaml) is named after its file, `h100-pcie (file hw2/h100-pcie.yaml)` (`file_label`): results
+    say which hardware they were simulated on, and never replace the rows of the profile it was copied from."""
+    path = profile_file(name_or_path, profiles_dir)
+    profile = load_profile_file(path)
+    if is_path(name_or_path):  # given as a file, not found by name
+        known = _profile_files(search_dirs(profiles_dir)).get(profile.name, [])
+        if known and not any(k.resolve() == path.resolve() or k.read_bytes() == path.read_bytes() for k in known):
+            from dataclasses import replace
+
+            profile = replace(profile, name=file_label(profile.name, name_or_path))
+    return profile
+
+
+def file_label(name: str, path: str | Path) -> str:
+    """The name results give a profile file that shadows a profile of the same name (see `load_profile`)."""
+    return f"{name} (file {path})"
 
 
 def list_profiles(profiles_dir: str | Path | None = None) -> list[HardwareProfile]:
@@ -178,11 +201,23 @@ def contention_note(profile: HardwareProfile) -> str | None:
             "CPUs): its timings are slower than the machine")
 
 
+EXAMPLE_PREFIX = "example-"  # a shipped example of a profile kind (hwprofiles/measured/README.md), no real machine
+
+
+def left_out_reason(profile: HardwareProfile) -> str | None:
+    """Why `--all-profiles` leaves a profile out (a user names it to use it anyway): an example's name starts
+    with EXAMPLE_PREFIX (it is another machine, shown for what a measured profile holds), or it was calibrated
+    under contention (`contention_note`); None for the profiles it means."""
+    if profile.name.startswith(EXAMPLE_PREFIX):
+        return "an example, not this machine"
+    return "calibrated under CPU contention" if contention_note(profile) is not None else None
+
+
 def default_profiles(profiles_dir: str | Path | None = None) -> tuple[list[HardwareProfile], list[str]]:
-    """The set `--all-profiles` (and a sweep's `profiles: all`) means: every profile but those calibrated under
-    contention, which a user names explicitly to use; returns (profiles, the names left out). A quiet machine
-    cannot be promised where profiles are calibrated (shared CI boxes), so the contended mark, recorded by
-    calibrate itself, decides rather than a recalibration."""
+    """The set `--all-profiles` (and a sweep's `profiles: all`) means: every profile but examples and those
+    calibrated under contention (`left_out_reason`), which a user names explicitly to use; returns (profiles,
+    the names left out). A quiet machine cannot be promised where profiles are calibrated (shared CI boxes),
+    so the contended mark, recorded by calibrate itself, decides rather than a recalibration."""
     profiles = list_profiles(profiles_dir)
-    left_out = [p.name for p in profiles if contention_note(p) is not None]
+    left_out = [p.name for p in profiles if left_out_reason(p) is not None]
     return [p for p in profiles if p.name not in left_out], left_out

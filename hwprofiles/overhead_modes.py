@@ -30,6 +30,11 @@ GPU_TIME_MODE = "cuda-graphs"  # whose decode_hbm_fraction every host mode's GPU
 CITED = "cited"
 MODES_DIR = Path(__file__).resolve().parent / "overheads"
 BASE_EFFICIENCY_KEY = "hbm_efficiency_before_mode"  # provenance: the profile's own efficiency, before a mode
+# Each mode in a few words, for tables and captions (the module docstring says more).
+MODE_TEXT = {"measured": "measured (calibrated on the machine)",
+             "kernel-only": "kernel-only (no framework overhead: a bound no decode loop reaches)",
+             "hf-eager": "hf-eager (datasheet + a cited transformers-eager launch estimate)",
+             "cuda-graphs": "cuda-graphs (one launch per captured step)"}
 
 
 @cache

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from hwprofiles import load_profile
-    from hwprofiles.loader import contention_note, default_profiles
+    from hwprofiles.loader import contention_note, default_profiles, left_out_reason
     from simulator.engine import Timeline
     from simulator.simulate import simulate_run
     from traces.reader import open_run
@@ -63,8 +63,9 @@ def run(args: argparse.Namespace) -> int:
     if args.all_profiles:
         profiles, left_out = default_profiles()
         if left_out:
-            print(f"note: --all-profiles leaves out {', '.join(left_out)}, calibrated under CPU contention; name "
-                  "it with --profile to use it anyway", file=sys.stderr)
+            reasons = ", ".join(f"{name} ({left_out_reason(load_profile(name))})" for name in left_out)
+            print(f"note: --all-profiles leaves out {reasons}; name one with --profile to use it anyway",
+                  file=sys.stderr)
     else:
         profiles = [load_profile(name) for name in args.profile]
         for profile in profiles:
@@ -78,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
             _read_existing(out / name)
     if args.timeline is not None:
         _check_writable_file(args.timeline, "--timeline")
+    if len(run_.samples()) and (run_.samples()["generated_tokens"] <= 1).all():  # every sample ended at its prefill
+        print(f"warning: {args.run_dir} has no decode step (every sample ended at its prefill): ms/token shows "
+              "the prefill's time and tokens/s is undefined (nan)", file=sys.stderr)
 
     timeline = Timeline() if args.timeline is not None else None
     results, written = [], []
@@ -191,9 +195,18 @@ def _with_option_defaults(old):
 
 
 def table_lines(summaries: list[dict]) -> list[str]:
-    header = (f"{'profile':<16} {'kind':<9} {'overheads (host term)':<24} {'engine':<6} {'ms/token':>9} "
+    """The printed table: a line naming the overhead modes charged (ms/token differs ~100x between kernel-only
+    and hf-eager for a small model), then one row per profile, the profile column as wide as its longest name."""
+    from hwprofiles.overhead_modes import MODE_TEXT
+
+    width = max([16, *(len(str(s["profile"])) + 1 for s in summaries)])
+    modes = sorted({str(s["overhead_mode"]) for s in summaries})
+    note = "; ".join(MODE_TEXT.get(m, m) for m in modes)
+    if "kernel-only" in modes:  # the datasheet profiles' default, and not what the demo charges
+        note += "; --overhead-mode hf-eager charges a transformers eager loop (what `thoughtkv demo` charges)"
+    header = (f"{'profile':<{width}} {'kind':<9} {'overheads (host term)':<24} {'engine':<6} {'ms/token':>9} "
               f"{'tokens/s':>9} {'stall %':>7} {'peak HBM GB':>11} {'max conc. policy/full':>21}  flags")
-    lines = [header, "-" * len(header)]
+    lines = [f"overheads charged: {note}", header, "-" * len(header)]
     for s in summaries:
         flags = []
         if s["hbm_overflow"]:
@@ -205,7 +218,7 @@ def table_lines(summaries: list[dict]) -> list[str]:
         concurrency = f"{s['max_concurrency_policy']}/{s['max_concurrency_full']}"
         overheads = f"{s['overhead_mode']} ({s['host_term']})"
         lines.append(
-            f"{s['profile']:<16} {s['result_kind']:<9} {overheads:<24} {s['engine']:<6} {s['ms_per_token']:>9.3f} "
+            f"{s['profile']:<{width}} {s['result_kind']:<9} {overheads:<24} {s['engine']:<6} {s['ms_per_token']:>9.3f} "
             f"{s['tokens_per_s']:>9.1f} {100 * s['link_stall_frac']:>7.1f} {s['peak_hbm_bytes'] / 1e9:>11.2f} "
             f"{concurrency:>21}  {' '.join(flags)}"
         )

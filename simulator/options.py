@@ -42,6 +42,9 @@ RECALL_MODES = ("share", "count")  # --recalls under a --context-scale (simulato
 # The request-length models of simulator.lengths.LENGTH_MODELS (names only, for the same reason; a test keeps
 # them equal).
 LENGTH_MODELS = ("r1-7b/gsm8k", "r1-7b/math-500", "r1-7b/aime")
+# The TTFT bound of serving's SLO (goodput, SLO attainment, capacity's sustainable rate): without one, an
+# overloaded server whose admission caps the batch keeps its TBT while its queue grows without bound.
+DEFAULT_TTFT_SLO_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -176,14 +179,17 @@ class ServingConfig:
     max_batch: int = field(default=64, metadata={"help": "most requests in one decode iteration", "metavar": "N"})
     tbt_slo_s: float = field(default=0.1, metadata={"help": "goodput: a request is good if its mean time between "
                                                             "tokens is at most this many seconds", "metavar": "S"})
-    ttft_slo_s: float | None = field(default=None, metadata={
-        "help": "goodput: ... and its time to first token at most this many seconds", "type": float, "metavar": "S"})
+    ttft_slo_s: float | None = field(default=DEFAULT_TTFT_SLO_S, metadata={
+        "help": "goodput and SLO attainment: ... and its time to first token at most this many seconds (a queue "
+                "bound: an overloaded server's TBT can stay low while its queue, and so TTFT, grows; capacity's "
+                "sustainable rate needs it too)", "type": float, "metavar": "S"})
     seed: int = field(default=0, metadata={"help": "seed of the Poisson arrivals and of the sample each request "
                                                    "replays"})
     arrivals_csv: str | None = field(default=None, metadata={
         "help": "arrival trace instead of Poisson arrivals: a CSV with columns arrival_s,prompt_tokens,"
-                "output_tokens (seconds), or the Azure LLM trace's TIMESTAMP,ContextTokens,GeneratedTokens", "type": str,
-        "metavar": "CSV"})
+                "output_tokens (seconds), or the Azure LLM trace's TIMESTAMP,ContextTokens,GeneratedTokens; each "
+                "request replays the traced sample nearest in length, resampled to the CSV's prompt and output "
+                "tokens (as --lengths resamples; simulator/lengths.py)", "type": str, "metavar": "CSV"})
     lengths: str | None = field(default=None, metadata={
         "help": "draw each Poisson request's prompt and output tokens from a cited length model of R1-distill "
                 "reasoning (simulator/lengths.py); each request replays a traced sample resampled to its length",

@@ -8,8 +8,9 @@ host link; each request replays a traced sample, so its per-step recall/offload 
 
 The model (SimPy; the engine's hardware, engine.py, and cost model, costs.py):
 - `arrivals`: requests arrive (Poisson at `rate_per_s` during `duration_s`, or the rows of an arrival CSV, see
-  `load_arrivals_csv`) and wait in one FCFS admission queue. Each replays a traced sample: Poisson picks one
-  uniformly (seeded), a CSV row the nearest in (prompt, output) length.
+  `lengths.read_arrivals_csv`) and wait in one FCFS admission queue. Each replays a traced sample: Poisson picks
+  one uniformly (seeded); a CSV row the nearest in (prompt, output) length, resampled to the row's own lengths
+  (simulator/lengths.py, as `--lengths` resamples its classes).
 - `batch_loop` (holds the engine's GPU Resource per iteration): before every iteration it admits waiting
   requests in order while (a) fewer than `max_batch` run, (b) HBM holds weights + the reserved KV of every
   running request, where a request reserves its sample's peak HBM KV bytes (resident + recall buffers,
@@ -53,6 +54,7 @@ from hwprofiles.overhead_modes import apply_mode, mode_of
 from simulator import costs
 from simulator.engine import Hardware, Timeline
 from simulator.errors import ServingError
+from simulator.lengths import RequestTrace, csv_classes, read_arrivals_csv
 from simulator.mechanisms import (
     DEFAULT_MECHANISM,
     LOAD_FIELDS,
@@ -166,11 +168,13 @@ def sample_work(steps: pd.DataFrame, sample: pd.Series, shape: costs.ModelShape,
 
 def load_run_work(run_dir: str | Path, profile: HardwareProfile, tier: str = "ddr",
                   transfer: str = DEFAULT_MECHANISM, projection: Projection | None = None,
-                  lengths: str | None = None, seed: int = 0) -> tuple[dict, costs.ModelShape, list[SampleWork]]:
+                  lengths: str | None = None, seed: int = 0,
+                  classes: list[tuple[int, int, int]] | None = None) -> tuple[dict, costs.ModelShape, list[SampleWork]]:
     """The run's manifest, the shape its work is costed on and its samples as SampleWork, costed on `profile` as
     given (the caller picks the policy's overheads: simulate_serving): every committed sample, or with a length
     model (`lengths`, simulator/lengths.py) one work per length class, each a sample drawn with `seed`
-    resampled to the class's (prompt, output) tokens. `projection` prices them on another architecture."""
+    resampled to the class's (prompt, output) tokens, or one work per (sample index, prompt, output) of
+    `classes` (an arrival CSV's lengths: lengths.csv_classes). `projection` prices them on another architecture."""
     from simulator.workload import STEP_COLUMNS
 
     run = open_run(run_dir)
@@ -181,16 +185,18 @@ def load_run_work(run_dir: str | Path, profile: HardwareProfile, tier: str = "dd
         raise ServingError(f"{run_dir}: the run has no committed samples; trace or synthesise some first")
     steps = run.steps(columns=["sample_id", *STEP_COLUMNS])
     by_sample = dict(tuple(steps.groupby("sample_id", sort=False)))
-    if lengths is None:
+    if lengths is not None:
+        from simulator.lengths import length_model
+
+        sizes = length_model(lengths).classes()
+        picks = np.random.default_rng([seed, 1]).integers(0, len(samples), size=len(sizes))
+        classes = [(int(i), prompt, output) for i, (prompt, output) in zip(picks, sizes)]
+    if classes is None:
         works = [sample_work(by_sample[row.sample_id], row, shape, profile, tier, transfer, projection)
                  for _, row in samples.iterrows()]
     else:
-        from simulator.lengths import length_model
-
-        classes = length_model(lengths).classes()
-        picks = np.random.default_rng([seed, 1]).integers(0, len(samples), size=len(classes))
         works = [sample_work(by_sample[samples.iloc[i]["sample_id"]], samples.iloc[i], shape, profile, tier, transfer,
-                             projection, lengths=size) for i, size in zip(picks, classes)]
+                             projection, lengths=(prompt, output)) for i, prompt, output in classes]
     return run.manifest, (projection.shape if projection is not None else shape), works
 
 
@@ -216,83 +222,11 @@ def poisson_arrivals(rate_per_s: float, duration_s: float, works: list[SampleWor
     return [Arrival(float(t), int(i), works[i].n_steps) for t, i in zip(times, picks)]
 
 
-# Column names accepted for an arrival CSV: ours, and those of the Azure LLM inference traces released with
-# Splitwise (Azure Public Dataset, AzureLLMInferenceTrace_2023/2024: TIMESTAMP,ContextTokens,GeneratedTokens).
-CSV_COLUMNS = {
-    "arrival_s": ("arrival_s", "TIMESTAMP", "timestamp"),
-    "prompt_tokens": ("prompt_tokens", "ContextTokens", "input_tokens"),
-    "output_tokens": ("output_tokens", "GeneratedTokens", "generated_tokens"),
-}
-
-
-def load_arrivals_csv(path: str | Path, works: list[SampleWork]) -> list[Arrival]:
-    """Arrivals from a CSV: arrival time (seconds, or timestamps as in the Azure trace; shifted to start at 0),
-    prompt tokens and output tokens per request.
-
-    Each request replays the traced sample closest to it (|prompt - P| + |output - O| smallest), truncated to
-    its output tokens; a request asking for more tokens than any sample generated replays the whole sample
-    (its `n_steps` says how many tokens were simulated).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ServingError(f"arrival file {path} not found; pass an existing CSV")
-    try:
-        frame = pd.read_csv(path)
-    except pd.errors.EmptyDataError:
-        raise ServingError(f"{path}: empty; write a header arrival_s,prompt_tokens,output_tokens and one row per "
-                           "request") from None
-    except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as exc:
-        raise ServingError(f"{path}: not a readable CSV ({str(exc).splitlines()[0][:120]}); fix the file") from None
-    picked = {}
-    for ours, names in CSV_COLUMNS.items():
-        found = [n for n in names if n in frame.columns]
-        if not found:
-            raise ServingError(f"{path}: no column for {ours} (one of {', '.join(names)}); add it")
-        picked[ours] = frame[found[0]]
-    if frame.empty:
-        raise ServingError(f"{path}: a header but no requests; add one row per request")
-    times = picked["arrival_s"]
-    if not pd.api.types.is_numeric_dtype(times):
-        try:
-            # "mixed": each timestamp parsed on its own (what pandas falls back to, without its warning)
-            times = pd.to_datetime(times, errors="raise", format="mixed")
-        except (ValueError, TypeError):
-            raise ServingError(f"{path}: arrival times must be seconds or timestamps like 2023-11-16 "
-                               "18:15:46.68; fix the column") from None
-        if times.isna().any():
-            raise ServingError(f"{path}: row {int(times.isna().to_numpy().argmax()) + 2} has no arrival time; "
-                               "fill it in")
-        times = (times - times.min()).dt.total_seconds()
-    times = _numbers(path, times, "arrival time (seconds)", whole=False)
-    prompt = _numbers(path, picked["prompt_tokens"], "prompt tokens", whole=True)
-    output = _numbers(path, picked["output_tokens"], "output tokens", whole=True)
-    for values, name, low in ((prompt, "prompt tokens", 0), (output, "output tokens", 1)):
-        if (values < low).any():
-            row = int(np.argmax(values < low)) + 2  # line in the file: 1-based, after the header
-            raise ServingError(f"{path}: line {row}: {name} {int(values[row - 2])} must be >= {low}; fix the row")
-    times = times - times.min()
-    prompt, output = prompt.astype(np.int64), output.astype(np.int64)
-    lengths = np.array([[w.prompt_tokens, w.n_steps] for w in works], dtype=np.int64)
-    order = np.argsort(times, kind="stable")
-    arrivals = []
-    for i in order:
-        distance = np.abs(lengths[:, 0] - prompt[i]) + np.abs(lengths[:, 1] - output[i])
-        sample = int(np.argmin(distance))
-        arrivals.append(Arrival(float(times[i]), sample, int(min(output[i], works[sample].n_steps))))
-    return arrivals
-
-
-def _numbers(path: Path, column: pd.Series, what: str, whole: bool) -> np.ndarray:
-    """A CSV column as finite float64 numbers (whole ones if `whole`); the first bad cell -> one line."""
-    values = pd.to_numeric(column, errors="coerce").to_numpy(dtype=np.float64)
-    bad = ~np.isfinite(values)
-    if whole:  # and within what int64 and a sample length can mean
-        bad |= (values != np.round(values)) | (np.abs(values) > 2**53)
-    if bad.any():
-        row = int(np.argmax(bad))
-        raise ServingError(f"{path}: line {row + 2}: {what} {column.iloc[row]!r} is not a finite "
-                           f"{'whole number' if whole else 'number'}; fix the cell")
-    return values
+def csv_arrivals(requests: RequestTrace, request_class: np.ndarray) -> list[Arrival]:
+    """An arrival CSV's requests (lengths.read_arrivals_csv), each replaying its work (lengths.csv_classes: the
+    nearest sample resampled to the row's lengths) for its output tokens."""
+    return [Arrival(float(t), int(c), int(o))
+            for t, c, o in zip(requests.arrival_s, request_class, requests.output_tokens)]
 
 
 # ---------------------------------------------------------------- the simulation -----------------------------
@@ -663,11 +597,15 @@ def simulate_serving(run_dir: str | Path, profile: str | HardwareProfile, config
     profile = apply_mode(profile, config.options.overhead_mode, config.options.host_term)
     profile, overhead_source = costs.profile_for_policy(profile, run.manifest["policy"]["name"])
     work_of = dict(projection=config.projection, lengths=config.lengths, seed=config.seed)  # --as-model, --lengths
+    if config.arrivals_csv:  # the CSV's own lengths: each row's nearest sample resampled to them
+        requests = read_arrivals_csv(config.arrivals_csv)
+        work_of["classes"], request_class = csv_classes(
+            requests, run.samples()[["prompt_tokens", "generated_tokens"]].to_numpy())
     manifest, shape, works = load_run_work(run_dir, profile, chain.primary, config.options.transfer, **work_of)
     spill_works = load_run_work(run_dir, profile, chain.spill, config.options.transfer, **work_of)[2] \
         if chain.spill else None
     if config.arrivals_csv:
-        arrivals = load_arrivals_csv(config.arrivals_csv, works)
+        arrivals = csv_arrivals(requests, request_class)
     else:
         arrivals = poisson_arrivals(config.rate_per_s, config.duration_s, works, config.seed)
     engine = config.options.engine  # auto: the fast path (serving_fast, equal to this DES) unless a timeline
@@ -678,5 +616,5 @@ def simulate_serving(run_dir: str | Path, profile: str | HardwareProfile, config
         sim.run(progress)
     else:
         sim = FastServing(profile, shape, works, arrivals, config, requests_for(arrivals, works), spill_works)
-        sim.run()
+        sim.run(progress)
     return summarise(sim, manifest, str(run_dir), overhead_source)

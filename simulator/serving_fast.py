@@ -33,6 +33,17 @@ from simulator.engine import Channel, engines_per_channel
 from simulator.options import ServingConfig
 from simulator.tiers import check_spill, serving_memory
 
+PROGRESS_EVERY = 4096  # iterations between progress updates (tokens generated so far)
+
+
+def _progress_bar(progress: bool, total_tokens: int, profile: str):
+    """The DES's progress bar (tokens generated; shown on a terminal), or None without progress."""
+    if not progress or not total_tokens:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"serving on {profile}", disable=None)
+
 
 class _Clock:
     """What `engine.Channel` reads of a SimPy environment: the current time (set by the loop)."""
@@ -133,6 +144,7 @@ class FastServing:
         next_arrival = 0
         weights = float(self.shape.weight_bytes)
         changes = self.queue_changes
+        bar = _progress_bar(progress, int(n_steps[fits].sum()), self.profile.name)
         while True:
             # arrivals up to now join the queue (rejected ones never do)
             while next_arrival < n_req and arrival_s[next_arrival] <= clock.now:
@@ -186,6 +198,8 @@ class FastServing:
             for rid in running[first_iteration[running] < 0]:
                 first_iteration[rid] = len(iteration_end) - 1
             step[running] += 1
+            if bar is not None and len(iteration_end) % PROGRESS_EVERY == 0:
+                bar.update(int(step.sum()) - bar.n)
             done = step[running] >= n_steps[running]
             if done.any():
                 for rid in running[done]:  # one subtraction per request, in the DES's order
@@ -196,6 +210,8 @@ class FastServing:
                         reserved_ddr -= peak_ddr[rid]
                 running = running[~done]
         self.end_s = float(clock.now)
+        if bar is not None:
+            bar.close()
         self._requests_out(iteration_end, first_iteration, admitted, link_wait, n_steps, spilled)
 
     def _coalesce(self, direction: str, n_bytes):

@@ -33,7 +33,7 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -363,6 +363,13 @@ def grid_from_dict(data: Any, base_dir: Path, where: str, out_dir: str | Path | 
 def _check_axis(where: str, key: str, value: Any) -> None:
     if isinstance(value, list) and not value:
         raise SweepError(f"{where}: axis {key!r} is empty; give at least one value or remove the key")
+    if isinstance(value, list):  # a value twice would be the same cells twice (run_sweep refuses those too)
+        seen = []
+        for item in value:
+            text = json.dumps(item, sort_keys=True, default=str)
+            if text in seen:
+                raise SweepError(f"{where}: axis {key!r} lists {item!r} twice; remove the duplicate")
+            seen.append(text)
     if isinstance(value, dict):
         for sub_key, sub_value in value.items():
             _check_axis(where, f"{key}.{sub_key}", sub_value)
@@ -507,22 +514,22 @@ Executor = Callable[[list, int], Iterator[tuple[Any, bytes | BaseException]]]
 
 
 def execute_local(cells: list, workers: int, keys: dict | None = None) -> Iterator[tuple[Any, bytes | BaseException]]:
-    """A process pool (spawned workers: safe next to a Ray driver's threads); yields cells as they finish."""
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-    from multiprocessing import get_context
+    """A process pool (spawned workers: safe next to a Ray driver's threads); yields cells as they finish.
+    Stopped early (Ctrl-C, SIGTERM, the caller closing this generator), it terminates its workers at once
+    (thoughtkv_base.pool); finished cells are already on disk, the driver writes them."""
+    from concurrent.futures import as_completed
+
+    from thoughtkv_base.pool import process_pool
 
     if workers == 1:  # no pool: same code path, no start-up cost
         for cell in cells:
             yield cell, _call(cell, keys)
         return
-    pool = ProcessPoolExecutor(max_workers=min(workers, len(cells) or 1), mp_context=get_context("spawn"))
-    try:
+    with process_pool(min(workers, len(cells) or 1)) as pool:
         futures = {pool.submit(run_cell_to_parquet, cell_to_dict(cell), _key(cell, keys)): cell for cell in cells}
         for future in as_completed(futures):
             exc = future.exception()
             yield futures[future], exc if exc is not None else future.result()
-    finally:  # on Ctrl-C: drop the cells not started; finished ones are already on disk
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _key(cell, keys: dict | None) -> str:
@@ -685,8 +692,7 @@ def run_sweep(
     workers = workers or os.cpu_count() or 1
     with inputs_snapshot():
         paths = {cell: cell_result_path(out_dir, cell) for cell in cells}  # keys from the inputs as they are now
-    if len(set(paths.values())) != len(cells):
-        raise SweepError("the grid lists the same cell twice; remove duplicate values from its axes")
+    check_distinct_cells(cells, {cell: path.stem for cell, path in paths.items()})
     (out_dir / "cells").mkdir(parents=True, exist_ok=True)
     todo = [c for c in cells if not _readable(paths[c])]  # a damaged cached result is computed again
     keys = {cell: path.stem for cell, path in paths.items()}
@@ -694,8 +700,10 @@ def run_sweep(
     failed: dict[str, str] = {}
     from tqdm import tqdm
 
-    with tqdm(total=len(cells), initial=len(cells) - len(todo), unit="cell", disable=not progress,
-              desc=f"sweep ({executor})") as bar:
+    # closing: a Ctrl-C raised here, between two results, still stops the executor's workers now (an unclosed
+    # generator would run its cleanup only when collected, after the command has exited)
+    with closing(finished), tqdm(total=len(cells), initial=len(cells) - len(todo), unit="cell",
+                                 disable=not progress, desc=f"sweep ({executor})") as bar:
         for cell, result in finished:
             if isinstance(result, BaseException):
                 lines = str(result).strip().splitlines() or [""]
@@ -706,6 +714,18 @@ def run_sweep(
     table, written = merge_results(cells, out_dir, [paths[c] for c in cells])
     return SweepReport(table=table, computed=len(todo) - len(failed), cached=len(cells) - len(todo), failed=failed,
                        results_path=written)
+
+
+def check_distinct_cells(cells: list, keys: dict) -> None:
+    """Refuse a grid whose cells compute the same thing twice (axis values that differ as written but mean the
+    same, such as 1 and 1.0), naming the cell key; `keys`: cell -> cell_key. (A value listed twice as written
+    is refused when the grid is read, naming its axis.)"""
+    seen: set[str] = set()
+    for cell in cells:
+        if keys[cell] in seen:
+            raise SweepError(f"the grid lists the same cell twice (cell {keys[cell]}); remove the duplicate value "
+                             "from its axis")
+        seen.add(keys[cell])
 
 
 def is_cached(out_dir: Path, cell) -> bool:

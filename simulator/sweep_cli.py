@@ -39,6 +39,7 @@ def _run(args: argparse.Namespace) -> int:
     from simulator.sweep import (
         SweepError,
         cell_key,
+        check_distinct_cells,
         check_estimate,
         estimate_sweep,
         is_cached,
@@ -54,6 +55,7 @@ def _run(args: argparse.Namespace) -> int:
     if out_dir.exists() and not out_dir.is_dir():
         raise SweepError(f"--out {out_dir} exists and is not a directory; pass a directory")
     grid = load_grid(args.grid, out_dir=out_dir)  # every cell validated, each distinct check once
+    check_distinct_cells(grid.cells, {cell: cell_key(cell) for cell in grid.cells})  # the dry run too
     print(f"{grid.source}: {len(grid.cells):,} {grid.kind} cells, out={out_dir}", flush=True)
     done = {cell: is_cached(out_dir, cell) for cell in grid.cells}
     todo = [cell for cell in grid.cells if not done[cell]]

@@ -88,8 +88,11 @@ def synth_run(
     from traces.policy import PolicySpec
     from traces.writer import TraceWriter
 
-    if prompt_tokens < 1 or decode_steps < 0 or samples < 1:
-        raise SynthError("--prompt-tokens must be >= 1, --decode-steps >= 0 and --samples >= 1")
+    if prompt_tokens < 1 or samples < 1:
+        raise SynthError(f"--prompt-tokens {prompt_tokens} and --samples {samples} must both be >= 1")
+    if decode_steps < 1:  # a prefill-only sample has no time per generated token: ms/token, tokens/s, TBT
+        raise SynthError(f"--decode-steps {decode_steps}: give at least 1 decode step after the prefill (a sample "
+                         "without one has no time per token to simulate)")
     check_seed(seed)  # the one rule for seeds (thoughtkv_base)
     from traces.layout import MAX_SAMPLES
 

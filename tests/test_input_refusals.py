@@ -77,7 +77,7 @@ def test_a_prompt_past_the_models_context_is_refused_unless_allowed(tmp_path, ca
 def seed_commands(tmp_path: Path, seed: str) -> dict[str, list[str]]:
     return {
         "trace": trace(tmp_path / "t", "--seed", seed),
-        "serve-sim": ["serve-sim", str(SAMPLE_RUN), "--profile", "h100-pcie", "--duration-s", "0.5", "--seed", seed,
+        "serve-sim": ["serve-sim", str(SAMPLE_RUN), "--profile", "h100-pcie", "--duration-s", "4", "--seed", seed,
                       "--out", str(tmp_path / "s")],
         "traces synth": ["traces", "synth", "--model", "tiny", "--prompt-tokens", "8", "--decode-steps", "2",
                          "--seed", seed, "--out", str(tmp_path / "y")],

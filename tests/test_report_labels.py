@@ -157,12 +157,13 @@ def test_profiles_calibrated_under_contention_are_left_out_of_all_profiles(tmp_p
     contended = {p.name for p in list_profiles() if (p.provenance.get("host_facts") or {}).get("contended") is True}
     assert "measured-cpu" in contended  # the committed one: load 5.65 on 2 CPUs
     chosen, left_out = default_profiles()
-    assert set(left_out) == contended and not contended & {p.name for p in chosen}
+    examples = {p.name for p in list_profiles() if p.name.startswith("example-")}  # left out too (test_user_inputs)
+    assert set(left_out) == contended | examples and not (contended | examples) & {p.name for p in chosen}
     assert "load 5.65 on 2 CPUs" in contention_note(load_profile("measured-cpu"))
     run = tmp_path / "run"
     shutil.copytree(SAMPLE_RUN, run)
     assert main(["simulate", str(run), "--all-profiles", "--out", str(tmp_path / "all")]) == 0
-    assert "note: --all-profiles leaves out measured-cpu" in capsys.readouterr().err
+    assert "measured-cpu (calibrated under CPU contention)" in capsys.readouterr().err
     results = pd.read_parquet(tmp_path / "all" / "results.parquet")
     assert "measured-cpu" not in set(results["profile"])
     assert main(["simulate", str(run), "--profile", "measured-cpu", "--out", str(tmp_path / "one")]) == 0

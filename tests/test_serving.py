@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 from hwprofiles import OverheadSpec, load_profile
 from simulator import costs
+from simulator.lengths import csv_classes, read_arrivals_csv
 from simulator.options import SimOptions
-from simulator.serving import ServingConfig, ServingError, load_arrivals_csv, load_run_work, simulate_serving
+from simulator.serving import ServingConfig, ServingError, load_run_work, simulate_serving
 from traces import TraceWriter, make_manifest, model_manifest, open_run
 
 
@@ -221,15 +222,26 @@ def test_request_larger_than_hbm_is_rejected_not_run(tmp_path):
 # ---------------------------------------------------------------- arrival files and options ------------------
 
 
-def test_azure_trace_csv_maps_requests_to_nearest_sample(tmp_path):
+def test_azure_trace_csv_requests_replay_the_nearest_sample_at_their_own_lengths(tmp_path):
     run = write_constructed_run(tmp_path / "run", [{"prompt_tokens": 8, "n_steps": 10},
                                                    {"prompt_tokens": 100, "n_steps": 50}])
-    works = load_run_work(run, load_profile("h100-pcie"))[2]
     csv = tmp_path / "azure.csv"
     csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                   "2023-11-16 18:15:46.6805900,90,20\n2023-11-16 18:15:46.1805900,5,400\n")
-    arrivals = load_arrivals_csv(csv, works)
-    assert [(round(a.arrival_s, 6), a.sample, a.n_steps) for a in arrivals] == [(0.0, 0, 10), (0.5, 1, 20)]
+                   "2023-11-16 18:15:46.6805900,90,20\n2023-11-16 18:15:46.1805900,5,400\n"
+                   "2023-11-16 18:15:47.1805900,8,10\n")
+    requests = read_arrivals_csv(csv)
+    assert list(requests.arrival_s) == pytest.approx([0.0, 0.5, 1.0])
+    classes, request_class = csv_classes(requests, open_run(run).samples()[["prompt_tokens", "generated_tokens"]])
+    assert [classes[c] for c in request_class] == [(0, 5, 400), (1, 90, 20), (0, 8, 10)]
+    # each request is served at the CSV's lengths: its prompt, its tokens, its KV at its own context
+    served = simulate_serving(run, "h100-pcie", ServingConfig(arrivals_csv=str(csv))).requests
+    assert list(zip(served["prompt_tokens"], served["tokens"])) == [(5, 400), (90, 20), (8, 10)]
+    profile = load_profile("h100-pcie")
+    works = load_run_work(run, profile, classes=classes)[2]
+    traced = load_run_work(run, profile)[2]
+    at_traced_lengths = works[classes.index((0, 8, 10))]  # the sample's own lengths: the sample unchanged
+    for name in ("flops", "kv_read_bytes", "recall_bytes", "offload_bytes", "hbm_kv_bytes", "ddr_kv_bytes"):
+        np.testing.assert_allclose(getattr(at_traced_lengths, name), getattr(traced[0], name), rtol=1e-12)
 
 
 def test_bad_inputs_are_one_line_user_errors(tmp_path):

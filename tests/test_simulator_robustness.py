@@ -311,16 +311,19 @@ def works(tmp_path_factory):
 @given(header=HEADERS, rows=st.lists(st.lists(CELL_TEXT, min_size=1, max_size=5), max_size=5))
 def test_any_arrival_csv_gives_arrivals_or_one_serving_error(tmp_path_factory, works, header, rows):
     from simulator.errors import ServingError
-    from simulator.serving import load_arrivals_csv
+    from simulator.lengths import csv_classes, read_arrivals_csv
 
     path = tmp_path_factory.mktemp("csv") / "a.csv"
     path.write_text("\n".join([",".join(header), *(",".join(r) for r in rows)]) + "\n")
     try:
-        arrivals = load_arrivals_csv(path, works)
+        requests = read_arrivals_csv(path)
     except ServingError as exc:
-        assert "\n" not in str(exc)
+        assert "\n" not in str(exc) and "np.float64" not in str(exc)
         return
-    assert arrivals and all(a.arrival_s >= 0 and 1 <= a.n_steps <= works[a.sample].n_steps for a in arrivals)
+    assert len(requests) and (requests.arrival_s >= 0).all() and (requests.output_tokens >= 1).all()
+    assert (requests.prompt_tokens >= 0).all() and (requests.arrival_s[1:] >= requests.arrival_s[:-1]).all()
+    classes, request_class = csv_classes(requests, [(w.prompt_tokens, w.n_steps) for w in works])
+    assert [classes[c][1:] for c in request_class] == list(zip(requests.prompt_tokens, requests.output_tokens))
 
 
 GRID_VALUES = st.recursive(

@@ -97,9 +97,9 @@ def one_sentence(capacity, slo: str) -> str:
         return capacity.loc[capacity["label"] == label, column].iloc[0]
 
     profiles = " / ".join(dict.fromkeys(capacity["profile"]))
-    hierarchy = max((lbl for lbl in capacity["label"] if lbl.startswith("hierarchy")),
+    hierarchy = max(dict.fromkeys(capacity.loc[capacity["policy"] == "hierarchy", "label"]),
                     key=lambda lbl: first(lbl, "accuracy"), default=None)
-    evict = next((lbl for lbl in capacity["label"] if lbl.startswith("evict")), None)
+    evict = next(iter(capacity.loc[capacity["policy"] == "evict", "label"]), None)
     limits = capacity[capacity["label"] == hierarchy][["profile", "limit"]]
     text = (f"In one sentence: serving R1-7B GSM8K-like requests at qwen2-7b's shapes within {slo}, the full cache "
             f"({100 * first('full cache', 'accuracy'):.1f}% accurate) sustains {rates('full cache')} req/s on "

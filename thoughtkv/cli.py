@@ -6,7 +6,8 @@ module level, so that `thoughtkv --help` and the torch-free subcommands start fa
 Every refusal looks the same: one line on stderr, exit 2 — a `UserError` from the code, a usage error from
 argparse (`OneLineParser`), a group named without its action (the line lists the actions). Ctrl-C ends any
 command within `HARD_INTERRUPT_GRACE_S`, even inside one long torch op (`hard_interrupt`); SIGTERM takes the same
-path and says the same (work kept, rerun to resume), exiting 143.
+path and says the same (work kept, rerun to resume), exiting 143; a subcommand module whose stop keeps nothing
+says so in its `STOPPED_NOTE` (serve-sim writes its tables at the end), printed instead.
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for `thoughtkv ...
 # What either says: every file a command writes is committed whole (temp name + rename), so the work done is kept.
 STOPPED_TEXT = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)"}
 STOPPED_EXIT = {signal.SIGINT: EXIT_INTERRUPTED, signal.SIGTERM: EXIT_TERMINATED}
+KEPT_NOTE = "finished work is kept, rerun to resume"
 
 
-def stopped_line(command: str, signum: int) -> str:
-    return f"thoughtkv {command}: {STOPPED_TEXT[signum]}; finished work is kept, rerun to resume\n"
+def stopped_line(command: str, signum: int, note: str | None = None) -> str:
+    return f"thoughtkv {command}: {STOPPED_TEXT[signum]}; {note or KEPT_NOTE}\n"
 
 
 class Terminated(KeyboardInterrupt):
@@ -88,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         module = importlib.import_module(module_name)
         nested_parent = module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(_run=module.run, _stopped_note=getattr(module, "STOPPED_NOTE", None))
         group = _subparsers_of(p)
         if group is not None:  # a group (profiles, traces, analyze): naming no action is a one-line refusal
             p.set_defaults(_group_parser=p, _group_dest=group.dest)
@@ -97,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
             cp = nested_parent.add_parser(child, help=child_help, description=child_help)
             child_module = importlib.import_module(child_module_name)
             child_module.add_arguments(cp)
-            cp.set_defaults(_run=child_module.run)
+            cp.set_defaults(_run=child_module.run, _stopped_note=getattr(child_module, "STOPPED_NOTE", None))
     return parser
 
 
@@ -106,7 +108,7 @@ def _subparsers_of(parser: argparse.ArgumentParser):
 
 
 @contextmanager
-def hard_interrupt(command: str, grace_s: float = HARD_INTERRUPT_GRACE_S):
+def hard_interrupt(command: str, grace_s: float = HARD_INTERRUPT_GRACE_S, note: str | None = None):
     """Make Ctrl-C end the process within `grace_s` wherever the main thread is.
 
     Python runs a SIGINT handler only between bytecodes, so a Ctrl-C during one long torch op waits for the
@@ -144,7 +146,7 @@ def hard_interrupt(command: str, grace_s: float = HARD_INTERRUPT_GRACE_S):
                 return
             signum = next((s for s in (signal.SIGTERM, signal.SIGINT) if s in data), None)
             if signum is not None and not finished.wait(grace_s):
-                os.write(2, stopped_line(command, signum).encode())
+                os.write(2, stopped_line(command, signum, note).encode())
                 os._exit(STOPPED_EXIT[signum])
 
     watchdog = threading.Thread(target=watch, name="thoughtkv-interrupt-watchdog", daemon=True)
@@ -171,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{group.prog}: error: choose one of: {choices} (`{group.prog} --help` describes them)", file=sys.stderr)
         return 2
     try:
-        with hard_interrupt(args.command):
+        with hard_interrupt(args.command, note=getattr(args, "_stopped_note", None)):
             return int(args._run(args) or 0)
     except UserError as exc:
         print(f"thoughtkv {args.command}: error: {_one_line(exc)}", file=sys.stderr)
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
         signum = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
-        sys.stderr.write(stopped_line(args.command, signum))
+        sys.stderr.write(stopped_line(args.command, signum, getattr(args, "_stopped_note", None)))
         if argv is None:  # the process's own command line (console script, python -m thoughtkv)
             # Skip the interpreter's teardown: unloading torch took seconds on a loaded machine, and every file
             # the command wrote is already committed (temp name + rename).

@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -313,18 +314,18 @@ def trace_one(config: dict, threads: int | None, progress: bool) -> str:
 
 def _trace_in_processes(configs: list, run_dirs: list[Path], workers: int, n_samples: int) -> None:
     """A process pool over runs; progress counts committed samples on disk (each is its own file)."""
-    import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures import FIRST_COMPLETED, wait
 
     from tqdm.auto import tqdm
+
+    from thoughtkv_base.pool import process_pool
 
     def committed() -> int:
         return sum(min(committed_samples(d), n_samples) for d in run_dirs)
 
     total = n_samples * len(configs)
-    # spawn, not fork: torch's thread pools do not survive a fork; each worker imports torch itself.
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool, \
+    # spawned workers (torch's thread pools do not survive a fork) that end with this process on Ctrl-C / SIGTERM
+    with process_pool(workers) as pool, \
             tqdm(total=total, initial=committed(), desc=f"trace ({workers} processes)", unit="sample") as bar:
         pending = {pool.submit(trace_one, dataclasses.asdict(c), 1, False) for c in configs}
         while pending:
@@ -379,8 +380,9 @@ def simulate_all(cells: list[Cell], run_dirs: dict[str, Path], sim_dir: Path, wo
                       for t in cells if t.policy != "full"]
     results: dict[str, list] = {cell.label: [] for cell in stale}
     remaining = {cell.label: sum(1 for t in tasks if t[0] == cell.label) for cell in stale}
-    with tqdm(total=len(tasks), desc="simulate", unit="sim") as bar:
-        for (label, *_), frame in _map_tasks(simulate_one, tasks, workers, key=lambda task: task[1:]):
+    finished = _map_tasks(simulate_one, tasks, workers, key=lambda task: task[1:])
+    with closing(finished), tqdm(total=len(tasks), desc="simulate", unit="sim") as bar:  # closing: stops the pool
+        for (label, *_), frame in finished:
             results[label].append(frame)
             remaining[label] -= 1
             if remaining[label] == 0:
@@ -402,10 +404,11 @@ def _map_tasks(function, tasks: list[tuple], workers: int, key=lambda task: task
         for task in tasks:
             yield task, function(*key(task))
         return
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import as_completed
 
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    from thoughtkv_base.pool import process_pool
+
+    with process_pool(workers) as pool:  # its workers end with this process (Ctrl-C, SIGTERM)
         futures = {pool.submit(function, *key(task)): task for task in tasks}
         for future in as_completed(futures):
             yield futures[future], future.result()

@@ -1,5 +1,5 @@
-"""The bottom layer: what every thoughtkv package shares and nothing else — the user-error type, the version and
-the one rule for seeds.
+"""The bottom layer: what every thoughtkv package shares and nothing else — the user-error type, the version,
+the one rule for seeds, and (thoughtkv_base.pool) the local process pool whose workers end with the command.
 
 It imports nothing of the project (import-linter checks this), so `traces`, `hwprofiles`, `tracer`,
 `simulator` and `analysis` can all import it without importing the `thoughtkv` command layer on top.

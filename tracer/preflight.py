@@ -7,6 +7,7 @@ torch is imported inside the functions: the CLI modules that import this one mus
 
 from __future__ import annotations
 
+import difflib
 import re
 import socket
 from contextlib import contextmanager
@@ -179,6 +180,12 @@ def model_is_local(spec: str) -> bool:
         return True
     if path.exists():
         raise PreflightError(f"--model {spec}: is a file; pass the model's directory (with config.json) or an HF id")
+    from tracer.model_defaults import BUNDLED_MODELS
+
+    close = difflib.get_close_matches(spec, list(BUNDLED_MODELS), n=1, cutoff=0.8)
+    if close and not _in_hub_cache(spec):  # a typo of a bundled model's name, not a model to download
+        raise PreflightError(f"--model {spec}: no such bundled model, directory or cached model; did you mean "
+                             f"{close[0]}? (bundled: {', '.join(BUNDLED_MODELS)})")
     if not HF_ID.match(spec) or spec.startswith((".", "~")) or spec.endswith("/"):
         raise PreflightError(f"--model {spec}: no such directory; pass an existing model directory or an HF id")
     if _in_hub_cache(spec):

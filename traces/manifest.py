@@ -81,6 +81,13 @@ def check_manifest(manifest: object, *, where: str) -> None:
         value = manifest[key][subkey]
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise TraceFormatError(f"{where}: {key}.{subkey} must be a positive integer, found {value!r}")
+    from traces.policy import PolicyError, PolicySpec
+
+    try:  # the one policy contract: a value it refuses is named by its run.json key
+        PolicySpec.from_manifest(manifest["policy"])
+    except PolicyError as exc:
+        raise TraceFormatError(f"{where}: {str(exc).removeprefix('run.json ')}; fix the value or re-collect the "
+                               "trace") from None
     sample_ids = manifest["task"]["sample_ids"]
     if not isinstance(sample_ids, list) or not all(isinstance(s, str) for s in sample_ids):
         raise TraceFormatError(f"{where}: task.sample_ids must be a list of strings")

@@ -213,6 +213,18 @@ class PolicySpec:
             rule = "quest"  # nothing is recalled outside the hierarchy: v1 writers put none/null/their own text here
         elif rule.split(":")[0].strip() not in RECALL_RULES:
             rule = "query"  # a v1 text naming no known rule: a recall by the current query, as v1's simulator read it
+        try:
+            return cls._from_manifest_values(policy, params, name, rule)
+        except PolicyError as exc:  # name the run.json key the value came from, not the flag that sets it
+            text = str(exc)
+            for f in fields(cls):
+                key = f"policy.params.{f.name}" if f.name in MANIFEST_PARAMS else f"policy.{f.name}"
+                text = text.replace(f"--{f.name.replace('_', '-')} ", f"{key} ").replace(
+                    f"--{f.name.replace('_', '-')}", key)
+            raise PolicyError(f"run.json {text}") from None
+
+    @classmethod
+    def _from_manifest_values(cls, policy: dict, params: dict, name: str, rule: str) -> PolicySpec:
         return cls(
             policy=name,
             hbm_budget=policy.get("hbm_budget") or 1.0,
@@ -231,6 +243,10 @@ class PolicySpec:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+# The PolicySpec fields run.json keeps under policy.params (to_manifest), the others directly under policy.
+MANIFEST_PARAMS = ("recall_budget", "promote", "ddr_dtype", "recall_buffer_blocks")
 
 
 def _number(value, what: str) -> float:

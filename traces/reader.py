@@ -16,9 +16,9 @@ import pyarrow.parquet as pq
 
 from traces.encoding import decode_block_mass
 from traces.errors import TraceFormatError
-from traces.layout import list_parts, part_path
+from traces.layout import list_parts, part_path, table_dir
 from traces.manifest import load_manifest
-from traces.schema import LATER_COLUMNS, TABLE_SCHEMAS
+from traces.schema import LATER_COLUMNS, TABLE_SCHEMAS, TABLES
 from traces.tables import check_schema
 
 BYTE_COLUMNS = ("bytes_h2d", "bytes_d2h", "hbm_kv_bytes", "ddr_kv_bytes")
@@ -54,6 +54,10 @@ class TraceRun:
     def samples(self) -> pd.DataFrame:
         """One row per committed sample, in sample_index order."""
         if self._samples is None:
+            if not table_dir(self.path, "samples").is_dir():
+                others = [t for t in TABLES if t != "samples" and list_parts(self.path, t)]
+                if others:  # the writer makes every table's folder first: a missing one was deleted or not copied
+                    raise TraceFormatError(self.missing_table_text("samples", others))
             parts = list_parts(self.path, "samples")
             tables = []
             for sample_id, part in parts.items():
@@ -125,6 +129,11 @@ class TraceRun:
             self._check_tokens(sample, self._read_table("tokens", sample.sample_id)[0])
             if self.has_access:
                 self._check_access(sample, self._read_table("access", sample.sample_id)[0], n_blocks)
+
+    def missing_table_text(self, table: str, present: list[str]) -> str:
+        held = f" while {', '.join(f'{t}.parquet' for t in present)} hold parts" if present else ""
+        return (f"{table_dir(self.path, table)}: missing{held}; the run's {table} table was deleted or not copied: "
+                "restore it from the original run, or trace again")
 
     def _check_steps(self, sample, table: pa.Table) -> pd.Series:
         where = part_path(self.path, "steps", sample.sample_id)
