@@ -147,10 +147,18 @@ def run_table(out: Path, runs: Path, n_samples: int, data_file: Path, batch_size
     return out / DOC_NAME
 
 
+SERVED_CELLS = (Cell("full"), Cell("evict", 0.3, "tova"), Cell("evict", 0.3, "h2o"),
+                Cell("hierarchy", 0.3, HIERARCHY_SCORER, 0.1, "quest"),
+                Cell("hierarchy", 0.3, HIERARCHY_SCORER, 0.2, "quest-per-head"),
+                Cell("hierarchy", 0.5, HIERARCHY_SCORER, 0.1, "quest"),
+                Cell("hierarchy", 0.5, HIERARCHY_SCORER, 0.2, "quest-per-head"))
+
+
 def _serve(out: Path, runs: Path) -> None:
+    """The served frontier of SERVED_CELLS (thoughtkv/real_model_served.py), then the document again."""
     from thoughtkv import real_model_served
 
-    real_model_served.serve(out, runs)
+    real_model_served.serve(out, runs, SERVED_CELLS, {row["cell"]: row for row in result_rows(runs)})
     write(out, runs)
 
 

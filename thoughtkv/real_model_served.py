@@ -18,46 +18,35 @@ PROFILES = ("h100-pcie", "gh200-96gb")
 FIGURE_STEM = "real_model_served_frontier"
 
 
-def served_cells():
-    from thoughtkv.real_model import HIERARCHY_SCORER, Cell
-
-    return [Cell("full"), Cell("evict", 0.3, "tova"), Cell("evict", 0.3, "h2o"),
-            Cell("hierarchy", 0.3, HIERARCHY_SCORER, 0.1, "quest"),
-            Cell("hierarchy", 0.3, HIERARCHY_SCORER, 0.2, "quest-per-head"),
-            Cell("hierarchy", 0.5, HIERARCHY_SCORER, 0.1, "quest"),
-            Cell("hierarchy", 0.5, HIERARCHY_SCORER, 0.2, "quest-per-head")]
-
-
-def serve(out: Path, runs: Path, workers: int | None = None) -> Path | None:
-    """Serve the cells that have run; None when none has."""
+def serve(out: Path, runs: Path, cells, fidelity: dict, workers: int | None = None) -> Path | None:
+    """Serve `cells` (thoughtkv.real_model.Cell, those that have run under `runs`) and write the section;
+    `fidelity`: the table's rows by cell name (thoughtkv.real_model.result_rows). None when no cell has run."""
     from simulator.options import Projection, ServingConfig, SimOptions
     from thoughtkv.capacity import capacity_sweep
     from thoughtkv.capacity_served import AS_MODEL, OPTIONS, RATES, REFINE, SETTINGS
 
-    cells = [c for c in served_cells() if (runs / c.name / "run.json").is_file()]
+    cells = [c for c in cells if (runs / c.name / "run.json").is_file()]
     if not cells:
         return None
     config = ServingConfig(**SETTINGS, projection=Projection(AS_MODEL), options=SimOptions(**OPTIONS))
     _, capacity = capacity_sweep([runs / c.name for c in cells], list(PROFILES), config, list(RATES), REFINE,
                                  runs / "served", workers=workers)
-    return write(out, runs, capacity, config)
+    return write(out, capacity, config, fidelity, {c.name: c.label for c in cells})
 
 
-def write(out: Path, runs: Path, capacity, config) -> Path:
+def write(out: Path, capacity, config, fidelity: dict, labels: dict) -> Path:
     from analysis.real_model_figures import served_frontier
     from analysis.serving import max_rate_text, slo_text
     from analysis.style import save_figure
-    from thoughtkv.real_model import _label, result_rows
     from traces.layout import write_atomic
     from traces.stats import bytes_text
 
-    fidelity = {row["cell"]: row for row in result_rows(runs)}
     capacity = capacity.assign(cell=[Path(r).name for r in capacity["run_dir"]])
     for column in ("kl", "kl_low", "kl_high", "top1", "top1_low", "top1_high", "n"):
         capacity[column] = [fidelity[c][column] if c in fidelity else (0.0 if column.startswith("kl") else
                                                                           (1.0 if column.startswith("top1") else None))
                             for c in capacity["cell"]]
-    capacity["method"] = [("full cache" if c == "full" else _label({"cell": c})) for c in capacity["cell"]]
+    capacity["method"] = [("full cache" if c == "full" else labels[c]) for c in capacity["cell"]]
     capacity.to_csv(out / "real_model_served.csv", index=False)
     save_figure(served_frontier(capacity), out / "figures", FIGURE_STEM)
     slo = slo_text(config.tbt_slo_s, config.ttft_slo_s)
