@@ -43,6 +43,8 @@ CSV_NAME = "real_model.csv"
 DOC_NAME = "real_model.md"
 LOCK_POLL_S = 10.0
 PARTS = ("table", "profile", "served")
+# The subsets of problems each row is summarised over (traces.fidelity.SUBSETS) and their CSV column prefixes.
+SUBSET_PREFIX = {"all": "", "non-looping": "nonloop_", "no-verbatim-repeat": "noverb_"}
 
 
 @dataclass(frozen=True)
@@ -180,7 +182,8 @@ def cell_result(cell: Cell, runs: Path) -> dict | None:
         return None
     result = {"cell": cell, "n": len(samples), "traffic": run_traffic(trace), "samples": samples}
     if has_fidelity(samples):
-        result["all"], result["non-looping"] = summary(samples, "all"), summary(samples, "non-looping")
+        for subset in SUBSET_PREFIX:
+            result[subset] = summary(samples, subset)
     return result
 
 
@@ -194,8 +197,8 @@ def result_rows(runs: Path) -> list[dict]:
         t = result["traffic"]
         row = {"cell": cell.name, "policy": cell.policy, "hbm_budget": cell.hbm_budget, "scorer": cell.scorer,
                "recall_budget": cell.recall_budget, "recall_rule": cell.recall_rule if cell.policy == "hierarchy" else None}
-        for subset in ("all", "non-looping"):
-            s, prefix = result[subset], "" if subset == "all" else "nonloop_"
+        for subset, prefix in SUBSET_PREFIX.items():
+            s = result[subset]
             row[f"{prefix}n"] = s["n"]
             for key in ("kl", "top1", "nll_gap", "human_nll_gap", "human_kl", "human_top1"):
                 row[f"{prefix}{key}"], row[f"{prefix}{key}_low"], row[f"{prefix}{key}_high"] = s[key]
@@ -206,6 +209,7 @@ def result_rows(runs: Path) -> list[dict]:
                         f"{prefix}median_first_divergence": s["median_first_divergence"],
                         f"{prefix}diverged_share": s["diverged_share"]})
         row["looping_chains"] = result["all"]["n_looping"]
+        row["verbatim_repeat_chains"] = result["all"]["n_verbatim_repeat"]
         row.update({k: t[k] for k in ("hbm_frac", "attended_frac", "recalled_frac", "recalled_tokens_per_layer_step",
                                       "h2d_bytes_per_token", "d2h_bytes_per_token", "h2d_bytes_per_token_ref",
                                       "d2h_bytes_per_token_ref")})
@@ -334,10 +338,14 @@ def write(out: Path, runs: Path) -> None:
         "",
     ]
     if reference is not None and rows:
-        lines += [f"Reference chains: {reference['n']} problems, {rows[0]['looping_chains']} of the {rows[0]['n']} "
-                  "graded in a cell repeat an 8-gram (looping); the second table leaves those out.", ""]
+        lines += [f"Reference chains: {reference['n']} problems; of the {rows[0]['n']} graded in a cell, "
+                  f"{rows[0]['looping_chains']} repeat an 8-gram (the loop flag: it also catches fluent chains that "
+                  "reuse a phrase such as \"the total cost of the donuts is\") and "
+                  f"{rows[0]['verbatim_repeat_chains']} repeat a whole 32-token span (a sentence repeated verbatim: "
+                  "a degenerate loop). The second and third tables leave those out.", ""]
     lines += ["## Teacher-forced on the full cache's chains (all problems)", "", *chain_table(rows), "",
-              "## The same, non-looping reference chains only", "", *chain_table(rows, "nonloop_"), "",
+              "## The same, chains that repeat no 8-gram", "", *chain_table(rows, "nonloop_"), "",
+              "## The same, chains that repeat no 32-token span", "", *chain_table(rows, "noverb_"), "",
               "## Teacher-forced on GSM8K's human-written solutions", "", *human_table(rows), ""]
     lines.append(f"Cells not run yet: {len(missing)} of {len(cells()) - 1} ({', '.join(missing)})." if missing
                  else "All cells have run.")
