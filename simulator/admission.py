@@ -180,30 +180,32 @@ class Scheduler:
         for k in np.flatnonzero(filling[:len(run)]).tolist():
             rid = int(run[k])
             need[k] = self._fill_need(rid, int(self.fill_done[rid] + tokens[k]))
-        delta = need - self.held_hbm[run]
-        fits = self.used[0] + np.cumsum(delta) <= self.capacity[0]
-        if fits.all():
-            self.used[0] += float(delta.sum())
-            self.held_hbm[run] = need
-            scheduled = len(run)
-        else:  # a preemption: the entries one by one from the first that does not fit
-            candidates = len(run)
-            scheduled = int(np.flatnonzero(~fits)[0])
-            for k in range(scheduled):
-                self._hold(int(run[k]), float(need[k]))
-            while scheduled < min(candidates, len(self.running)):
-                rid = int(self.running[scheduled])
-                while not self._fits(rid, float(need[scheduled])):
-                    victim = int(self.running[-1])
-                    self._preempt(victim, now, iteration, swap_out)
-                    preempted.append(victim)
-                    if victim == rid:
-                        break
-                if preempted and preempted[-1] == rid:
+        candidates, scheduled, capacity = len(run), 0, self.capacity[0]
+        while scheduled < min(candidates, len(self.running)):
+            # every entry from `scheduled` on that fits in order, at once; then a preemption, and again
+            end = min(candidates, len(self.running))
+            chunk = self.running[scheduled:end]
+            delta = need[scheduled:end] - self.held_hbm[chunk]
+            over = np.flatnonzero(self.used[0] + np.cumsum(delta) > capacity)
+            fit = end - scheduled if not len(over) else int(over[0])
+            if fit:
+                self.used[0] += float(delta[:fit].sum())
+                self.held_hbm[chunk[:fit]] = need[scheduled:scheduled + fit]
+                scheduled += fit
+            if scheduled >= end:
+                break
+            rid = int(self.running[scheduled])  # does not fit: preempt the last admitted until it does
+            while not self._fits(rid, float(need[scheduled])):
+                victim = int(self.running[-1])
+                self._preempt(victim, now, iteration, swap_out)
+                preempted.append(victim)
+                if victim == rid:
                     break
-                self._hold(rid, float(need[scheduled]))
-                scheduled += 1
-            run = self.running[:scheduled]
+            if preempted and preempted[-1] == rid:
+                break
+            self._hold(rid, float(need[scheduled]))
+            scheduled += 1
+        run = self.running[:scheduled]
         tokens = tokens[:scheduled].tolist()
         rids = run.tolist()
         admitted, first_time = [], []
@@ -288,10 +290,17 @@ class Scheduler:
     def _entries(self, rids, tokens, swap_out, swap_in, preempted) -> Plan:
         steps = self.step[rids]
         target = self.fill_target[rids]
-        offset = self.fill_done[rids]
-        filling = target > 0
-        final = ~filling | (offset + tokens >= target)
         rows = self.row0[rids] + steps
+        filling = target > 0
+        if not filling.any():  # decodes only (most iterations)
+            ones = np.ones(len(rids), dtype=bool)
+            return Plan(rids=rids, steps=steps, tokens=np.ones(len(rids), dtype=np.int64), whole=ones, final=ones,
+                        offset=target, target=target, refill=~ones, goes_on=steps + 1 < self.n_steps[rids],
+                        hbm_bytes=float(self.held_hbm[rids].sum()),
+                        ddr_bytes=float(self.ddr_kv[rows].sum()) + self.used[3], swap_out=swap_out, swap_in=swap_in,
+                        preempted=preempted)
+        offset = self.fill_done[rids]
+        final = ~filling | (offset + tokens >= target)
         return Plan(rids=rids, steps=steps, tokens=np.where(filling, tokens, 1),
                     whole=~filling | ((steps == 0) & (offset == 0) & (tokens >= target)), final=final,
                     offset=np.where(filling, offset, 0), target=target, refill=filling & (steps > 0),

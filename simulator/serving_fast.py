@@ -4,18 +4,24 @@ The DES has two processes (arrivals, the batch loop) and copies reserved on the 
 when they are issued (engine.Channel). Nothing else happens between the batch loop's yields, so the same
 schedule is a loop with one clock:
 
-- arrivals are a sorted list; before each iteration every arrival up to now joins the FCFS queue (the DES
-  appends them when their timeout fires; admission only looks at the queue when an iteration starts); when
+- arrivals are a sorted list; before each iteration every arrival up to now joins the queue (the DES appends
+  them when their timeout fires; the scheduler only looks at the queue when an iteration is planned); when
   nothing runs, the clock jumps to the next arrival (the DES's wakeup);
-- one iteration gathers the running requests' next step from one table of all samples' steps (numpy, one
-  fancy index per iteration: [batch, operations]), sums FLOPs / KV bytes over the batch for the layer
-  times, and walks the operations: the recall group of each operation is reserved on the same `Channel`
-  objects (their clock is this loop's), waited for, then the operation's compute, then the offload group;
-- every request emits a token at the iteration's end, so a request's token times are a contiguous slice of
-  the iteration end times (TBT = their differences, built once at the end).
+- what an iteration runs is admission.Scheduler's plan, the same object the DES asks (admission, chunked
+  prefill, preemption); its swap copies are reserved on the channels at the iteration's start;
+- one iteration gathers the planned requests' steps from one table of all samples' steps (numpy, one fancy
+  index per iteration: [batch, operations]; prefill chunks and recomputes are priced apart,
+  admission.prefill_demand), sums their decodes' and their prefills' demand for the layers' kernels
+  (admission.iteration_layer_s), and walks the operations: the recall group of each operation is reserved on
+  the same `Channel` objects (their clock is this loop's), waited for, then the operation's compute, then the
+  offload group;
+- a request emits a token at the end of each iteration from its prefill's last chunk until it ends or is
+  preempted, so its token times are slices of the iteration end times (TBT = their differences, built once at
+  the end).
 
 The DES stays the reference: tests/test_serving_fast.py checks this loop against it to 1e-9 on random serving
-cases (rates, budgets, batch limits, admission pressure, overlap, copy batching, mechanisms).
+cases (rates, budgets, batch limits, admission pressure and both admissions, both preemptions, chunked prefill,
+overlap, copy batching, mechanisms).
 Ties between an arrival and an iteration's end at the very same float time are ordered as "arrival first"
 here; in the DES they follow SimPy's event order. Continuous arrival times make such ties measure-zero.
 """
@@ -187,8 +193,11 @@ class FastServing:
         rows = self.row0[plan.rids] + plan.steps
         whole = plan.whole
         if whole.all():  # decodes and whole prefills only: every array is a gather
-            recall_s, offload_s = self.recall_s[rows], self.offload_s[rows]
-            recall_bytes, offload_bytes = self.recall_bytes[rows], self.offload_bytes[rows]
+            if self.copies[rows].any():
+                recall_s, offload_s = self.recall_s[rows], self.offload_s[rows]
+                recall_bytes, offload_bytes = self.recall_bytes[rows], self.offload_bytes[rows]
+            else:  # nothing moves (the full cache): no [batch, operations] arrays at all
+                recall_s = recall_bytes = offload_s = offload_bytes = None
             event_rows = rows
             prefill = plan.steps == 0
             decode_rows = rows[~prefill] if prefill.any() else rows
@@ -214,27 +223,21 @@ class FastServing:
         event_rows = copy_rows[traced]
         decode = whole & (plan.steps > 0)
         demand = self.demand[rows[decode]].sum(axis=0) if decode.any() else None
-        parts, loads = [], []
-        for k in range(n):
-            if decode[k]:
-                if self.load is not None:
-                    loads.append(self.load[rows[k]])
-                continue
+        loads = self.load[rows] if self.load is not None else None  # a prefill chunk's row replaced below
+        parts = []
+        for k in np.flatnonzero(~decode).tolist():  # the prefills, in entry order (few)
             if whole[k]:
                 parts.append(self.demand[rows[k]])
-                if self.load is not None:
-                    loads.append(self.load[rows[k]])
                 continue
             base = (None, None) if plan.refill[k] else (self.demand[copy_rows[k], 0], self.attended[copy_rows[k]])
             q, a, flops, kv_bytes = prefill_demand(self.shape, int(plan.tokens[k]), int(plan.offset[k]),
                                                    int(plan.target[k]), *base)
             parts.append(np.stack([q, flops, kv_bytes]))
-            if self.load is not None:
+            if loads is not None:
                 load = mechanisms.sequence_load(self.mechanism, self.shape, q, a, np.zeros_like(q), np.zeros_like(q))
-                loads.append(np.stack([np.asarray(getattr(load, f), dtype=np.float64) for f in mechanisms.LOAD_FIELDS]))
+                loads[k] = np.stack([np.asarray(getattr(load, f), dtype=np.float64) for f in mechanisms.LOAD_FIELDS])
         pre = np.sum(parts, axis=0) if parts else None
-        return (rows, recall_s, recall_bytes, offload_s, offload_bytes, event_rows, demand, pre,
-                np.array(loads) if self.load is not None else None)
+        return rows, recall_s, recall_bytes, offload_s, offload_bytes, event_rows, demand, pre, loads
 
     def _coalesce(self, direction: str, n_bytes):
         """One copy for a group's summed bytes (array or scalar): mechanisms.coalesced_copy_s, elementwise."""
@@ -263,6 +266,8 @@ class FastServing:
                                            for k, f in enumerate(mechanisms.LOAD_FIELDS)})
             if offload_s is None:
                 offload_s, offload_bytes = entry_offload_s, entry_offload_bytes
+            if offload_s is None:
+                offload_s = offload_bytes = np.zeros((batch, self.shape.n_layers + 1))
             op_s = mechanisms.batch_op_s(mechanism, self.transfer, load, batch, self._group_s("d2h", offload_s, offload_bytes),
                                          None if following_s is None else self._group_s("h2d", following_s, following_bytes),
                                          self.config.options.async_offload)
@@ -293,7 +298,7 @@ class FastServing:
         a Python loop; the per-request sums are numpy over the batch."""
         clock = self.clock
         rows, recall_s, recall_bytes, offload_s, offload_bytes = entries[:5]
-        if not (recall_s.any() or offload_s.any()):  # nothing moves: the operations back to back
+        if recall_s is None or not (recall_s.any() or offload_s.any()):  # nothing moves: operations back to back
             clock.now = self._no_copies(self._op_s(entries))
             return
         op_s = self._op_s(entries, offload_s, offload_bytes)
@@ -367,6 +372,8 @@ class FastServing:
         if not prefetch and self.hw.h2d.n_engines == 1 and self.hw.d2h.n_engines == 1:
             return self._lean_iteration(running, entries, link_wait)
         rows, recall_s, recall_bytes, offload_s, offload_bytes = entries[:5]
+        if recall_s is None:
+            recall_s = recall_bytes = offload_s = offload_bytes = np.zeros((len(rows), self.shape.n_layers + 1))
         following_s = following_bytes = None
         if prefetch:  # the next step's first recall, for requests that go on
             nxt = np.where(plan.goes_on, rows + 1, -1)
