@@ -10,31 +10,39 @@ The model (SimPy; the engine's hardware, engine.py, and cost model, costs.py):
 - `arrivals`: requests arrive (Poisson at `rate_per_s` during `duration_s`, or the rows of an arrival CSV, see
   `load_arrivals_csv`) and wait in one FCFS admission queue. Each replays a traced sample: Poisson picks one
   uniformly (seeded), a CSV row the nearest in (prompt, output) length.
-- `batch_loop` (holds the engine's GPU Resource per iteration): before every iteration it admits waiting
-  requests in order while (a) fewer than `max_batch` run, (b) HBM holds weights + the reserved KV of every
-  running request, where a request reserves its sample's peak HBM KV bytes (resident + recall buffers,
-  summed over layers, at the policy's budget), and (c) DDR (or the offload tier) holds every request's peak
-  offloaded KV. Reserving the peak means no request is ever preempted; the head of the queue blocks the rest
-  (no overtaking). A request that cannot fit even alone is rejected (`n_rejected`).
-  One iteration runs every running request's next traced step (the prefill for a new one) as the engine runs
+- `batch_loop` (holds the engine's GPU Resource per iteration): before every iteration the scheduler
+  (admission.Scheduler, shared with the fast path) picks what runs, vLLM V1's way: the running requests first (a
+  decode takes 1 token of the iteration's budget `max_batched_tokens`, a prefill the rest of its prompt up to what
+  the budget leaves: chunked prefill), then, if nobody was preempted, the FCFS queue (no overtaking) while fewer
+  than `max_batch` run and the head's KV blocks fit. `--admission paged` (default) holds each request's KV of its
+  current step (the trace's HBM bytes, recall buffers included) and preempts the most recently admitted request
+  when an iteration's blocks do not fit (`--preempt recompute`: prefilled again later; `swap`: its blocks copied
+  to DDR and back on the link); `peak` reserves each request's peak KV at admission and never preempts. A request's
+  offloaded KV reserves its peak in DDR (or the spill tier) from its first admission. A request that cannot fit even
+  alone is rejected (`n_rejected`).
+  One iteration runs every scheduled request's step (a decode's traced step, a prefill chunk) as the engine runs
   a step: operations = the layers, then the LM head. Before operation i the recalls of all requests that have
-  one complete (a batched kernel needs all of them); operation i computes as one roofline over the batch:
-  weights once + every request's own FLOPs and KV bytes (`costs.layer_flops_bytes` per request, summed,
-  `costs.roofline`); after it, the offloads start on D2H (awaited only without async offload). With
+  one complete (a batched kernel needs all of them); operation i's kernels run one after another, each at its
+  roofline (`costs.kernel_times`): the GEMMs over every token of the iteration (weights once), the decodes'
+  attention, the prefill chunks' attention, the small kernels; after it, the offloads start on D2H (awaited only
+  without async offload). A prefill's traced copies run with its last chunk. With
   `layer-prefetch` the recalls of operation i+1 (after the LM head: of the next step's first layer) are
-  issued when operation i starts computing. Every request then emits one token. Under a host model
-  (costs.host_times: one host issues the batched step, whose ops do not grow with the batch) the iteration's
-  GPU work starts `lead_s` after it begins and its tokens are out no sooner than `step_s` after it.
+  issued when operation i starts computing. Every request that finished its step emits one token. Under a host
+  model (costs.host_times: one host issues the batched step, whose ops do not grow with the batch) the iteration's
+  GPU work starts `lead_s` after it begins (and after its swap copies) and its tokens are out no sooner than
+  `step_s` after it.
 - The link: the engine's `Channel`s (H2D and D2H, or one shared channel when half duplex; a FIFO queue of
   copy engines, with one wire when there are several engines). Every request's copy is queued on them (each with the
   fixed per-copy overhead, as in the engine; `batch_copies` instead moves a batch's blocks of one operation
   in one copy, as a gather kernel would), so requests delay each other's recalls: `link_wait_s` is the time a request's copies spent beyond their uncontended
-  duration. With one request (or n identical ones arriving together) the schedule is exactly the engine's
-  single-sequence replay (or its lockstep `batch=n`); tests/test_serving.py checks both.
+  duration. With one request (or n identical ones arriving together, under either admission) the schedule is
+  exactly the engine's single-sequence replay (or its lockstep `batch=n`); tests/test_serving.py and
+  tests/test_serving_paged.py check it.
 Metrics: TTFT = first token - arrival; TBT = time between a request's consecutive tokens; queueing delay =
 admission - arrival; throughput = tokens / time of the last token; goodput counts requests whose mean TBT
 <= `tbt_slo_s` (and TTFT <= `ttft_slo_s` if set); link utilisation = bytes / bandwidth / time; Little's law
-L = lambda W on the admission queue (L integrated from the queue's trajectory, W from the requests).
+L = lambda W on the admission queue (L integrated from the queue's trajectory, W from the requests' waits, after
+preemptions too); preemptions, recomputed tokens and swapped bytes; the GPU's busy share (`gpu_util`).
 """
 
 from __future__ import annotations
@@ -94,7 +102,7 @@ class SampleWork:
     sample_id: str
     prompt_tokens: int
     flops: np.ndarray  # [steps, layers] FLOPs of this sequence
-    kv_read_bytes: np.ndarray  # [steps, layers] HBM bytes of this sequence's KV (weights excluded): its attention's
+    kv_read_bytes: np.ndarray  # [steps, layers] its attention's HBM bytes: the KV read and the new KV written
     recall_bytes: np.ndarray  # [steps, layers + 1] H2D copy before each operation
     recall_s: np.ndarray
     offload_bytes: np.ndarray  # [steps, layers + 1] D2H copy after each operation
