@@ -40,7 +40,7 @@ DODGE = 0.04  # the frontier draws policies with the same rate this factor apart
 # What limits a rate: the resource nearest saturation at the first failing rate, each as a share of what it has.
 RESOURCES = {"link bandwidth": "the host link's busier direction (bytes / bandwidth / time)",
              "HBM capacity": "HBM held at its fullest (weights + KV blocks or reservations) / capacity",
-             "GPU compute": "the GPU's kernel time / time (busy share; the rest waits for copies, the host or arrivals)",
+             "GPU compute": "the GPU's kernels' share of the iterations' time (the rest waits for copies or the host)",
              "batch limit": "most requests running at once / --max-batch"}
 
 
@@ -139,7 +139,7 @@ def capacity_table(table: pd.DataFrame, tbt_slo_s: float, ttft_slo_s: float | No
             "knee_tbt_p99_s": knee["tbt_p99_s"], "knee_ttft_p99_s": knee["ttft_p99_s"],
             "knee_link_util_h2d": knee["link_util_h2d"], "knee_hbm_occupancy": knee["hbm_occupancy"],
             "knee_hbm_occupancy_peak": knee["hbm_occupancy_peak"], "knee_mean_concurrency": knee["mean_concurrency"],
-            "knee_gpu_util": knee.get("gpu_util", math.nan), "knee_n_preemptions": knee.get("n_preemptions", 0),
+            "knee_gpu_util": knee.get("gpu_busy_frac", math.nan), "knee_n_preemptions": knee.get("n_preemptions", 0),
             # each resource's share at the first failing rate (at the top swept rate when none failed)
             **{f"fail_{key}": value for key, value in utilisations(beyond if beyond is not None else knee).items()},
             "knee_throughput_tokens_per_s": knee["throughput_tokens_per_s"],
@@ -161,22 +161,34 @@ def utilisations(row) -> dict[str, float]:
         return float(x) if x is not None and pd.notna(x) else math.nan
 
     link = np.nanmax([value("link_util_h2d"), value("link_util_d2h"), 0.0])
-    return {"link": float(link), "hbm": value("hbm_occupancy_peak"), "gpu": value("gpu_util"),
+    gpu = value("gpu_busy_frac")
+    return {"link": float(link), "hbm": value("hbm_occupancy_peak"), "gpu": value("gpu_util") if math.isnan(gpu) else gpu,
             "batch": value("max_concurrency") / value("max_batch") if value("max_batch") > 0 else math.nan}
 
 
 UTILISATION_NAMES = {"link": "link bandwidth", "hbm": "HBM capacity", "gpu": "GPU compute", "batch": "batch limit"}
 
 
+WALL_MARGIN = 0.02  # a full HBM, link or batch within this share of the busiest resource is named before the GPU
+
+
 def limit(row, tbt_slo_s: float, ttft_slo_s: float | None, never_failed: bool) -> str:
     """What stops a rate, read at the first failing rate: the resource nearest saturation (the largest share of
-    `utilisations`: the host link, HBM, the GPU's busy time or the batch limit), or requests rejected outright."""
+    `utilisations`: the host link, HBM, the GPU's busy share of the iterations, the batch limit), or requests
+    rejected outright. A loaded continuous-batching GPU is busy through nearly all of every iteration whatever
+    stops the rate, so a wall (HBM, the batch limit, the link) within WALL_MARGIN of it is what is named."""
     if never_failed:
         return "none reached"
     if row["n_rejected"] > 0:
         return "requests larger than HBM"
     shares = {k: v for k, v in utilisations(row).items() if not math.isnan(v)}
-    return UTILISATION_NAMES[max(shares, key=shares.get)] if shares else "queueing"
+    if not shares:
+        return "queueing"
+    top = max(shares.values())
+    for wall in ("hbm", "batch", "link"):
+        if wall in shares and shares[wall] >= top - WALL_MARGIN:
+            return UTILISATION_NAMES[wall]
+    return UTILISATION_NAMES["gpu"]
 
 
 def utilisation_text(row) -> str:
@@ -311,7 +323,7 @@ def knee_figure(capacity: pd.DataFrame) -> Figure:
     panels = [("knee_link_util_h2d", "H2D link utilisation at the knee"),
               ("knee_hbm_occupancy_peak", "HBM held at the knee: peak (bar), mean (–)")]
     if "knee_gpu_util" in capacity and capacity["knee_gpu_util"].notna().any():
-        panels.append(("knee_gpu_util", "GPU busy share at the knee"))
+        panels.append(("knee_gpu_util", "GPU busy share of the iterations at the knee"))
     axes = figure.subplots(1, len(panels))
     width = 0.8 / max(len(labels), 1)
     for ax, (column, title) in zip(axes, panels):
@@ -432,7 +444,7 @@ def captions(table: pd.DataFrame, capacity: pd.DataFrame, tbt_slo_s: float, ttft
                        f"queue (recalls); {priced}.",
         "serving_knee": f"At each policy's max sustainable rate ({slo}): H2D link utilisation, HBM occupancy "
                         f"(weights + held KV, share of capacity: peak and mean) and the GPU's busy share (its kernels' "
-                        f"time over the run). The limit in the table is the resource nearest saturation at the first "
+                        f"share of the iterations' time). The limit in the table is the resource nearest saturation at the first "
                         f"failing rate; {priced}.",
         "serving_frontier": f"The serving frontier: per profile, every policy at (max arrival rate with {slo}, "
                             f"accuracy with its 95% Wilson interval from the traces), labelled with its traffic "

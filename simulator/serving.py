@@ -387,6 +387,7 @@ class ServingSim:
         self.iterations = 0
         self.iteration_end: list[float] = []
         self.gpu_busy_s = 0.0  # the iterations' kernel time (their operations), for the GPU's utilisation
+        self.iteration_s = 0.0  # the iterations' whole time (kernels, copies waited for, the host)
         self.tokens = 0  # emitted so far (progress)
         self.env.process(self.arrivals())
         self.done = self.env.process(self.batch_loop())
@@ -454,6 +455,7 @@ class ServingSim:
                 self.timeline.span("GPU", f"iteration {self.iterations}", start_s, self.env.now,
                                    sequences=len(plan))
             self.iteration_end.append(self.env.now)
+            self.iteration_s += self.env.now - start_s
             scheduler.finish(plan, self.iterations)
             self.iterations += 1
             self.tokens += int(plan.final.sum())
@@ -691,8 +693,10 @@ def summarise(sim: ServingSim, manifest: dict, run_dir: str, overhead_source: st
         # paged admission: preemptions, the KV tokens they made recompute, the HBM bytes swapped out (and back)
         "n_preemptions": int(scheduler.preemptions.sum()), "recomputed_tokens": int(scheduler.recomputed.sum()),
         "swapped_bytes": float(scheduler.swapped_out.sum()),
-        # the GPU's utilisation: its kernels' time over the run (an iteration also waits for copies and the host)
-        "gpu_busy_s": sim.gpu_busy_s, "gpu_util": sim.gpu_busy_s / end_s if end_s > 0 else 0.0,
+        # the GPU: its kernels' share of the iterations' time (the rest waits for copies or the host) and of the run
+        "gpu_busy_s": sim.gpu_busy_s,
+        "gpu_busy_frac": sim.gpu_busy_s / sim.iteration_s if sim.iteration_s > 0 else 0.0,
+        "gpu_util": sim.gpu_busy_s / end_s if end_s > 0 else 0.0,
         "littles_queue_length": queue_length, "littles_arrival_rate_per_s": arrival_rate,
         "littles_mean_wait_s": mean_wait,
         "littles_rel_err": abs(queue_length - arrival_rate * mean_wait) / (arrival_rate * mean_wait)

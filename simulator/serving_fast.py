@@ -87,6 +87,7 @@ class FastServing:
         self.occupancy: list[tuple] = []
         self.end_s = 0.0
         self.gpu_busy_s = 0.0
+        self.iteration_s = 0.0
         self.pending: dict[int, float] = {}  # layer-prefetch: request -> end of its in-flight recall
         self.host = costs.host_times(shape, profile)  # as ServingSim: the host model's lead and iteration time
         self._tables()
@@ -170,6 +171,7 @@ class FastServing:
             if clock.now < host_start_s + self.host.step_s:
                 clock.now = host_start_s + self.host.step_s
             iteration_end.append(clock.now)
+            self.iteration_s += clock.now - host_start_s
             scheduler.finish(plan, len(iteration_end) - 1)
         self.end_s = float(clock.now)
         record_requests(requests, scheduler, iteration_end, link_wait, self.spill_works, self.sample_of)

@@ -47,19 +47,20 @@ def test_rate_search_brackets_then_refines_to_the_threshold(threshold):
 
 
 def row(**values):
-    base = dict(link_util_h2d=0.1, link_util_d2h=0.05, hbm_occupancy_peak=0.3, gpu_util=0.4, tbt_p99_s=0.02,
+    base = dict(link_util_h2d=0.1, link_util_d2h=0.05, hbm_occupancy_peak=0.3, gpu_busy_frac=0.4, tbt_p99_s=0.02,
                 n_rejected=0, max_concurrency=10, max_batch=64)
     return pd.Series({**base, **values})
 
 
 @pytest.mark.parametrize("values,expected", [
-    (dict(link_util_h2d=0.8, gpu_util=0.6, tbt_p99_s=0.3), "link bandwidth"),
+    (dict(link_util_h2d=0.8, gpu_busy_frac=0.6, tbt_p99_s=0.3), "link bandwidth"),
     (dict(link_util_d2h=0.9), "link bandwidth"),
-    (dict(hbm_occupancy_peak=0.97, gpu_util=0.8), "HBM capacity"),
-    (dict(hbm_occupancy_peak=0.5, gpu_util=0.95, tbt_p99_s=0.3), "GPU compute"),  # HBM half full: not the limit
-    (dict(max_concurrency=64), "batch limit"),
-    (dict(n_rejected=3, gpu_util=0.99), "requests larger than HBM"),
-    (dict(gpu_util=float("nan"), link_util_h2d=float("nan"), link_util_d2h=float("nan")), "HBM capacity"),
+    (dict(hbm_occupancy_peak=0.97, gpu_busy_frac=0.8), "HBM capacity"),
+    (dict(hbm_occupancy_peak=0.985, gpu_busy_frac=0.999), "HBM capacity"),  # a full HBM beside a busy GPU
+    (dict(hbm_occupancy_peak=0.5, gpu_busy_frac=0.95, tbt_p99_s=0.3), "GPU compute"),  # HBM half full: not it
+    (dict(max_concurrency=64, gpu_busy_frac=0.99), "batch limit"),
+    (dict(n_rejected=3, gpu_busy_frac=0.99), "requests larger than HBM"),
+    (dict(gpu_busy_frac=float("nan"), link_util_h2d=float("nan"), link_util_d2h=float("nan")), "HBM capacity"),
 ])
 def test_limit_names_the_resource_nearest_saturation_at_the_first_failing_rate(values, expected):
     assert limit(row(**values), 0.1, 10.0, never_failed=False) == expected

@@ -255,6 +255,7 @@ def test_nothing_is_lost_or_counted_twice(hier_run, room, rate_per_s, max_batch,
     assert (result.timeline["hbm_reserved_bytes"] <= capacity * (1 + 1e-12)).all()
     assert (result.timeline["hbm_bytes"] <= result.timeline["hbm_reserved_bytes"] * (1 + 1e-12)).all()
     assert result.summary["n_preemptions"] == int(requests["preemptions"].sum())
+    assert 0 < result.summary["gpu_util"] <= result.summary["gpu_busy_frac"] <= 1 + 1e-12
 
 
 # ---------------------------------------------------------------- a mixed iteration ----------------------------

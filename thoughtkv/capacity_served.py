@@ -184,7 +184,8 @@ def write_table(capacity, table, out: Path) -> list[Path]:
         "",
         "Why, per GPU: " + winners_text(capacity) + ". The limit is read at the first failing rate as the resource "
         "nearest saturation, its share in the table: the host link (its busier direction's bytes / bandwidth / "
-        "time), HBM (held at its fullest / capacity), the GPU (its kernels' busy share of the run). Paged "
+        "time), HBM (held at its fullest / capacity), the GPU (its kernels' share of the iterations' time; a wall "
+        "within 2 points of it is named first: a loaded GPU computes through nearly every iteration). Paged "
         "admission holds each request's current blocks, not its peak: where HBM binds, it runs more requests "
         "than the peak column (which holds the peak of each) until preemptions' recomputes cost the batch its "
         "TBT; where the link or the GPU binds, admission hardly matters (simulator/README.md, \"Preemption\").",
