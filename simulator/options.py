@@ -1,7 +1,8 @@
 """How a run is simulated, as one frozen object: `SimOptions` (overlap, async offload, batch, engine, offload
 tier, transfer mechanism), validated once on construction; on which model's shapes (`Projection`: --as-model,
 --as-dtype, --context-scale, --recalls, shared by simulate, serve-sim and grids); and how it is served
-(`ServingConfig`: arrivals, request lengths, batching, SLOs, with a SimOptions and a Projection embedded whole).
+(`ServingConfig`: arrivals, request lengths, batching, admission and preemption, SLOs, with a SimOptions and a
+Projection embedded whole).
 No heavy imports: `thoughtkv --help` builds flags from here.
 
     from simulator.options import SimOptions
