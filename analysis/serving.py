@@ -8,12 +8,15 @@ A rate is *sustainable* for a (run, profile) when the p99 of every time between 
 the p99 time to first token at most the TTFT SLO (an overloaded server's queue grows through the arrival
 window, so its TTFT grows without bound: this is what tells "keeps up" from "queues forever"), and no request
 was rejected. The max sustainable rate is the highest swept rate below which every swept rate is sustainable:
-the sweep brackets it (`bracket`), so it is exact to the grid's resolution, stated with it.
+the sweep brackets it (`bracket`), so it is exact to the grid's resolution, stated with it. What limits it
+(`limit`) is the resource nearest saturation at the first failing rate (`utilisations`: the link, HBM, the GPU's
+busy share, the batch limit), its figures in the table.
 
 Figures (one panel per profile, one series per policy):
 - goodput (tokens/s of requests whose mean TBT and TTFT meet the SLOs) vs arrival rate,
 - p50 and p99 TBT vs arrival rate, the SLO drawn,
-- at the knee (the max sustainable rate): H2D link utilisation and mean HBM occupancy (reserved KV + weights),
+- at the knee (the max sustainable rate): H2D link utilisation, HBM occupancy (held KV + weights) and the GPU's
+  busy share,
 - the frontier: every policy as a point (max sustainable rate, accuracy with its 95% Wilson interval from the
   trace), labelled with its traffic (attended share of the context, H2D bytes per generated token as served).
 Every caption names the model shapes the runs were priced at and the overhead mode with its host term.
@@ -34,9 +37,12 @@ from traces.stats import bytes_text
 SECTION_TITLE = "Capacity as served"
 FIGURE_STEMS = ("serving_goodput", "serving_tbt", "serving_knee", "serving_frontier")
 DODGE = 0.04  # the frontier draws policies with the same rate this factor apart (x), for legibility
-LINK_BOUND_UTILISATION = 0.5  # at the knee, an H2D link busier than this is what limits the rate
-HBM_BOUND_OCCUPANCY = 0.9  # ... and HBM reserved beyond this share of its capacity
 ALONE_CONCURRENCY = 1.5  # at most this many requests running on average: a request's steps are (mostly) alone
+# What limits a rate: the resource nearest saturation at the first failing rate, each as a share of what it has.
+RESOURCES = {"link bandwidth": "the host link's busier direction (bytes / bandwidth / time)",
+             "HBM capacity": "HBM held at its fullest (weights + KV blocks or reservations) / capacity",
+             "GPU compute": "the GPU's kernels' share of the iterations' time (the rest waits for copies or the host)",
+             "batch limit": "most requests running at once / --max-batch"}
 
 
 # ---------------------------------------------------------------- numbers --------------------------------------
@@ -124,6 +130,9 @@ def capacity_table(table: pd.DataFrame, tbt_slo_s: float, ttft_slo_s: float | No
             "knee_tbt_p99_s": knee["tbt_p99_s"], "knee_ttft_p99_s": knee["ttft_p99_s"],
             "knee_link_util_h2d": knee["link_util_h2d"], "knee_hbm_occupancy": knee["hbm_occupancy"],
             "knee_hbm_occupancy_peak": knee["hbm_occupancy_peak"], "knee_mean_concurrency": knee["mean_concurrency"],
+            "knee_gpu_util": knee.get("gpu_busy_frac", math.nan), "knee_n_preemptions": knee.get("n_preemptions", 0),
+            # each resource's share at the first failing rate (at the top swept rate when none failed)
+            **{f"fail_{key}": value for key, value in utilisations(beyond if beyond is not None else knee).items()},
             "knee_throughput_tokens_per_s": knee["throughput_tokens_per_s"],
             "limit": f"SLO out of reach: {alone}" if alone else
             limit(beyond if beyond is not None else knee, tbt_slo_s, ttft_slo_s, beyond is None),
@@ -131,27 +140,56 @@ def capacity_table(table: pd.DataFrame, tbt_slo_s: float, ttft_slo_s: float | No
             "h2d_bytes_per_token_served": knee["h2d_bytes_per_token_served"],
             **{c: first[c] for c in ("n_scored", "n_correct", "accuracy", "ci_low", "ci_high", "attended_frac",
                                      "model", "as_model", "lengths", "overhead_mode", "host_term", "transfer",
-                                     "max_batch", "duration_s")},
+                                     "max_batch", "duration_s") if c in first},
+            "admission": first.get("admission", "peak"),
             "tbt_slo_s": tbt_slo_s, "ttft_slo_s": ttft_slo_s, "rates_swept": int(group["rate_per_s"].nunique()),
         })
     return pd.DataFrame(rows)
 
 
+def utilisations(row) -> dict[str, float]:
+    """Each resource's share of what it has in a swept row (RESOURCES): link, HBM, GPU and batch."""
+    def value(name: str) -> float:
+        x = row.get(name, math.nan) if hasattr(row, "get") else row[name]
+        return float(x) if x is not None and pd.notna(x) else math.nan
+
+    link = np.nanmax([value("link_util_h2d"), value("link_util_d2h"), 0.0])
+    gpu = value("gpu_busy_frac")
+    return {"link": float(link), "hbm": value("hbm_occupancy_peak"), "gpu": value("gpu_util") if math.isnan(gpu) else gpu,
+            "batch": value("max_concurrency") / value("max_batch") if value("max_batch") > 0 else math.nan}
+
+
+UTILISATION_NAMES = {"link": "link bandwidth", "hbm": "HBM capacity", "gpu": "GPU compute", "batch": "batch limit"}
+
+
+WALL_MARGIN = 0.02  # a full HBM, link or batch within this share of the busiest resource is named before the GPU
+
+
 def limit(row, tbt_slo_s: float, ttft_slo_s: float | None, never_failed: bool) -> str:
-    """What stops a rate: the host link (H2D busier than LINK_BOUND_UTILISATION), HBM capacity (admission held
-    requests back: reservations above HBM_BOUND_OCCUPANCY of capacity), or the GPU's iteration time (TBT above
-    the SLO with neither) — read at the first failing rate."""
+    """What stops a rate, read at the first failing rate: the resource nearest saturation (the largest share of
+    `utilisations`: the host link, HBM, the GPU's busy share of the iterations, the batch limit), or requests
+    rejected outright. A loaded continuous-batching GPU is busy through nearly all of every iteration whatever
+    stops the rate, so a wall (HBM, the batch limit, the link) within WALL_MARGIN of it is what is named."""
     if never_failed:
         return "none reached"
-    if row["link_util_h2d"] >= LINK_BOUND_UTILISATION:
-        return "link bandwidth"
-    if row["hbm_occupancy_peak"] >= HBM_BOUND_OCCUPANCY:
-        return "HBM capacity"
-    if row["tbt_p99_s"] > tbt_slo_s:
-        return "GPU iteration time"
     if row["n_rejected"] > 0:
         return "requests larger than HBM"
-    return "batch limit" if row["max_concurrency"] >= row["max_batch"] else "queueing"
+    shares = {k: v for k, v in utilisations(row).items() if not math.isnan(v)}
+    if not shares:
+        return "queueing"
+    top = max(shares.values())
+    for wall in ("hbm", "batch", "link"):
+        if wall in shares and shares[wall] >= top - WALL_MARGIN:
+            return UTILISATION_NAMES[wall]
+    return UTILISATION_NAMES["gpu"]
+
+
+def utilisation_text(row) -> str:
+    """'link 62% · HBM 48% · GPU 97%': the shares at the first failing rate the limit was read from."""
+    parts = [f"{label} {100 * row[f'fail_{key}']:.0f}%" for key, label in (("link", "link"), ("hbm", "HBM"),
+                                                                          ("gpu", "GPU"))
+             if f"fail_{key}" in row and pd.notna(row[f"fail_{key}"])]
+    return " · ".join(parts) or "-"
 
 
 def alone_failure(row, tbt_slo_s: float, ttft_slo_s: float | None) -> str | None:
@@ -292,14 +330,17 @@ def tbt_figure(table: pd.DataFrame, tbt_slo_s: float) -> Figure:
 
 @styled
 def knee_figure(capacity: pd.DataFrame) -> Figure:
-    """At each (policy, profile)'s max sustainable rate: H2D link utilisation and mean HBM occupancy."""
+    """At each (policy, profile)'s max sustainable rate: H2D link utilisation, HBM occupancy, the GPU's busy share."""
     profiles = list(dict.fromkeys(capacity["profile"]))
     labels = _labels(capacity)
     figure = new_figure(DOUBLE_COLUMN_IN)
-    axes = figure.subplots(1, 2)
+    panels = [("knee_link_util_h2d", "H2D link utilisation at the knee"),
+              ("knee_hbm_occupancy_peak", "HBM held at the knee: peak (bar), mean (–)")]
+    if "knee_gpu_util" in capacity and capacity["knee_gpu_util"].notna().any():
+        panels.append(("knee_gpu_util", "GPU busy share of the iterations at the knee"))
+    axes = figure.subplots(1, len(panels))
     width = 0.8 / max(len(labels), 1)
-    for ax, (column, title) in zip(axes, (("knee_link_util_h2d", "H2D link utilisation at the knee"),
-                                          ("knee_hbm_occupancy_peak", "HBM reserved at the knee: peak (bar), mean (–)"))):
+    for ax, (column, title) in zip(axes, panels):
         for k, label in enumerate(labels):
             rows = capacity[capacity["label"] == label].set_index("profile").reindex(profiles)
             x = np.arange(len(profiles)) + (k - (len(labels) - 1) / 2) * width
@@ -403,17 +444,32 @@ def _spread(values: list[float], low: float = -12.0, high: float = 108.0, gap: f
 
 def capacity_markdown(capacity: pd.DataFrame) -> str:
     """The per (policy, profile) table of the section."""
-    header = ["profile", "policy", "max rate (req/s)", "limit beyond it", "accuracy % [95% CI]", "n", "attended %",
+    peak = "max_rate_peak_per_s" in capacity
+    header = ["profile", "policy", "max rate (req/s)", *(["peak reservation (req/s)"] if peak else []),
+              "limit beyond it", "link / HBM / GPU at first failing rate", "accuracy % [95% CI]", "n", "attended %",
               "H2D/token (served)", "link util. at knee", "HBM occupancy at knee", "TBT p99 at knee (ms)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for _, r in capacity.iterrows():
+        peak_cell = [max_rate_text({"max_rate_per_s": r["max_rate_peak_per_s"],
+                                    "first_failing_rate_per_s": r["first_failing_rate_peak_per_s"]})] if peak else []
         lines.append("| " + " | ".join([
-            r["profile"], r["label"], max_rate_text(r), r["limit"],
+            r["profile"], r["label"], max_rate_text(r), *peak_cell, r["limit"], utilisation_text(r),
             f"{100 * r['accuracy']:.1f} [{100 * r['ci_low']:.1f}, {100 * r['ci_high']:.1f}]", str(int(r["n_scored"])),
             f"{100 * r['attended_frac']:.1f}", bytes_text(r["h2d_bytes_per_token_served"] or 0),
             f"{100 * r['knee_link_util_h2d']:.0f}%", f"{100 * r['knee_hbm_occupancy']:.0f}%",
             f"{1e3 * r['knee_tbt_p99_s']:.1f}"]) + " |")
     return "\n".join(lines)
+
+
+def admission_text(table: pd.DataFrame) -> str:
+    """How the rows admitted requests (simulator/admission.py), for the section's first line."""
+    first = table.iloc[0]
+    if first.get("admission", "peak") == "peak":
+        return "HBM admission by each request's peak KV (never preempted)"
+    return (f"paged HBM admission (KV blocks as each request grows; the last admitted preempted by "
+            f"{first.get('preempt', 'recompute')} when they run out), chunked prefill under "
+            f"{int(first['max_batched_tokens']) if pd.notna(first.get('max_batched_tokens')) else 'vLLM default'} "
+            "tokens per iteration")
 
 
 def slo_text(tbt_slo_s: float, ttft_slo_s: float | None) -> str:
@@ -429,12 +485,13 @@ def captions(table: pd.DataFrame, capacity: pd.DataFrame, tbt_slo_s: float, ttft
         "serving_goodput": f"Goodput (tokens/s of requests whose mean TBT ≤ {1e3 * tbt_slo_s:g} ms"
                            f"{'' if ttft_slo_s is None else f' and TTFT ≤ {ttft_slo_s:g} s'}) vs Poisson arrival rate, "
                            f"per policy and profile.",
-        "serving_tbt": "Time between tokens vs arrival rate: p99 (solid) and p50 (dotted), the SLO dashed; TBT "
-                       "grows with the batch (every running request's KV read per iteration) and with the link's "
-                       "queue (recalls).",
-        "serving_knee": f"At each policy's max sustainable rate ({slo}): H2D link utilisation and mean HBM occupancy "
-                        f"(weights + reserved KV, share of capacity). A busy link says the link limits the "
-                        f"hierarchy; a full HBM says capacity limits the cache.",
+        "serving_tbt": f"Time between tokens vs arrival rate: p99 (solid) and p50 (dotted), the SLO dashed; TBT "
+                       f"grows with the batch (every running request's KV read per iteration) and with the link's "
+                       f"queue (recalls).",
+        "serving_knee": f"At each policy's max sustainable rate ({slo}): H2D link utilisation, HBM occupancy "
+                        f"(weights + held KV, share of capacity: peak and mean) and the GPU's busy share (its kernels' "
+                        f"share of the iterations' time). The limit in the table is the resource nearest saturation at the first "
+                        f"failing rate.",
         "serving_frontier": f"The serving frontier: per profile, every policy at (max arrival rate with {slo}, "
                             f"accuracy with its 95% Wilson interval from the traces), labelled with its traffic "
                             f"(attended share of the context; H2D bytes per generated token as served) in the "
@@ -462,7 +519,7 @@ def write_serving_section(table: pd.DataFrame, capacity: pd.DataFrame, report_di
               "serving_goodput": "Goodput vs arrival rate", "serving_tbt": "Time between tokens vs arrival rate",
               "serving_knee": "Link and HBM at the knee"}
     lines = [f"## {SECTION_TITLE}", "",
-             f"Continuous batching with HBM admission (each request reserves its peak KV) and one shared host link "
+             f"Continuous batching with {admission_text(table)} and one shared host link "
              f"(`thoughtkv capacity`, simulator/serving.py); {table['duration_s'].iloc[0]:g} s of Poisson arrivals per "
              f"rate (a window of few request lifetimes overstates the knee: simulator/README.md, \"Finite windows\"); "
              f"sustainable = {slo_text(tbt_slo_s, ttft_slo_s)}, nothing rejected. Priced: {priced_text(table)} (every "

@@ -57,6 +57,7 @@ class ModelShape:
     kv_bytes_per_token: int  # all layers, K and V, as stored in HBM
     weight_bytes: int
     n_params: int
+    intermediate_size: int = 0  # the MLP's inner width (0: derived from the parameter count, small_kernel_elements)
 
     @classmethod
     def from_manifest(cls, model: dict) -> ModelShape:
@@ -72,6 +73,7 @@ class ModelShape:
             kv_bytes_per_token=int(model["kv_bytes_per_token"]),
             weight_bytes=int(model["weight_bytes"]),
             n_params=int(model["n_params"]),
+            intermediate_size=int(model.get("intermediate_size") or 0),
         )
 
     @property
@@ -249,9 +251,101 @@ def geometry_warning(profile: HardwareProfile, spec, run_label: str) -> str | No
             f"is simulated with {text(wanted)}; calibrate with `{flags}` to compare like with like")
 
 
+def attention_flops_bytes(shape: ModelShape, query_tokens, attended_tokens):
+    """The attention kernel of one layer-step: its FLOPs (QK^T and PV over the causal pairs) and HBM bytes (the
+    attended tokens' K and V read, the new tokens' written)."""
+    q = np.asarray(query_tokens, dtype=np.float64)
+    a = np.asarray(attended_tokens, dtype=np.float64)
+    return 4.0 * shape.n_heads * shape.head_dim * causal_pairs(q, a), (a + q) * shape.kv_bytes_per_token_layer
+
+
+def small_kernel_elements(shape: ModelShape) -> float:
+    """Activation elements per token that a layer's small kernels read and write: two RMSNorms (2h each), the
+    rotary embedding of q and k in place (2 (H + H_kv) d), SiLU-and-multiply (reads 2I, writes I) and one
+    residual add (3h) -- the operations Vidur profiles besides the GEMMs and attention."""
+    h, d = shape.hidden_size, shape.head_dim
+    inner = shape.intermediate_size
+    if inner <= 0:  # an old run.json without it: what the layer's parameters leave for a SwiGLU MLP
+        attention = 2 * h * d * (shape.n_heads + shape.n_kv_heads)
+        inner = max(0.0, (shape.layer_params - attention - 2 * h) / (3 * h))
+    return 7.0 * h + 2.0 * (shape.n_heads + shape.n_kv_heads) * d + 3.0 * inner
+
+
+# The small kernels (norms, rotary, activation, residual add) stream activations through HBM at this share of the
+# profile's HBM rate. Calibrated on Vidur's measured H100 tables (microsoft/vidur, data/profiling/compute/h100/
+# meta-llama/Llama-2-7b-hf/mlp.csv, TP 1: the medians of input_layernorm + post_attention_layernorm + attn_rope +
+# mlp_act + add grow by 93.8 ns per token and layer, least squares over 1..4,096 tokens), against h100-sxm's rate
+# under cuda-graphs (3.35 TB/s x 0.85 x 0.822): 78,080 elements x 2 B / 2.34 TB/s = 66.7 ns -> 0.71. The fixed part
+# of those kernels (~19 us per layer at one token in the same table) is not added: it is paid once per iteration
+# and layer whatever the tokens, and the decode calibration (decode_hbm_fraction: gpt-fast's measured step, which
+# runs these kernels) already holds it.
+SMALL_KERNEL_HBM_FRACTION = 0.71
+
+
+def small_kernel_s(shape: ModelShape, profile: HardwareProfile, tokens):
+    """The small kernels of one layer over `tokens` tokens (every query token of the iteration): activation bytes
+    at SMALL_KERNEL_HBM_FRACTION of the HBM rate."""
+    per_token_s = small_kernel_elements(shape) * dtype_bytes(shape.dtype) / (
+        profile.gpu.hbm_bytes_per_s * SMALL_KERNEL_HBM_FRACTION)
+    return np.asarray(tokens, dtype=np.float64) * per_token_s
+
+
+def kernel_total_s(shape: ModelShape, profile: HardwareProfile, tokens, attn_flops, attn_bytes,
+                   prefill_attn_flops=0.0, prefill_attn_bytes=0.0):
+    """`kernel_times(...).total_s` alone (the serving fast path's per-iteration call): the same expression."""
+    flops_per_s, bytes_per_s = profile.gpu.matmul_flops_per_s, profile.gpu.hbm_bytes_per_s
+    tokens = np.asarray(tokens, dtype=np.float64)
+    total = np.maximum(2.0 * shape.layer_params * tokens / flops_per_s, shape.layer_weight_bytes / bytes_per_s)
+    total = total + np.maximum(np.asarray(attn_flops, dtype=np.float64) / flops_per_s,
+                               np.asarray(attn_bytes, dtype=np.float64) / bytes_per_s)
+    kv_bytes = attn_bytes
+    if np.any(prefill_attn_bytes):
+        total = total + np.maximum(np.asarray(prefill_attn_flops, dtype=np.float64) / flops_per_s,
+                                   np.asarray(prefill_attn_bytes, dtype=np.float64) / bytes_per_s)
+        kv_bytes = kv_bytes + prefill_attn_bytes
+    return total + small_kernel_s(shape, profile, tokens) + layer_overhead_s(shape, profile, kv_bytes)
+
+
+def kernel_times(shape: ModelShape, profile: HardwareProfile, tokens, attn_flops, attn_bytes,
+                 prefill_attn_flops=0.0, prefill_attn_bytes=0.0) -> OpTimes:
+    """One layer operation priced as its kernels run, one after another, each at its own roofline:
+
+        GEMMs      max(2 P_layer T / F, W_layer / B)          T = the operation's query tokens (all sequences)
+        attention  max(attn FLOPs / F, KV bytes / B)          the decodes' (and the trace replay's) kernel
+        prefill    max(prefill FLOPs / F, prefill KV / B)     the prefill chunks' attention, its own kernel
+        small      T x small_kernel_elements x b / (B x SMALL_KERNEL_HBM_FRACTION)
+        + layer_overhead_s (the profile's fixed per-layer and per-token costs)
+
+    One roofline over the sum would hide a prefill's GEMM compute under the decodes' KV reads; the kernels do not
+    overlap on the GPU. Arrays over operations (or scalars)."""
+    flops_per_s, bytes_per_s = profile.gpu.matmul_flops_per_s, profile.gpu.hbm_bytes_per_s
+    tokens = np.asarray(tokens, dtype=np.float64)
+    parts = [(2.0 * shape.layer_params * tokens / flops_per_s, np.broadcast_to(shape.layer_weight_bytes / bytes_per_s,
+                                                                               tokens.shape)),
+             (np.asarray(attn_flops, dtype=np.float64) / flops_per_s, np.asarray(attn_bytes, dtype=np.float64) / bytes_per_s),
+             (np.asarray(prefill_attn_flops, dtype=np.float64) / flops_per_s,
+              np.asarray(prefill_attn_bytes, dtype=np.float64) / bytes_per_s)]
+    compute_s = hbm_s = 0.0
+    for compute, memory in parts:
+        compute, memory = np.broadcast_arrays(compute, memory)
+        bound = compute >= memory
+        compute_s = compute_s + np.where(bound, compute, 0.0)
+        hbm_s = hbm_s + np.where(bound, 0.0, memory)
+    hbm_s = hbm_s + small_kernel_s(shape, profile, tokens)
+    total = kernel_total_s(shape, profile, tokens, attn_flops, attn_bytes, prefill_attn_flops, prefill_attn_bytes)
+    out_shape = np.broadcast(compute_s, hbm_s, total).shape
+    overhead = layer_overhead_s(shape, profile, np.asarray(attn_bytes, dtype=np.float64) + prefill_attn_bytes)
+    return OpTimes(total_s=np.broadcast_to(total, out_shape).astype(np.float64),
+                   compute_s=np.broadcast_to(compute_s, out_shape).astype(np.float64),
+                   hbm_s=np.broadcast_to(hbm_s, out_shape).astype(np.float64),
+                   overhead_s=np.broadcast_to(overhead, out_shape).astype(np.float64))
+
+
 def layer_times(shape: ModelShape, profile: HardwareProfile, query_tokens, attended_tokens, batch: int = 1) -> OpTimes:
-    flops, hbm_bytes = layer_flops_bytes(shape, query_tokens, attended_tokens, batch)
-    return roofline(flops, hbm_bytes, profile, layer_overhead_s(shape, profile, hbm_bytes - shape.layer_weight_bytes))
+    """`batch` identical sequences' layer-step (the trace replay): `kernel_times` of their summed demand."""
+    q = np.asarray(query_tokens, dtype=np.float64)
+    attn_flops, attn_bytes = attention_flops_bytes(shape, q, attended_tokens)
+    return kernel_times(shape, profile, batch * q, batch * attn_flops, batch * attn_bytes)
 
 
 def event_times(shape: ModelShape, profile: HardwareProfile, moved_blocks, recall_bytes, batch: int = 1,

@@ -75,6 +75,7 @@ class LayerLoad:
     query_bytes: np.ndarray  # cpu-attention: queries to the host (D2H)
     partial_bytes: np.ndarray  # cpu-attention: partial outputs + softmax statistics back (H2D)
     has_host_work: np.ndarray  # bool: cpu-attention has a host path in this operation
+    tokens: np.ndarray | float = 0.0  # query tokens through the operation's GEMMs and small kernels
 
     def total(self, axis: int = 0) -> LayerLoad:
         """Sum over sequences (axis of stacked per-sequence loads)."""
@@ -87,7 +88,7 @@ class LayerLoad:
 
 
 LOAD_FIELDS = ("flops", "kv_bytes", "attn_flops", "remote_bytes", "host_flops", "query_bytes", "partial_bytes",
-               "has_host_work")
+               "has_host_work", "tokens")
 
 
 def sequence_load(mechanism: Mechanism, shape: costs.ModelShape, query_tokens, hbm_tokens, recalled_tokens,
@@ -120,6 +121,7 @@ def sequence_load(mechanism: Mechanism, shape: costs.ModelShape, query_tokens, h
         partial_bytes=np.where(moving, q * shape.n_heads * (shape.head_dim * element + PARTIAL_STATS_BYTES), 0.0)
         if host else zero,
         has_host_work=moving if host else np.zeros(q.shape, dtype=bool),
+        tokens=q,
     )
 
 
@@ -186,9 +188,9 @@ class Mechanism:
     # -- the GPU -------------------------------------------------------------------------------------------
 
     def layer_times(self, ctx: TransferContext, load: LayerLoad) -> costs.OpTimes:
-        """A batch's layer operation: roofline of weights once + the summed FLOPs and KV bytes."""
-        return costs.roofline(load.flops, ctx.shape.layer_weight_bytes + load.kv_bytes, ctx.profile,
-                              costs.layer_overhead_s(ctx.shape, ctx.profile, load.kv_bytes))
+        """A batch's layer operation as its kernels run (costs.kernel_times): the GEMMs over the summed query
+        tokens (weights once), one attention kernel over the summed attention FLOPs and KV bytes."""
+        return costs.kernel_times(ctx.shape, ctx.profile, load.tokens, load.attn_flops, load.kv_bytes)
 
     def stretch(self, ctx: TransferContext, op_s, overlapping_copy_s) -> np.ndarray:
         """The operation's time when copies of `overlapping_copy_s` run beside it (no effect but for sm-copy)."""
@@ -384,14 +386,16 @@ def custom_layers(mechanism: Mechanism) -> bool:
     return type(mechanism).layer_times is not Mechanism.layer_times
 
 
-def batch_op_s(mechanism: Mechanism, ctx: TransferContext, load: LayerLoad, batch: int, offload_group_s,
-               following_group_s=None, async_offload: bool = True) -> list[float]:
+def batch_op_s(mechanism: Mechanism, ctx: TransferContext, load: LayerLoad | None, batch: int, offload_group_s,
+               following_group_s=None, async_offload: bool = True, layer_s=None) -> list[float]:
     """The operation times of one serving iteration (the layers, then the LM head) for the batch's summed
-    `load` ([layers] arrays); `offload_group_s` [ops] is the channel time of each operation's offload group,
-    `following_group_s` [ops] (layer-prefetch) that of the recalls issued beside each operation. sm-copy
-    stretches an operation by the copies beside it (as in `build_workload` for one sequence)."""
+    `load` ([layers] arrays), or its layers' times `layer_s` as the caller priced them (a mechanism that keeps
+    the kernels' time: costs.kernel_times with the prefill chunks apart); `offload_group_s` [ops] is the channel
+    time of each operation's offload group, `following_group_s` [ops] (layer-prefetch) that of the recalls
+    issued beside each operation. sm-copy stretches an operation by the copies beside it (as in
+    `build_workload` for one sequence)."""
     shape, profile = ctx.shape, ctx.profile
-    layer = mechanism.layer_times(ctx, load).total_s
+    layer = mechanism.layer_times(ctx, load).total_s if layer_s is None else np.asarray(layer_s, dtype=np.float64)
     op_s = np.append(layer, float(costs.head_times(shape, profile, batch=batch).total_s))
     if type(mechanism).stretch is Mechanism.stretch:
         return op_s.tolist()

@@ -1,7 +1,8 @@
 """How a run is simulated, as one frozen object: `SimOptions` (overlap, async offload, batch, engine, offload
 tier, transfer mechanism), validated once on construction; on which model's shapes (`Projection`: --as-model,
 --as-dtype, --context-scale, --recalls, shared by simulate, serve-sim and grids); and how it is served
-(`ServingConfig`: arrivals, request lengths, batching, SLOs, with a SimOptions and a Projection embedded whole).
+(`ServingConfig`: arrivals, request lengths, batching, admission and preemption, SLOs, with a SimOptions and a
+Projection embedded whole).
 No heavy imports: `thoughtkv --help` builds flags from here.
 
     from simulator.options import SimOptions
@@ -45,6 +46,11 @@ LENGTH_MODELS = ("r1-7b/gsm8k", "r1-7b/math-500", "r1-7b/aime")
 # The TTFT bound of serving's SLO (goodput, SLO attainment, capacity's sustainable rate): without one, an
 # overloaded server whose admission caps the batch keeps its TBT while its queue grows without bound.
 DEFAULT_TTFT_SLO_S = 10.0
+ADMISSIONS = ("paged", "peak")  # serve-sim's KV admission (simulator/admission.py)
+PREEMPTIONS = ("recompute", "swap")
+# vLLM's default per-iteration token budget (EngineArgs.get_batch_defaults, OpenAI API server context): 8,192 on a
+# GPU with >= 70 GiB that is not an A100 (H100, H200, GH200, MI300X, B200), else 2,048.
+BATCHED_TOKENS_LARGE, BATCHED_TOKENS_SMALL, BATCHED_TOKENS_MEMORY_BYTES = 8192, 2048, 70 * 2**30
 
 
 @dataclass(frozen=True)
@@ -197,6 +203,20 @@ class ServingConfig:
     batch_copies: bool = field(default=False, metadata={
         "help": "one copy per operation for the whole batch (a gather kernel, one overhead) instead of one per "
                 "request"})
+    admission: str = field(default="paged", metadata={
+        "help": "paged: KV blocks are allocated as each request grows and, when an iteration's do not fit, the "
+                "most recently admitted request is preempted (vLLM); peak: a request is admitted only when its "
+                "peak KV fits and is never preempted", "choices": ADMISSIONS})
+    preempt: str = field(default="recompute", metadata={
+        "help": "with --admission paged, what a preempted request loses: recompute (its KV is dropped and "
+                "prefilled again, prompt + generated tokens, when it resumes: vLLM's default) or swap (its blocks "
+                "move to host DDR over the link and back when it resumes)", "choices": PREEMPTIONS})
+    max_batched_tokens: int | None = field(default=None, metadata={
+        "help": "tokens one iteration computes (vLLM's max_num_batched_tokens): each decode takes 1, prefills "
+                "are chunked to what is left (decodes first, then prefill chunks); at least --max-batch",
+        "type": int, "metavar": "N",
+        "default_text": "vLLM's for the GPU: 8192 with >= 70 GiB of HBM and not an A100, else 2048 (raised to "
+                        "--max-batch when below it)"})
     options: SimOptions = field(default_factory=SimOptions)  # overlap, async offload, offload tier, transfer
     projection: Projection = field(default_factory=Projection)  # --as-model, --as-dtype, --context-scale, --recalls
 
@@ -223,6 +243,17 @@ class ServingConfig:
             raise OptionError(str(exc)) from None
         if not isinstance(self.batch_copies, bool):
             raise OptionError(f"batch_copies must be true or false, got {self.batch_copies!r} (--batch-copies)")
+        _choice(self, "admission")
+        _choice(self, "preempt")
+        tokens = self.max_batched_tokens
+        if tokens is not None:
+            if not _is_whole(tokens) or tokens < 1 or tokens >= 2**32:
+                raise OptionError(f"max_batched_tokens must be a whole number in [1, 2**32) or unset, got {tokens!r} "
+                                  "(--max-batched-tokens)")
+            if tokens < self.max_batch:
+                raise OptionError(f"max_batched_tokens {tokens} is below max_batch {self.max_batch}: every running "
+                                  "request decodes a token each iteration (vLLM refuses max_num_batched_tokens < "
+                                  "max_num_seqs); raise --max-batched-tokens or lower --max-batch")
         if self.arrivals_csv is not None and (not isinstance(self.arrivals_csv, str) or not self.arrivals_csv):
             raise OptionError(f"arrivals_csv must be a file path, got {self.arrivals_csv!r} (--arrivals-csv)")
         if not isinstance(self.options, SimOptions):
@@ -242,6 +273,15 @@ class ServingConfig:
         if self.options.batch != 1:  # serving batches requests itself (max_batch)
             raise OptionError(f"batch {self.options.batch} is simulate's lockstep copies; serve-sim batches requests "
                               "itself: use max_batch (--max-batch)")
+
+
+    def batched_tokens(self, hbm_capacity_bytes: float, gpu_name: str) -> int:
+        """The iteration's token budget on a GPU: --max-batched-tokens, or vLLM's default for it (at least
+        max_batch)."""
+        if self.max_batched_tokens is not None:
+            return self.max_batched_tokens
+        large = hbm_capacity_bytes >= BATCHED_TOKENS_MEMORY_BYTES and "a100" not in gpu_name.lower()
+        return max(BATCHED_TOKENS_LARGE if large else BATCHED_TOKENS_SMALL, self.max_batch)
 
 
 # The options that tell two results apart (result columns and keys); the engine only says how they were computed.

@@ -11,37 +11,44 @@ The model (SimPy; the engine's hardware, engine.py, and cost model, costs.py):
   `lengths.read_arrivals_csv`) and wait in one FCFS admission queue. Each replays a traced sample: Poisson picks
   one uniformly (seeded); a CSV row the nearest in (prompt, output) length, resampled to the row's own lengths
   (simulator/lengths.py, as `--lengths` resamples its classes).
-- `batch_loop` (holds the engine's GPU Resource per iteration): before every iteration it admits waiting
-  requests in order while (a) fewer than `max_batch` run, (b) HBM holds weights + the reserved KV of every
-  running request, where a request reserves its sample's peak HBM KV bytes (resident + recall buffers,
-  summed over layers, at the policy's budget), and (c) DDR (or the offload tier) holds every request's peak
-  offloaded KV. Reserving the peak means no request is ever preempted; the head of the queue blocks the rest
-  (no overtaking). A request that cannot fit even alone is rejected (`n_rejected`).
-  One iteration runs every running request's next traced step (the prefill for a new one) as the engine runs
+- `batch_loop` (holds the engine's GPU Resource per iteration): before every iteration the scheduler
+  (admission.Scheduler, shared with the fast path) picks what runs, vLLM V1's way: the running requests first (a
+  decode takes 1 token of the iteration's budget `max_batched_tokens`, a prefill the rest of its prompt up to what
+  the budget leaves: chunked prefill), then, if nobody was preempted, the FCFS queue (no overtaking) while fewer
+  than `max_batch` run and the head's KV blocks fit. `--admission paged` (default) holds each request's KV of its
+  current step (the trace's HBM bytes, recall buffers included) and preempts the most recently admitted request
+  when an iteration's blocks do not fit (`--preempt recompute`: prefilled again later; `swap`: its blocks copied
+  to DDR and back on the link); `peak` reserves each request's peak KV at admission and never preempts. A request's
+  offloaded KV reserves its peak in DDR (or the spill tier) from its first admission. A request that cannot fit even
+  alone is rejected (`n_rejected`).
+  One iteration runs every scheduled request's step (a decode's traced step, a prefill chunk) as the engine runs
   a step: operations = the layers, then the LM head. Before operation i the recalls of all requests that have
-  one complete (a batched kernel needs all of them); operation i computes as one roofline over the batch:
-  weights once + every request's own FLOPs and KV bytes (`costs.layer_flops_bytes` per request, summed,
-  `costs.roofline`); after it, the offloads start on D2H (awaited only without async offload). With
+  one complete (a batched kernel needs all of them); operation i's kernels run one after another, each at its
+  roofline (`costs.kernel_times`): the GEMMs over every token of the iteration (weights once), the decodes'
+  attention, the prefill chunks' attention, the small kernels; after it, the offloads start on D2H (awaited only
+  without async offload). A prefill's traced copies run with its last chunk. With
   `layer-prefetch` the recalls of operation i+1 (after the LM head: of the next step's first layer) are
-  issued when operation i starts computing. Every request then emits one token. Under a host model
-  (costs.host_times: one host issues the batched step, whose ops do not grow with the batch) the iteration's
-  GPU work starts `lead_s` after it begins and its tokens are out no sooner than `step_s` after it.
+  issued when operation i starts computing. Every request that finished its step emits one token. Under a host
+  model (costs.host_times: one host issues the batched step, whose ops do not grow with the batch) the iteration's
+  GPU work starts `lead_s` after it begins (and after its swap copies) and its tokens are out no sooner than
+  `step_s` after it.
 - The link: the engine's `Channel`s (H2D and D2H, or one shared channel when half duplex; a FIFO queue of
   copy engines, with one wire when there are several engines). Every request's copy is queued on them (each with the
   fixed per-copy overhead, as in the engine; `batch_copies` instead moves a batch's blocks of one operation
   in one copy, as a gather kernel would), so requests delay each other's recalls: `link_wait_s` is the time a request's copies spent beyond their uncontended
-  duration. With one request (or n identical ones arriving together) the schedule is exactly the engine's
-  single-sequence replay (or its lockstep `batch=n`); tests/test_serving.py checks both.
+  duration. With one request (or n identical ones arriving together, under either admission) the schedule is
+  exactly the engine's single-sequence replay (or its lockstep `batch=n`); tests/test_serving.py and
+  tests/test_serving_paged.py check it.
 Metrics: TTFT = first token - arrival; TBT = time between a request's consecutive tokens; queueing delay =
 admission - arrival; throughput = tokens / time of the last token; goodput counts requests whose mean TBT
 <= `tbt_slo_s` (and TTFT <= `ttft_slo_s` if set); link utilisation = bytes / bandwidth / time; Little's law
-L = lambda W on the admission queue (L integrated from the queue's trajectory, W from the requests).
+L = lambda W on the admission queue (L integrated from the queue's trajectory, W from the requests' waits, after
+preemptions too); preemptions, recomputed tokens and swapped bytes; the GPU's busy share (`gpu_util`).
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +59,7 @@ import simpy
 from hwprofiles import HardwareProfile, load_profile
 from hwprofiles.overhead_modes import apply_mode, mode_of
 from simulator import costs
+from simulator.admission import SPILL, iteration_layer_s, prefill_demand, record_requests, scheduler_for
 from simulator.engine import Hardware, Timeline
 from simulator.errors import ServingError
 from simulator.lengths import RequestTrace, csv_classes, read_arrivals_csv
@@ -96,7 +104,7 @@ class SampleWork:
     sample_id: str
     prompt_tokens: int
     flops: np.ndarray  # [steps, layers] FLOPs of this sequence
-    kv_read_bytes: np.ndarray  # [steps, layers] HBM bytes of this sequence's KV (weights excluded)
+    kv_read_bytes: np.ndarray  # [steps, layers] its attention's HBM bytes: the KV read and the new KV written
     recall_bytes: np.ndarray  # [steps, layers + 1] H2D copy before each operation
     recall_s: np.ndarray
     offload_bytes: np.ndarray  # [steps, layers + 1] D2H copy after each operation
@@ -105,6 +113,9 @@ class SampleWork:
     ddr_kv_bytes: np.ndarray  # [steps] KV bytes in DDR
     load: LayerLoad | None = None  # [steps, layers] demand, for mechanisms that change the layers (zero-copy, ...)
     event_s: np.ndarray | None = None  # [steps, layers] placement / recall bookkeeping (costs.event_times)
+    query_tokens: np.ndarray | None = None  # [steps, layers] tokens through the GEMMs (the prompt at step 0, then 1)
+    attn_flops: np.ndarray | None = None  # [steps, layers] FLOPs of its attention kernel
+    attended_tokens: np.ndarray | None = None  # [steps, layers] tokens its attention reads (new ones included)
 
     @property
     def n_steps(self) -> int:
@@ -116,7 +127,8 @@ class SampleWork:
         load = None if self.load is None else LayerLoad(**{f: getattr(self.load, f)[:n] for f in LOAD_FIELDS})
         return SampleWork(self.sample_id, self.prompt_tokens, *(getattr(self, f)[:n] for f in (
             "flops", "kv_read_bytes", "recall_bytes", "recall_s", "offload_bytes", "offload_s", "hbm_kv_bytes",
-            "ddr_kv_bytes")), load, None if self.event_s is None else self.event_s[:n])
+            "ddr_kv_bytes")), load, *(None if getattr(self, f) is None else getattr(self, f)[:n] for f in (
+                "event_s", "query_tokens", "attn_flops", "attended_tokens")))
 
     @property
     def peak_hbm_kv_bytes(self) -> float:
@@ -146,7 +158,8 @@ def sample_work(steps: pd.DataFrame, sample: pd.Series, shape: costs.ModelShape,
         prompt_tokens = int(lengths[0]) if lengths is not None else int(round(prompt_tokens * projection.context_scale))
     query, attended = grid["query_tokens"], grid["hbm_tokens"] + grid["recalled_tokens"]
     n_steps, n_layers = query.shape
-    flops, hbm_bytes = costs.layer_flops_bytes(shape, query, attended, batch=1)
+    flops, _ = costs.layer_flops_bytes(shape, query, attended, batch=1)
+    attn_flops, attn_bytes = costs.attention_flops_bytes(shape, query, attended)
     mechanism = mechanism_for(transfer, profile)
     # sync offload and no overlap: the copies' durations only; a serving iteration stretches ops itself
     work = mechanism_workload(mechanism, str(sample["sample_id"]), shape, profile, query, grid["hbm_tokens"],
@@ -157,12 +170,14 @@ def sample_work(steps: pd.DataFrame, sample: pd.Series, shape: costs.ModelShape,
     ops = (n_steps, n_layers + 1)
     return SampleWork(
         sample_id=str(sample["sample_id"]), prompt_tokens=prompt_tokens,
-        flops=flops, kv_read_bytes=hbm_bytes - shape.layer_weight_bytes,
+        flops=flops, kv_read_bytes=attn_bytes,
         recall_bytes=work.recall_bytes.reshape(ops), recall_s=work.recall_s.reshape(ops),
         offload_bytes=work.offload_bytes.reshape(ops), offload_s=work.offload_s.reshape(ops),
         hbm_kv_bytes=work.step_hbm_kv_bytes, ddr_kv_bytes=work.step_ddr_kv_bytes, load=load,
         event_s=costs.event_times(shape, profile, grid.get("moved_blocks"), grid["bytes_h2d"],
                                   recalled_blocks=grid.get("recalled_blocks")),
+        query_tokens=np.asarray(query, dtype=np.float64), attn_flops=attn_flops,
+        attended_tokens=np.asarray(attended, dtype=np.float64),
     )
 
 
@@ -246,6 +261,10 @@ class Request:
     link_wait_s: float = 0.0  # time its transfers spent queued for a copy engine
     tbt_s: list[float] = field(default_factory=list)
     rejected: bool = False
+    preemptions: int = 0  # times it was preempted (--admission paged)
+    recomputed_tokens: int = 0  # KV tokens it lost to recompute preemptions and prefilled again
+    swapped_bytes: float = 0.0  # HBM bytes it swapped out to DDR (and back)
+    wait_s: float = 0.0  # all its time in the admission queue (after preemptions too)
 
 
 def requests_for(arrivals: list[Arrival], works: list[SampleWork]) -> list[Request]:
@@ -262,11 +281,12 @@ class ServingResult:
 
 
 class ServingSim:
-    """The SimPy model: an arrival process, the batch loop (GPU) and copies on the engine's link channels."""
+    """The SimPy model: an arrival process, the batch loop (GPU) and copies on the engine's link channels. Which
+    requests an iteration runs is admission.Scheduler's (shared with the fast path); this runs them."""
 
     def __init__(self, profile: HardwareProfile, shape: costs.ModelShape, works: list[SampleWork],
                  arrivals: list[Arrival], config: ServingConfig, timeline: Timeline | None = None,
-                 spill_works: list[SampleWork] | None = None):
+                 spill_works: list[SampleWork] | None = None, block_tokens: int = 16):
         self.profile, self.shape, self.config = profile, shape, config
         self.env = simpy.Environment()
         self.hw = Hardware(self.env, profile, timeline)  # the engine's GPU and link channels
@@ -276,20 +296,17 @@ class ServingSim:
         self.ddr_capacity_bytes, self.spill_capacity_bytes = memory.ddr_capacity_bytes, memory.spill_capacity_bytes
         self.spill_works = spill_works  # the samples costed on the spill tier
         self.sample_of = [a.sample for a in arrivals]
-        self.reserved_spill_bytes = 0.0
         self.works = works
         self.requests = requests_for(arrivals, works)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.reserved_hbm_bytes = 0.0
-        self.reserved_ddr_bytes = 0.0
+        self.scheduler = scheduler_for(config, profile, works, self.requests, self.sample_of, memory, block_tokens)
+        self.queue_changes = self.scheduler.queue_changes  # (time, requests waiting) at every change
         self.all_arrived = False
         self.wakeup = self.env.event()
-        self.queue_changes: list[tuple[float, int]] = [(0.0, 0)]  # (time, requests waiting) at every change
         self.occupancy: list[tuple] = []  # one row per iteration (the `timeline` table of summarise)
         # --transfer (simulator/mechanisms.py): the copies' cost, whether a group shares one copy, the layers' time
         self.mechanism = mechanism_for(config.options.transfer, profile)
         self.transfer = transfer_context(profile, shape, self.chain.primary)
+        self.spill_transfer = transfer_context(profile, shape, self.chain.spill) if self.chain.spill else None
         ctx, mechanism = self.transfer, self.mechanism
         coalesce = (lambda direction, n_bytes: coalesced_copy_s(mechanism, ctx, direction, n_bytes)) \
             if config.batch_copies or mechanism.batched else None
@@ -302,11 +319,14 @@ class ServingSim:
                                      _add_link_wait)
         self.host = costs.host_times(shape, profile)  # the host's lead and whole-iteration time (host model)
         self.iterations = 0
+        self.iteration_end: list[float] = []
+        self.gpu_busy_s = 0.0  # the iterations' kernel time (their operations), for the GPU's utilisation
+        self.iteration_s = 0.0  # the iterations' whole time (kernels, copies waited for, the host)
         self.tokens = 0  # emitted so far (progress)
         self.env.process(self.arrivals())
         self.done = self.env.process(self.batch_loop())
 
-    # -- arrivals and admission ---------------------------------------------------------------------------
+    # -- arrivals -------------------------------------------------------------------------------------------
 
     def arrivals(self):
         for i, request in enumerate(self.requests):
@@ -314,8 +334,7 @@ class ServingSim:
             if not self.fits_alone(request):
                 request.rejected = True
             else:
-                self.waiting.append(request)
-                self._queue_changed()
+                self.scheduler.arrive(request.rid, self.env.now)
             burst_goes_on = i + 1 < len(self.requests) and self.requests[i + 1].arrival_s == request.arrival_s
             if not burst_goes_on and not self.wakeup.triggered:  # a burst is admitted together
                 self.wakeup.succeed()
@@ -328,131 +347,159 @@ class ServingSim:
             (request.work.peak_ddr_kv_bytes <= self.ddr_capacity_bytes
              or request.work.peak_ddr_kv_bytes <= self.spill_capacity_bytes)
 
-    def _queue_changed(self) -> None:
-        self.queue_changes.append((self.env.now, len(self.waiting)))
-
-    def admit(self) -> None:
-        """FCFS while the batch has room and the head's peak KV fits in what HBM and DDR have left."""
-        while self.waiting and len(self.running) < self.config.max_batch:
-            head = self.waiting[0]
-            offloaded = head.work.peak_ddr_kv_bytes
-            in_ddr = self.reserved_ddr_bytes + offloaded <= self.ddr_capacity_bytes
-            in_spill = self.reserved_spill_bytes + offloaded <= self.spill_capacity_bytes  # DDR full -> spill
-            if self.reserved_hbm_bytes + head.work.peak_hbm_kv_bytes > self.kv_capacity_bytes or \
-                    not (in_ddr or in_spill):
-                return
-            self.waiting.popleft()
-            self._queue_changed()
-            head.admitted_s = self.env.now
-            self.reserved_hbm_bytes += head.work.peak_hbm_kv_bytes
-            if in_ddr:
-                self.reserved_ddr_bytes += offloaded
-            else:  # its copies now cost what the spill tier costs
-                head.spilled = True
-                head.work = self.spill_works[self.sample_of[head.rid]].truncated(head.work.n_steps)
-                self.reserved_spill_bytes += offloaded
-            self.running.append(head)
-
     # -- the GPU ------------------------------------------------------------------------------------------
 
     def batch_loop(self):
+        scheduler = self.scheduler
         while True:
-            self.admit()
-            if not self.running:
-                if self.all_arrived and not self.waiting:
+            plan = scheduler.plan(self.env.now, self.iterations)
+            for rid in plan.preempted:  # a prefetched recall of a preempted request is not waited for again
+                self.schedule.pending.pop(rid, None)
+            if not len(plan):
+                if len(scheduler.running) or plan.swap_out:
+                    raise ServingError("internal: an iteration with nothing to run; please report this")
+                if self.all_arrived and not scheduler.waiting:
                     return
+                if self.all_arrived:
+                    raise ServingError("internal: the queue's head can never be admitted; please report this")
                 self.wakeup = self.env.event()
                 yield self.wakeup
                 continue
-            self._record_occupancy()
+            for rid in plan.admitted:  # its copies now cost what the spill tier costs
+                if scheduler.tier[rid] == SPILL:
+                    request = self.requests[rid]
+                    request.spilled = True
+                    request.work = self.spill_works[self.sample_of[rid]].truncated(request.work.n_steps)
+            self._record_occupancy(plan)
             start_s = self.env.now
             with self.hw.gpu.request() as gpu:
                 yield gpu
                 host_start_s = self.env.now  # the host issues one batched step: its ops do not grow with the batch
+                swaps = self.swap_copies(plan)
                 if self.host.lead_s:
                     yield self.env.timeout(self.host.lead_s)
-                yield from self.iteration(self.running)
+                if swaps:  # the forward pass waits for its swaps (as vLLM's swap-in / swap-out before it)
+                    t = yield from self.schedule._wait(self.env.now, swaps)
+                    if t > self.env.now:
+                        yield self.env.timeout(t - self.env.now)
+                yield from self.iteration(plan)
                 if self.host.step_s and self.env.now < host_start_s + self.host.step_s:
                     yield self.env.timeout(host_start_s + self.host.step_s - self.env.now)
             if self.timeline is not None:
                 self.timeline.span("GPU", f"iteration {self.iterations}", start_s, self.env.now,
-                                   sequences=len(self.running))
+                                   sequences=len(plan))
+            self.iteration_end.append(self.env.now)
+            self.iteration_s += self.env.now - start_s
+            scheduler.finish(plan, self.iterations)
             self.iterations += 1
-            self._emit_tokens()
+            self.tokens += int(plan.final.sum())
 
-    def iteration(self, batch: list[Request]):
-        """One decode iteration: every running request's next traced step, operation by operation (layers,
-        then the LM head), on the engine's schedule (schedule.StepSchedule: recall -> compute -> offload).
-        Operation i computes as one roofline over the batch (weights once, every request's own FLOPs and KV)."""
-        rows = [(r.work, r.step) for r in batch]
-        flops = np.sum([w.flops[s] for w, s in rows], axis=0)
-        kv_bytes = np.sum([w.kv_read_bytes[s] for w, s in rows], axis=0)
-        layer_s = costs.roofline(flops, self.shape.layer_weight_bytes + kv_bytes, self.profile,
-                                 costs.layer_overhead_s(self.shape, self.profile, kv_bytes)).total_s
-        op_s = [*layer_s.tolist(), float(costs.head_times(self.shape, self.profile, batch=len(batch)).total_s)]
-        recall_s = np.array([w.recall_s[s] for w, s in rows])  # [batch, ops]
-        recall_bytes = np.array([w.recall_bytes[s] for w, s in rows])
+    def swap_copies(self, plan) -> list:
+        """The iteration's swap-outs (D2H) then swap-ins (H2D), one copy per request, issued now on the channels."""
+        tokens = []
+        for direction, copies, channel in (("d2h", plan.swap_out, self.hw.d2h), ("h2d", plan.swap_in, self.hw.h2d)):
+            mover = self.mechanism if direction == "h2d" else offload_mechanism(self.mechanism)
+            for rid, n_bytes in copies:
+                duration = float(mover.copy_s(self.transfer, direction, n_bytes))
+                tokens += self.schedule._issue(channel, direction, [self.requests[rid]], np.array([n_bytes]),
+                                               np.array([duration]), self.timeline is not None and f"swap {direction}")
+        return tokens
+
+    def iteration(self, plan):
+        """One iteration: every planned request's step, operation by operation (layers, then the LM head), on
+        the engine's schedule (schedule.StepSchedule: recall -> compute -> offload). A layer's kernels are priced
+        as they run (costs.kernel_times): the GEMMs over every token of the iteration, the decodes' attention and
+        the prefill chunks' attention each at its own roofline."""
+        n_layers = self.shape.n_layers
+        entries = [self.requests[rid] for rid in plan.rids.tolist()]
+        ops = n_layers + 1
+        zeros = np.zeros(ops)
+        recall_s, recall_bytes, offload_s, offload_bytes, events, loads = [], [], [], [], [], []
+        decode_rows, prefill_parts = [], []
+        custom = custom_layers(self.mechanism)
+        for k, r in enumerate(entries):
+            w, step = r.work, int(plan.steps[k])
+            if plan.whole[k]:
+                (decode_rows if step > 0 else prefill_parts).append(
+                    (w.query_tokens[step], w.attn_flops[step], w.kv_read_bytes[step]))
+                if custom:
+                    loads.append(LayerLoad(**{f: getattr(w.load, f)[step] for f in LOAD_FIELDS}))
+            else:
+                base = (None, None) if plan.refill[k] else (w.query_tokens[0], w.attended_tokens[0])
+                q, a, flops, kv_bytes = prefill_demand(self.shape, int(plan.tokens[k]), int(plan.offset[k]),
+                                                       int(plan.target[k]), *base)
+                prefill_parts.append((q, flops, kv_bytes))
+                if custom:
+                    loads.append(sequence_load(self.mechanism, self.shape, q, a, np.zeros_like(q), np.zeros_like(q)))
+            traced_copies = plan.whole[k] or (plan.final[k] and not plan.refill[k])  # the traced step's copies
+            copy_step = step if plan.whole[k] else 0
+            if traced_copies:
+                recall_s.append(w.recall_s[copy_step])
+                recall_bytes.append(w.recall_bytes[copy_step])
+                offload_s.append(w.offload_s[copy_step])
+                offload_bytes.append(w.offload_bytes[copy_step])
+                if w.event_s is not None:
+                    events.append(w.event_s[copy_step])
+            else:
+                recall_s.append(zeros)
+                recall_bytes.append(zeros)
+                refill_s, refill_bytes = self.refill_offloads(r, step) if plan.final[k] else (zeros, zeros)
+                offload_s.append(refill_s)
+                offload_bytes.append(refill_bytes)
+        recall_s, recall_bytes = np.array(recall_s), np.array(recall_bytes)
+        offload_s, offload_bytes = np.array(offload_s), np.array(offload_bytes)
         following_s = following_bytes = None
         if self.schedule.prefetch:  # after the last operation comes the next step's first, for requests that go on
-            nxt = [(w.recall_s[s + 1, 0], w.recall_bytes[s + 1, 0]) if s + 1 < w.n_steps else (0.0, 0.0)
-                   for w, s in rows]
+            nxt = [(r.work.recall_s[s + 1, 0], r.work.recall_bytes[s + 1, 0]) if on else (0.0, 0.0)
+                   for r, s, on in zip(entries, plan.steps.tolist(), plan.goes_on.tolist())]
             following_s = np.column_stack([recall_s[:, 1:], [t for t, _ in nxt]])
             following_bytes = np.column_stack([recall_bytes[:, 1:], [b for _, b in nxt]])
-        offload_s = np.array([w.offload_s[s] for w, s in rows])
-        offload_bytes = np.array([w.offload_bytes[s] for w, s in rows])
-        if needs_batch_op_s(self.mechanism):  # zero-copy / cpu-attention layers, sm-copy's stretch
-            op_s = self.mechanism_op_s(rows, offload_s, offload_bytes, following_s, following_bytes)
-        if any(w.event_s is not None for w, _ in rows):  # each sequence's placement / recall bookkeeping
-            events = np.sum([w.event_s[s] for w, s in rows if w.event_s is not None], axis=0)
-            op_s = costs.add_layer_events(op_s, events)
-        yield from self.schedule.run(
-            op_s, recall_s, recall_bytes, offload_s, offload_bytes, batch, [r.rid for r in batch], following_s,
-            following_bytes, n_layers=self.shape.n_layers)
-
-    def mechanism_op_s(self, rows, offload_s, offload_bytes, following_s, following_bytes) -> list[float]:
-        """The iteration's operation times under a mechanism that changes them (mechanisms.batch_op_s): the
-        batch's summed demand, and the channel time of the copies beside each operation."""
-        if custom_layers(self.mechanism):
-            load = LayerLoad(**{f: np.sum([getattr(w.load, f)[s] for w, s in rows], axis=0) if f != "has_host_work"
-                                else np.any([w.load.has_host_work[s] for w, s in rows], axis=0) for f in LOAD_FIELDS})
+        if custom:
+            load = LayerLoad(**{f: np.any([getattr(x, f) for x in loads], axis=0) if f == "has_host_work"
+                                else np.sum([getattr(x, f) for x in loads], axis=0) for f in LOAD_FIELDS})
+            op_s = self.mechanism_op_s(load, None, len(entries), offload_s, offload_bytes, following_s,
+                                       following_bytes)
         else:
-            load = LayerLoad(np.sum([w.flops[s] for w, s in rows], axis=0), np.sum([w.kv_read_bytes[s] for w, s in rows],
-                                                                                 axis=0), *([0.0] * 6))
+            layer_s = iteration_layer_s(self.shape, self.profile,
+                                        np.sum(decode_rows, axis=0) if decode_rows else None,
+                                        np.sum(prefill_parts, axis=0) if prefill_parts else None)
+            if needs_batch_op_s(self.mechanism):  # sm-copy's stretch beside the copies
+                op_s = self.mechanism_op_s(None, layer_s, len(entries), offload_s, offload_bytes, following_s,
+                                           following_bytes)
+            else:
+                op_s = [*layer_s.tolist(), float(costs.head_times(self.shape, self.profile, batch=len(entries)).total_s)]
+        if events:  # each sequence's placement / recall bookkeeping
+            op_s = costs.add_layer_events(op_s, np.sum(events, axis=0))
+        self.gpu_busy_s += sum(op_s)
+        yield from self.schedule.run(
+            op_s, recall_s, recall_bytes, offload_s, offload_bytes, entries, plan.rids.tolist(), following_s,
+            following_bytes, n_layers=n_layers)
+
+    def refill_offloads(self, request: Request, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """A recompute's last chunk re-writes the request's offloaded KV of `step`: ddr_kv_bytes / L after each
+        layer, to its tier."""
+        n_layers = self.shape.n_layers
+        n_bytes = np.zeros(n_layers + 1)
+        n_bytes[:n_layers] = float(request.work.ddr_kv_bytes[step]) / n_layers
+        ctx = self.spill_transfer if request.spilled else self.transfer
+        return offload_mechanism(self.mechanism).copy_s(ctx, "d2h", n_bytes), n_bytes
+
+    def mechanism_op_s(self, load, layer_s, batch, offload_s, offload_bytes, following_s, following_bytes) -> list[float]:
+        """The iteration's operation times under a mechanism that changes them (mechanisms.batch_op_s): the
+        batch's summed demand (or its layers' kernel times), and the channel time of the copies beside each
+        operation."""
         coalesce = self.coalesce
         offload_group = group_s(offload_s, offload_bytes, coalesce and (lambda b: coalesce("d2h", b)))
         following_group = None if following_s is None else \
             group_s(following_s, following_bytes, coalesce and (lambda b: coalesce("h2d", b)))
-        return batch_op_s(self.mechanism, self.transfer, load, len(rows), offload_group, following_group,
-                          self.config.options.async_offload)
+        return batch_op_s(self.mechanism, self.transfer, load, batch, offload_group, following_group,
+                          self.config.options.async_offload, layer_s=layer_s)
 
-    def _emit_tokens(self) -> None:
-        now = self.env.now
-        self.tokens += len(self.running)
-        still_running = []
-        for r in self.running:
-            if r.step == 0:
-                r.first_token_s = now
-            else:
-                r.tbt_s.append(now - r.last_token_s)
-            r.last_token_s = now
-            r.step += 1
-            if r.step >= r.work.n_steps:
-                r.finish_s = now
-                self.reserved_hbm_bytes -= r.work.peak_hbm_kv_bytes
-                if r.spilled:
-                    self.reserved_spill_bytes -= r.work.peak_ddr_kv_bytes
-                else:
-                    self.reserved_ddr_bytes -= r.work.peak_ddr_kv_bytes
-            else:
-                still_running.append(r)
-        self.running = still_running
-
-    def _record_occupancy(self) -> None:
-        hbm_kv = sum(r.work.hbm_kv_bytes[r.step] for r in self.running)
-        ddr_kv = sum(r.work.ddr_kv_bytes[r.step] for r in self.running)
-        self.occupancy.append((self.env.now, len(self.running), len(self.waiting),
-                             self.shape.weight_bytes + hbm_kv, self.shape.weight_bytes + self.reserved_hbm_bytes,
-                             ddr_kv, self.reserved_ddr_bytes))
+    def _record_occupancy(self, plan) -> None:
+        weights = self.shape.weight_bytes
+        hbm_reserved, ddr_reserved = self.scheduler.reserved
+        self.occupancy.append((self.env.now, len(self.scheduler.running), len(self.scheduler.waiting),
+                               weights + plan.hbm_bytes, weights + hbm_reserved, plan.ddr_bytes, ddr_reserved))
 
     def run(self, progress: bool = False) -> None:
         if progress:  # tokens generated so far, checked every simulated second
@@ -462,10 +509,12 @@ class ServingSim:
             with tqdm(total=total, unit="tok", unit_scale=True, desc=f"serving on {self.profile.name}") as bar:
                 while not self.done.triggered:
                     self.env.run(until=self.env.any_of([self.done, self.env.timeout(1.0)]))
-                    bar.update(self.tokens - bar.n)
+                    bar.update(min(self.tokens, total) - bar.n)
         self.env.run(until=self.done)
         self.end_s = float(self.env.now)  # the last token (or 0 when nothing ran)
         self.env.run()  # drain the offload backlog (it occupies the link, not the requests)
+        record_requests(self.requests, self.scheduler, self.iteration_end, [r.link_wait_s for r in self.requests],
+                        self.spill_works, self.sample_of)
 
 
 def _add_link_wait(request: Request, seconds: float) -> None:
@@ -503,7 +552,8 @@ def summarise(sim: ServingSim, manifest: dict, run_dir: str, overhead_source: st
         "tbt_mean_s": float(np.mean(r.tbt_s)) if len(r.tbt_s) else math.nan,
         "tbt_max_s": float(np.max(r.tbt_s)) if len(r.tbt_s) else math.nan, "link_wait_s": r.link_wait_s,
         "peak_hbm_kv_bytes": r.work.peak_hbm_kv_bytes, "peak_ddr_kv_bytes": r.work.peak_ddr_kv_bytes,
-        "spilled": r.spilled,
+        "spilled": r.spilled, "preemptions": r.preemptions, "recomputed_tokens": r.recomputed_tokens,
+        "swapped_bytes": r.swapped_bytes, "wait_s": r.wait_s,
     } for r in sim.requests])
     timeline = pd.DataFrame(sim.occupancy, columns=["time_s", "running", "waiting", "hbm_bytes",
                                                    "hbm_reserved_bytes", "ddr_bytes", "ddr_reserved_bytes"])
@@ -522,10 +572,12 @@ def summarise(sim: ServingSim, manifest: dict, run_dir: str, overhead_source: st
     good = served["tbt_mean_s"].fillna(0.0) <= config.tbt_slo_s if len(served) else pd.Series([], dtype=bool)
     if config.ttft_slo_s is not None and len(served):
         good &= served["ttft_s"] <= config.ttft_slo_s
-    # Little's law on the admission queue: time-average queue length vs arrival rate x mean wait.
+    # Little's law on the admission queue: time-average queue length vs arrival rate x mean wait (a preempted
+    # request's waits after its preemptions included: it is in the queue then too).
     queue_length = time_average(sim.queue_changes, end_s)
     arrival_rate = len(served) / end_s if end_s > 0 else 0.0
-    mean_wait = float(served["queue_delay_s"].mean()) if len(served) else 0.0
+    mean_wait = float(served["wait_s"].mean()) if len(served) else 0.0
+    scheduler = sim.scheduler
     policy = manifest["policy"]
     reserved_per_request = float(np.mean([w.peak_hbm_kv_bytes for w in sim.works]))
     projection = config.projection
@@ -539,7 +591,8 @@ def summarise(sim: ServingSim, manifest: dict, run_dir: str, overhead_source: st
         **{name: getattr(config.options, name) for name in KEY_FIELDS}, "overhead_source": overhead_source,
         "overhead_mode": mode_of(profile), "host_term": profile.host_model.term,  # what was charged, resolved
         "host_s_per_iteration": sim.host.step_s,
-        "batch_copies": config.batch_copies, "rate_per_s": config.rate_per_s if not config.arrivals_csv else math.nan, "duration_s": config.duration_s, "max_batch": config.max_batch, "seed": config.seed,
+        "batch_copies": config.batch_copies, "admission": config.admission, "preempt": config.preempt,
+        "max_batched_tokens": scheduler.budget, "rate_per_s": config.rate_per_s if not config.arrivals_csv else math.nan, "duration_s": config.duration_s, "max_batch": config.max_batch, "seed": config.seed,
         "tbt_slo_s": config.tbt_slo_s, "ttft_slo_s": config.ttft_slo_s, "n_requests": len(requests), "n_rejected": int(requests["rejected"].sum())
         if len(requests) else 0, "n_completed": int(served["finish_s"].notna().sum()) if len(served) else 0,
         "end_s": end_s, "tokens": tokens, "throughput_tokens_per_s": tokens / end_s if end_s > 0 else math.nan,
@@ -571,6 +624,13 @@ def summarise(sim: ServingSim, manifest: dict, run_dir: str, overhead_source: st
         "goodput_requests_per_s": float(good.sum()) / end_s if end_s > 0 else math.nan,
         "goodput_tokens_per_s": float(served.loc[good, "tokens"].sum()) / end_s if end_s > 0 else math.nan,
         "slo_attainment": float(good.mean()) if len(served) else math.nan,
+        # paged admission: preemptions, the KV tokens they made recompute, the HBM bytes swapped out (and back)
+        "n_preemptions": int(scheduler.preemptions.sum()), "recomputed_tokens": int(scheduler.recomputed.sum()),
+        "swapped_bytes": float(scheduler.swapped_out.sum()),
+        # the GPU: its kernels' share of the iterations' time (the rest waits for copies or the host) and of the run
+        "gpu_busy_s": sim.gpu_busy_s,
+        "gpu_busy_frac": sim.gpu_busy_s / sim.iteration_s if sim.iteration_s > 0 else 0.0,
+        "gpu_util": sim.gpu_busy_s / end_s if end_s > 0 else 0.0,
         "littles_queue_length": queue_length, "littles_arrival_rate_per_s": arrival_rate,
         "littles_mean_wait_s": mean_wait,
         "littles_rel_err": abs(queue_length - arrival_rate * mean_wait) / (arrival_rate * mean_wait)
@@ -608,13 +668,15 @@ def simulate_serving(run_dir: str | Path, profile: str | HardwareProfile, config
         arrivals = csv_arrivals(requests, request_class)
     else:
         arrivals = poisson_arrivals(config.rate_per_s, config.duration_s, works, config.seed)
+    block_tokens = int(manifest["policy"].get("block_size") or 16)  # paged admission's block (admission.Scheduler)
     engine = config.options.engine  # auto: the fast path (serving_fast, equal to this DES) unless a timeline
     if engine == "fast" and timeline is not None:
         raise ServingError("--timeline records the DES; drop --engine fast")
     if engine == "des" or timeline is not None:
-        sim = ServingSim(profile, shape, works, arrivals, config, timeline, spill_works)
+        sim = ServingSim(profile, shape, works, arrivals, config, timeline, spill_works, block_tokens)
         sim.run(progress)
     else:
-        sim = FastServing(profile, shape, works, arrivals, config, requests_for(arrivals, works), spill_works)
+        sim = FastServing(profile, shape, works, arrivals, config, requests_for(arrivals, works), spill_works,
+                          block_tokens)
         sim.run(progress)
     return summarise(sim, manifest, str(run_dir), overhead_source)

@@ -4,18 +4,24 @@ The DES has two processes (arrivals, the batch loop) and copies reserved on the 
 when they are issued (engine.Channel). Nothing else happens between the batch loop's yields, so the same
 schedule is a loop with one clock:
 
-- arrivals are a sorted list; before each iteration every arrival up to now joins the FCFS queue (the DES
-  appends them when their timeout fires; admission only looks at the queue when an iteration starts); when
+- arrivals are a sorted list; before each iteration every arrival up to now joins the queue (the DES appends
+  them when their timeout fires; the scheduler only looks at the queue when an iteration is planned); when
   nothing runs, the clock jumps to the next arrival (the DES's wakeup);
-- one iteration gathers the running requests' next step from one table of all samples' steps (numpy, one
-  fancy index per iteration: [batch, operations]), sums FLOPs / KV bytes over the batch for the layer
-  times, and walks the operations: the recall group of each operation is reserved on the same `Channel`
-  objects (their clock is this loop's), waited for, then the operation's compute, then the offload group;
-- every request emits a token at the iteration's end, so a request's token times are a contiguous slice of
-  the iteration end times (TBT = their differences, built once at the end).
+- what an iteration runs is admission.Scheduler's plan, the same object the DES asks (admission, chunked
+  prefill, preemption); its swap copies are reserved on the channels at the iteration's start;
+- one iteration gathers the planned requests' steps from one table of all samples' steps (numpy, one fancy
+  index per iteration: [batch, operations]; prefill chunks and recomputes are priced apart,
+  admission.prefill_demand), sums their decodes' and their prefills' demand for the layers' kernels
+  (admission.iteration_layer_s), and walks the operations: the recall group of each operation is reserved on
+  the same `Channel` objects (their clock is this loop's), waited for, then the operation's compute, then the
+  offload group;
+- a request emits a token at the end of each iteration from its prefill's last chunk until it ends or is
+  preempted, so its token times are slices of the iteration end times (TBT = their differences, built once at
+  the end).
 
 The DES stays the reference: tests/test_serving_fast.py checks this loop against it to 1e-9 on random serving
-cases (rates, budgets, batch limits, admission pressure, overlap, copy batching, mechanisms).
+cases (rates, budgets, batch limits, admission pressure and both admissions, both preemptions, chunked prefill,
+overlap, copy batching, mechanisms).
 Ties between an arrival and an iteration's end at the very same float time are ordered as "arrival first"
 here; in the DES they follow SimPy's event order. Continuous arrival times make such ties measure-zero.
 """
@@ -23,13 +29,14 @@ here; in the DES they follow SimPy's event order. Continuous arrival times make 
 from __future__ import annotations
 
 import math
-from collections import deque
 
 import numpy as np
 
 from hwprofiles import HardwareProfile
 from simulator import costs, mechanisms
+from simulator.admission import SPILL, iteration_layer_s, prefill_demand, record_requests, scheduler_for
 from simulator.engine import Channel, engines_per_channel
+from simulator.errors import ServingError
 from simulator.options import ServingConfig
 from simulator.tiers import check_spill, serving_memory
 
@@ -65,7 +72,7 @@ class FastServing:
     """Same inputs and the same attributes `serving.summarise` reads as `serving.ServingSim`."""
 
     def __init__(self, profile: HardwareProfile, shape: costs.ModelShape, works, arrivals, config: ServingConfig,
-                 requests: list, spill_works=None):
+                 requests: list, spill_works=None, block_tokens: int = 16):
         """`requests`: serving.Request records of the arrivals, in order (serving.requests_for builds them; this
         module does not import serving, which dispatches to it)."""
         self.profile, self.shape, self.config, self.works = profile, shape, config, works
@@ -78,15 +85,20 @@ class FastServing:
         # --transfer: as ServingSim (the copies' cost, coalescing, per-direction overheads, the layers' time)
         self.mechanism = mechanisms.mechanism_for(config.options.transfer, profile)
         self.transfer = mechanisms.context(profile, shape, self.chain.primary)
+        self.spill_transfer = mechanisms.context(profile, shape, self.chain.spill) if self.chain.spill else None
         self.coalesced = config.batch_copies or self.mechanism.batched
         check_spill(self.chain, self.mechanism, self.coalesced, self.hw.h2d.n_engines)
+        self.offloader = mechanisms.offload_mechanism(self.mechanism)
         self.overhead_s = {"h2d": self.mechanism.copy_overhead_s(self.transfer, "h2d"),
-                           "d2h": mechanisms.offload_mechanism(self.mechanism).copy_overhead_s(self.transfer, "d2h")}
+                           "d2h": self.offloader.copy_overhead_s(self.transfer, "d2h")}
         self.requests = requests
         self.sample_of = np.array([a.sample for a in arrivals], dtype=np.int64)
-        self.queue_changes: list[tuple[float, int]] = [(0.0, 0)]
+        self.scheduler = scheduler_for(config, profile, works, requests, self.sample_of, memory, block_tokens)
+        self.queue_changes = self.scheduler.queue_changes
         self.occupancy: list[tuple] = []
         self.end_s = 0.0
+        self.gpu_busy_s = 0.0
+        self.iteration_s = 0.0
         self.pending: dict[int, float] = {}  # layer-prefetch: request -> end of its in-flight recall
         self.host = costs.host_times(shape, profile)  # as ServingSim: the host model's lead and iteration time
         self._tables()
@@ -97,122 +109,156 @@ class FastServing:
         n_layers = self.shape.n_layers
         bases = np.concatenate([[0], np.cumsum([w.n_steps for w in works])[:-1]]).astype(np.int64)
         self.base, self.spill_base = bases[:len(self.works)], bases[len(self.works):]
-        # [rows, layers] compute demand, [rows, ops] transfers, [rows] occupancy
-        # FLOPs and KV bytes side by side: one gather per iteration for both
-        self.demand = np.stack([np.concatenate([w.flops for w in works]).reshape(-1, n_layers),
-                                np.concatenate([w.kv_read_bytes for w in works]).reshape(-1, n_layers)], axis=1)
+        # [rows, 3, layers]: query tokens, attention FLOPs and bytes side by side (one gather per iteration)
+        self.demand = np.stack([np.concatenate([getattr(w, f) for w in works]).reshape(-1, n_layers)
+                                for f in ("query_tokens", "attn_flops", "kv_read_bytes")], axis=1)
+        self.attended = np.concatenate([w.attended_tokens for w in works]).reshape(-1, n_layers)
         self.event_s = np.concatenate([w.event_s if w.event_s is not None else np.zeros_like(w.flops)
                                        for w in works]).reshape(-1, n_layers)  # placement / recall bookkeeping
+        self.has_events = bool(self.event_s.any())
         self.recall_s = np.concatenate([w.recall_s for w in works])
         self.recall_bytes = np.concatenate([w.recall_bytes for w in works])
         self.offload_s = np.concatenate([w.offload_s for w in works])
         self.offload_bytes = np.concatenate([w.offload_bytes for w in works])
+        self.ddr_kv = np.concatenate([w.ddr_kv_bytes for w in works])
         self.copies = (self.recall_s > 0).any(1) | (self.offload_s > 0).any(1)  # rows with any transfer
         self.load = None  # zero-copy / cpu-attention: every LayerLoad field, stacked like `demand`
         if mechanisms.custom_layers(self.mechanism):
             # [rows, fields, layers]: one gather per iteration for every field (has_host_work as 0 / 1)
-            self.load = np.stack([np.concatenate([getattr(w.load, f) for w in works]).reshape(-1, n_layers)
+            self.load = np.stack([np.concatenate([np.broadcast_to(getattr(w.load, f), w.flops.shape)
+                                                  for w in works]).reshape(-1, n_layers)
                                   .astype(np.float64) for f in mechanisms.LOAD_FIELDS], axis=1)
-        self.hbm_kv = np.concatenate([w.hbm_kv_bytes for w in works])
         self.head_s: dict[int, float] = {}  # the LM head's time by batch size
-        self.ddr_kv = np.concatenate([w.ddr_kv_bytes for w in works])
-
 
     # -- the loop -----------------------------------------------------------------------------------------
 
     def run(self, progress: bool = False) -> None:
-        config, clock = self.config, self.clock
+        clock, scheduler = self.clock, self.scheduler
         requests = self.requests
         n_req = len(requests)
         arrival_s = np.array([r.arrival_s for r in requests], dtype=np.float64)
         peak_hbm = np.array([r.work.peak_hbm_kv_bytes for r in requests], dtype=np.float64)
         peak_ddr = np.array([r.work.peak_ddr_kv_bytes for r in requests], dtype=np.float64)
-        n_steps = np.array([r.work.n_steps for r in requests], dtype=np.int64)
-        row0 = self.base[self.sample_of] if n_req else np.zeros(0, dtype=np.int64)
         fits = (peak_hbm <= self.kv_capacity_bytes) & ((peak_ddr <= self.ddr_capacity_bytes)
                                                        | (peak_ddr <= self.spill_capacity_bytes))
-        spilled = np.zeros(n_req, dtype=bool)
-        reserved_spill = 0.0
-        waiting: deque[int] = deque()
-        running = np.zeros(0, dtype=np.int64)  # request ids, admission order
-        step = np.zeros(n_req, dtype=np.int64)
-        first_iteration = np.full(n_req, -1, dtype=np.int64)
-        admitted = np.full(n_req, math.nan)
+        row0 = self.base[self.sample_of] if n_req else np.zeros(0, dtype=np.int64)
+        self.row0 = row0
         link_wait = np.zeros(n_req)
         iteration_end: list[float] = []
-        reserved_hbm = reserved_ddr = 0.0
         next_arrival = 0
         weights = float(self.shape.weight_bytes)
-        changes = self.queue_changes
+        n_steps = np.array([r.work.n_steps for r in requests], dtype=np.int64)
         bar = _progress_bar(progress, int(n_steps[fits].sum()), self.profile.name)
+        scheduled = 0  # steps run so far (a prefill chunk counts as one): what the bar shows
         while True:
             # arrivals up to now join the queue (rejected ones never do)
             while next_arrival < n_req and arrival_s[next_arrival] <= clock.now:
                 if fits[next_arrival]:
-                    waiting.append(next_arrival)
-                    changes.append((float(arrival_s[next_arrival]), len(waiting)))
+                    scheduler.arrive(next_arrival, float(arrival_s[next_arrival]))
                 else:
                     requests[next_arrival].rejected = True
                 next_arrival += 1
-            # admission: FCFS while the batch has room and the head's peak KV fits
-            admit = []
-            while waiting and len(running) + len(admit) < config.max_batch:
-                head = waiting[0]
-                in_ddr = reserved_ddr + peak_ddr[head] <= self.ddr_capacity_bytes
-                in_spill = reserved_spill + peak_ddr[head] <= self.spill_capacity_bytes  # DDR full -> spill
-                if reserved_hbm + peak_hbm[head] > self.kv_capacity_bytes or not (in_ddr or in_spill):
-                    break
-                waiting.popleft()
-                changes.append((clock.now, len(waiting)))
-                admitted[head] = clock.now
-                reserved_hbm += peak_hbm[head]
-                if in_ddr:
-                    reserved_ddr += peak_ddr[head]
-                else:  # its rows: the samples costed on the spill tier
-                    spilled[head] = True
-                    row0[head] = self.spill_base[self.sample_of[head]]
-                    reserved_spill += peak_ddr[head]
-                admit.append(head)
-            if admit:
-                running = np.concatenate([running, np.array(admit, dtype=np.int64)])
-            if not len(running):
-                if next_arrival >= n_req and not waiting:
+            plan = scheduler.plan(clock.now, len(iteration_end))
+            for rid in plan.preempted:
+                self.pending.pop(rid, None)
+            if not len(plan):
+                if len(scheduler.running) or plan.swap_out:
+                    raise ServingError("internal: an iteration with nothing to run; please report this")
+                if next_arrival >= n_req:
+                    if scheduler.waiting:
+                        raise ServingError("internal: the queue's head can never be admitted; please report this")
                     break
                 clock.now = float(arrival_s[next_arrival])  # the DES's wakeup: the next arrival (or burst)
                 continue
-            rows = row0[running] + step[running]
-            hbm_kv = float(self.hbm_kv[rows].sum())
-            ddr_kv = float(self.ddr_kv[rows].sum())
-            self.occupancy.append((clock.now, len(running), len(waiting), weights + hbm_kv, weights + reserved_hbm,
-                                   ddr_kv, reserved_ddr))
-            nxt = None
-            if config.options.overlap == "layer-prefetch":  # the next step's first recall, for requests that go on
-                goes_on = step[running] + 1 < n_steps[running]
-                nxt = np.where(goes_on, rows + 1, -1)
+            for rid in plan.admitted:  # its rows: the samples costed on the spill tier
+                if scheduler.tier[rid] == SPILL:
+                    row0[rid] = self.spill_base[self.sample_of[rid]]
+            hbm_reserved, ddr_reserved = scheduler.reserved
+            self.occupancy.append((clock.now, len(scheduler.running), len(scheduler.waiting), weights + plan.hbm_bytes,
+                                   weights + hbm_reserved, plan.ddr_bytes, ddr_reserved))
             host_start_s = clock.now
+            swap_end_s = self._swaps(plan, link_wait)
             clock.now = host_start_s + self.host.lead_s  # (ServingSim.batch_loop: the host model)
-            self._iteration(running, rows, nxt, link_wait, len(iteration_end))
+            if swap_end_s > clock.now:
+                clock.now = swap_end_s
+            self._iteration(plan, link_wait)
             if clock.now < host_start_s + self.host.step_s:
                 clock.now = host_start_s + self.host.step_s
             iteration_end.append(clock.now)
-            for rid in running[first_iteration[running] < 0]:
-                first_iteration[rid] = len(iteration_end) - 1
-            step[running] += 1
+            self.iteration_s += clock.now - host_start_s
+            scheduler.finish(plan, len(iteration_end) - 1)
+            scheduled += len(plan)
             if bar is not None and len(iteration_end) % PROGRESS_EVERY == 0:
-                bar.update(int(step.sum()) - bar.n)
-            done = step[running] >= n_steps[running]
-            if done.any():
-                for rid in running[done]:  # one subtraction per request, in the DES's order
-                    reserved_hbm -= peak_hbm[rid]
-                    if spilled[rid]:
-                        reserved_spill -= peak_ddr[rid]
-                    else:
-                        reserved_ddr -= peak_ddr[rid]
-                running = running[~done]
+                bar.update(scheduled - bar.n)
         self.end_s = float(clock.now)
         if bar is not None:
             bar.close()
-        self._requests_out(iteration_end, first_iteration, admitted, link_wait, n_steps, spilled)
+        record_requests(requests, scheduler, iteration_end, link_wait, self.spill_works, self.sample_of)
+
+    def _swaps(self, plan, link_wait: np.ndarray) -> float:
+        """The iteration's swap copies (ServingSim.swap_copies): D2H then H2D, one per request; their last end."""
+        end = -math.inf
+        asked_s = self.clock.now
+        for direction, copies, channel in (("d2h", plan.swap_out, self.hw.d2h), ("h2d", plan.swap_in, self.hw.h2d)):
+            mover = self.mechanism if direction == "h2d" else self.offloader
+            for rid, n_bytes in copies:
+                duration = float(mover.copy_s(self.transfer, direction, n_bytes))
+                copy_end = channel.reserve(direction, n_bytes, duration, self.overhead_s[direction])
+                link_wait[rid] += copy_end - asked_s - duration
+                end = max(end, copy_end)
+        return end
+
+    def _entries(self, plan):
+        """The iteration's per-request arrays ([entries, ops] copies) and its layers' demand, in entry order (as
+        ServingSim.iteration builds them)."""
+        rows = self.row0[plan.rids] + plan.steps
+        whole = plan.whole
+        if whole.all():  # decodes and whole prefills only: every array is a gather
+            if self.copies[rows].any():
+                recall_s, offload_s = self.recall_s[rows], self.offload_s[rows]
+                recall_bytes, offload_bytes = self.recall_bytes[rows], self.offload_bytes[rows]
+            else:  # nothing moves (the full cache): no [batch, operations] arrays at all
+                recall_s = recall_bytes = offload_s = offload_bytes = None
+            event_rows = rows
+            prefill = plan.steps == 0
+            decode_rows = rows[~prefill] if prefill.any() else rows
+            demand = self.demand[decode_rows].sum(axis=0) if len(decode_rows) else None
+            pre = self.demand[rows[prefill]].sum(axis=0) if prefill.any() else None
+            loads = self.load[rows] if self.load is not None else None
+            return rows, recall_s, recall_bytes, offload_s, offload_bytes, event_rows, demand, pre, loads
+        ops = self.shape.n_layers + 1
+        n = len(rows)
+        traced = whole | (plan.final & ~plan.refill)  # entries with their traced step's copies
+        copy_rows = np.where(whole, rows, self.row0[plan.rids])  # a prompt's last chunk: its prefill's copies
+        recall_s, recall_bytes = np.zeros((n, ops)), np.zeros((n, ops))
+        offload_s, offload_bytes = np.zeros((n, ops)), np.zeros((n, ops))
+        recall_s[traced], recall_bytes[traced] = self.recall_s[copy_rows[traced]], self.recall_bytes[copy_rows[traced]]
+        offload_s[traced] = self.offload_s[copy_rows[traced]]
+        offload_bytes[traced] = self.offload_bytes[copy_rows[traced]]
+        n_layers = self.shape.n_layers
+        for k in np.flatnonzero(plan.refill & plan.final).tolist():  # a recompute re-writes its offloaded KV
+            offload_bytes[k, :n_layers] = float(self.ddr_kv[rows[k]]) / n_layers
+            spilled = self.scheduler.tier[plan.rids[k]] == SPILL
+            offload_s[k] = self.offloader.copy_s(self.spill_transfer if spilled else self.transfer, "d2h",
+                                                 offload_bytes[k])
+        event_rows = copy_rows[traced]
+        decode = whole & (plan.steps > 0)
+        demand = self.demand[rows[decode]].sum(axis=0) if decode.any() else None
+        loads = self.load[rows] if self.load is not None else None  # a prefill chunk's row replaced below
+        parts = []
+        for k in np.flatnonzero(~decode).tolist():  # the prefills, in entry order (few)
+            if whole[k]:
+                parts.append(self.demand[rows[k]])
+                continue
+            base = (None, None) if plan.refill[k] else (self.demand[copy_rows[k], 0], self.attended[copy_rows[k]])
+            q, a, flops, kv_bytes = prefill_demand(self.shape, int(plan.tokens[k]), int(plan.offset[k]),
+                                                   int(plan.target[k]), *base)
+            parts.append(np.stack([q, flops, kv_bytes]))
+            if loads is not None:
+                load = mechanisms.sequence_load(self.mechanism, self.shape, q, a, np.zeros_like(q), np.zeros_like(q))
+                loads[k] = np.stack([np.asarray(getattr(load, f), dtype=np.float64) for f in mechanisms.LOAD_FIELDS])
+        pre = np.sum(parts, axis=0) if parts else None
+        return rows, recall_s, recall_bytes, offload_s, offload_bytes, event_rows, demand, pre, loads
 
     def _coalesce(self, direction: str, n_bytes):
         """One copy for a group's summed bytes (array or scalar): mechanisms.coalesced_copy_s, elementwise."""
@@ -227,45 +273,43 @@ class FastServing:
         many = (durations_s > 0).sum(axis=0) > 1
         return np.where(many, self._coalesce(direction, n_bytes.sum(axis=0)), total)
 
-    def _op_s(self, rows: np.ndarray, offload_s=None, offload_bytes=None, following_s=None,
-              following_bytes=None) -> list[float]:
-        """`_layer_op_s` plus every request's placement / recall bookkeeping on its layers (as ServingSim)."""
-        op_s = self._layer_op_s(rows, offload_s, offload_bytes, following_s, following_bytes)
-        return costs.add_layer_events(op_s, self.event_s[rows].sum(axis=0))
-
-    def _layer_op_s(self, rows: np.ndarray, offload_s=None, offload_bytes=None, following_s=None,
-                    following_bytes=None) -> list[float]:
-        """The iteration's operation times: one roofline over the batch per layer (weights once, every
-        request's FLOPs and KV bytes), then the LM head for the batch; under a mechanism that changes them
-        (zero-copy, cpu-attention, sm-copy beside copies) mechanisms.batch_op_s, as ServingSim.mechanism_op_s."""
-        mechanism = self.mechanism
-        if self.load is not None or (mechanisms.needs_batch_op_s(mechanism) and offload_s is not None):
-            if self.load is not None:
-                sums = self.load[rows].sum(axis=0)  # the batch's summed demand, field by field
-                load = mechanisms.LayerLoad(**{f: sums[k] > 0 if f == "has_host_work" else sums[k]
-                                               for k, f in enumerate(mechanisms.LOAD_FIELDS)})
-            else:
-                flops, kv_bytes = self.demand[rows].sum(axis=0)
-                load = mechanisms.LayerLoad(flops, kv_bytes, *([0.0] * 6))
+    def _op_s(self, entries, offload_s=None, offload_bytes=None, following_s=None, following_bytes=None) -> list[float]:
+        """The iteration's operation times (as ServingSim.iteration): its layers' kernels (admission.
+        iteration_layer_s: the GEMMs over every token, the decodes' and the prefill chunks' attention apart), then
+        the LM head for the batch; under a mechanism that changes them (zero-copy, cpu-attention: the batch's
+        summed LayerLoad; sm-copy beside copies) mechanisms.batch_op_s; plus every request's placement / recall
+        bookkeeping. Adds them to the GPU's busy time."""
+        rows, _, _, entry_offload_s, entry_offload_bytes, event_rows, decode, prefill, loads = entries
+        mechanism, batch = self.mechanism, len(rows)
+        if loads is not None:  # zero-copy / cpu-attention: the batch's summed demand, field by field
+            sums = loads.sum(axis=0)
+            load = mechanisms.LayerLoad(**{f: sums[k] > 0 if f == "has_host_work" else sums[k]
+                                           for k, f in enumerate(mechanisms.LOAD_FIELDS)})
             if offload_s is None:
-                offload_s, offload_bytes = self.offload_s[rows], self.offload_bytes[rows]
-            following_group = None if following_s is None else self._group_s("h2d", following_s, following_bytes)
-            return mechanisms.batch_op_s(mechanism, self.transfer, load, len(rows),
-                                         self._group_s("d2h", offload_s, offload_bytes), following_group,
+                offload_s, offload_bytes = entry_offload_s, entry_offload_bytes
+            if offload_s is None:
+                offload_s = offload_bytes = np.zeros((batch, self.shape.n_layers + 1))
+            op_s = mechanisms.batch_op_s(mechanism, self.transfer, load, batch, self._group_s("d2h", offload_s, offload_bytes),
+                                         None if following_s is None else self._group_s("h2d", following_s, following_bytes),
                                          self.config.options.async_offload)
-        shape, profile = self.shape, self.profile
-        flops, kv_bytes = self.demand[rows].sum(axis=0)
-        # costs.roofline's total, operation for operation (the same divisions, max and overhead)
-        layer_s = np.maximum(flops / profile.gpu.matmul_flops_per_s,
-                             (shape.layer_weight_bytes + kv_bytes) / profile.gpu.hbm_bytes_per_s) \
-            + costs.layer_overhead_s(shape, profile, kv_bytes)
-        batch = len(rows)
-        head_s = self.head_s.get(batch)
-        if head_s is None:
-            head_s = self.head_s[batch] = float(costs.head_times(shape, profile, batch=batch).total_s)
-        return [*layer_s.tolist(), head_s]
+        else:
+            layer_s = iteration_layer_s(self.shape, self.profile, decode, prefill)
+            if mechanisms.needs_batch_op_s(mechanism) and offload_s is not None:  # sm-copy's stretch
+                following_group = None if following_s is None else self._group_s("h2d", following_s, following_bytes)
+                op_s = mechanisms.batch_op_s(mechanism, self.transfer, None, batch,
+                                             self._group_s("d2h", offload_s, offload_bytes), following_group,
+                                             self.config.options.async_offload, layer_s=layer_s)
+            else:
+                head_s = self.head_s.get(batch)
+                if head_s is None:
+                    head_s = self.head_s[batch] = float(costs.head_times(self.shape, self.profile, batch=batch).total_s)
+                op_s = [*layer_s.tolist(), head_s]
+        if self.has_events:
+            op_s = costs.add_layer_events(op_s, self.event_s[event_rows].sum(axis=0))
+        self.gpu_busy_s += sum(op_s)
+        return op_s
 
-    def _lean_iteration(self, running: np.ndarray, rows: np.ndarray, link_wait: np.ndarray) -> None:
+    def _lean_iteration(self, rids: np.ndarray, entries, link_wait: np.ndarray) -> None:
         """`_iteration` without prefetch on channels with one copy engine, in closed form per operation.
 
         A group of copies issued together on a one-engine channel starts at s = max(now, engine free) and its
@@ -274,16 +318,15 @@ class FastServing:
         durations (a coalesced copy: s - now for every member). Only the scalar recurrence over operations is
         a Python loop; the per-request sums are numpy over the batch."""
         clock = self.clock
-        if not self.copies[rows].any():  # nothing moves: the operations back to back (sm-copy: nothing beside)
-            clock.now = self._no_copies(self._op_s(rows))
+        rows, recall_s, recall_bytes, offload_s, offload_bytes = entries[:5]
+        if recall_s is None or not (recall_s.any() or offload_s.any()):  # nothing moves: operations back to back
+            clock.now = self._no_copies(self._op_s(entries))
             return
-        recall_s, offload_s = self.recall_s[rows], self.offload_s[rows]  # [batch, ops]
-        op_s = self._op_s(rows, offload_s, self.offload_bytes[rows])
+        op_s = self._op_s(entries, offload_s, offload_bytes)
         h2d, d2h = self.hw.h2d, self.hw.d2h
         coalesce = self.coalesced
         totals, waits, group_bytes = {}, {}, {}
-        for direction, durations, n_bytes in (("h2d", recall_s, self.recall_bytes[rows]),
-                                              ("d2h", offload_s, self.offload_bytes[rows])):
+        for direction, durations, n_bytes in (("h2d", recall_s, recall_bytes), ("d2h", offload_s, offload_bytes)):
             member = durations > 0
             group_bytes[direction] = n_bytes.sum(axis=0)
             total = durations.sum(axis=0)
@@ -326,7 +369,7 @@ class FastServing:
                     t = end
         for direction, channel in (("h2d", h2d), ("d2h", d2h)):
             member, ahead = waits[direction]
-            link_wait[running] += np.where(member, base[direction][None, :] + ahead, 0.0).sum(axis=1)
+            link_wait[rids] += np.where(member, base[direction][None, :] + ahead, 0.0).sum(axis=1)
             channel.busy_s[direction] += busy[direction]
             channel.bytes[direction] += float(group_bytes[direction].sum())
             channel.engine_free_s[0] = free[direction]
@@ -340,26 +383,28 @@ class FastServing:
             t += c
         return t
 
-    def _iteration(self, running: np.ndarray, rows: np.ndarray, nxt, link_wait: np.ndarray, iteration: int) -> None:
+    def _iteration(self, plan, link_wait: np.ndarray) -> None:
         """schedule.StepSchedule.run for one iteration, with the clock as a float and channel tokens as end
         times (what it does with engine.Channel): recall -> (prefetch) -> compute -> offload per operation."""
         config, clock = self.config, self.clock
-        prefetch = nxt is not None
+        running = plan.rids
+        entries = self._entries(plan)
+        prefetch = config.options.overlap == "layer-prefetch"
         if not prefetch and self.hw.h2d.n_engines == 1 and self.hw.d2h.n_engines == 1:
-            return self._lean_iteration(running, rows, link_wait)
-        recall_s = self.recall_s[rows]  # [batch, ops]
-        recall_bytes = self.recall_bytes[rows]
-        offload_s = self.offload_s[rows]
-        offload_bytes = self.offload_bytes[rows]
+            return self._lean_iteration(running, entries, link_wait)
+        rows, recall_s, recall_bytes, offload_s, offload_bytes = entries[:5]
+        if recall_s is None:
+            recall_s = recall_bytes = offload_s = offload_bytes = np.zeros((len(rows), self.shape.n_layers + 1))
         following_s = following_bytes = None
-        if prefetch:
+        if prefetch:  # the next step's first recall, for requests that go on
+            nxt = np.where(plan.goes_on, rows + 1, -1)
             has_next = nxt >= 0
             first_next_s = np.where(has_next, self.recall_s[np.maximum(nxt, 0), 0], 0.0)
             first_next_bytes = np.where(has_next, self.recall_bytes[np.maximum(nxt, 0), 0], 0.0)
             following_s = np.column_stack([recall_s[:, 1:], first_next_s])
             following_bytes = np.column_stack([recall_bytes[:, 1:], first_next_bytes])
             ahead_any = (following_s > 0).any(0).tolist()
-        op_s = self._op_s(rows, offload_s, offload_bytes, following_s, following_bytes)
+        op_s = self._op_s(entries, offload_s, offload_bytes, following_s, following_bytes)
         pending = self.pending
         h2d, d2h = self.hw.h2d, self.hw.d2h
         needs_any = (recall_s > 0).any(0).tolist()
@@ -429,24 +474,3 @@ class FastServing:
             ends[k] = channel.reserve(direction, b, d, overhead_s)
             link_wait[rid] += ends[k] - asked_s - d
         return ends
-
-    def _requests_out(self, iteration_end: list[float], first_iteration, admitted, link_wait, n_steps,
-                      spilled) -> None:
-        """Fill the Request records summarise reads: admission, first / last token, TBT, link wait, tier."""
-        ends = np.array(iteration_end, dtype=np.float64)
-        for r in self.requests:
-            rid = r.rid
-            r.link_wait_s = float(link_wait[rid])
-            if spilled[rid]:
-                r.spilled = True
-                r.work = self.spill_works[self.sample_of[rid]].truncated(r.work.n_steps)
-            first = first_iteration[rid]
-            if r.rejected or first < 0:
-                continue
-            r.admitted_s = float(admitted[rid])
-            times = ends[first: first + n_steps[rid]]
-            r.first_token_s = float(times[0])
-            r.finish_s = r.last_token_s = float(times[-1])
-            r.step = int(n_steps[rid])
-            r.tbt_s = np.diff(times)  # an array (serving.summarise takes lists or arrays)
-

@@ -47,19 +47,22 @@ def test_rate_search_brackets_then_refines_to_the_threshold(threshold):
 
 
 def row(**values):
-    base = dict(link_util_h2d=0.1, hbm_occupancy_peak=0.3, tbt_p99_s=0.02, n_rejected=0, max_concurrency=10,
-                max_batch=64)
+    base = dict(link_util_h2d=0.1, link_util_d2h=0.05, hbm_occupancy_peak=0.3, gpu_busy_frac=0.4, tbt_p99_s=0.02,
+                n_rejected=0, max_concurrency=10, max_batch=64)
     return pd.Series({**base, **values})
 
 
 @pytest.mark.parametrize("values,expected", [
-    (dict(link_util_h2d=0.8, tbt_p99_s=0.3), "link bandwidth"),
-    (dict(hbm_occupancy_peak=0.97), "HBM capacity"),
-    (dict(tbt_p99_s=0.3), "GPU iteration time"),
-    (dict(max_concurrency=64), "batch limit"),
-    (dict(), "queueing"),
+    (dict(link_util_h2d=0.8, gpu_busy_frac=0.6, tbt_p99_s=0.3), "link bandwidth"),
+    (dict(link_util_d2h=0.9), "link bandwidth"),
+    (dict(hbm_occupancy_peak=0.97, gpu_busy_frac=0.8), "HBM capacity"),
+    (dict(hbm_occupancy_peak=0.985, gpu_busy_frac=0.999), "HBM capacity"),  # a full HBM beside a busy GPU
+    (dict(hbm_occupancy_peak=0.5, gpu_busy_frac=0.95, tbt_p99_s=0.3), "GPU compute"),  # HBM half full: not it
+    (dict(max_concurrency=64, gpu_busy_frac=0.99), "batch limit"),
+    (dict(n_rejected=3, gpu_busy_frac=0.99), "requests larger than HBM"),
+    (dict(gpu_busy_frac=float("nan"), link_util_h2d=float("nan"), link_util_d2h=float("nan")), "HBM capacity"),
 ])
-def test_limit_names_the_resource_at_the_first_failing_rate(values, expected):
+def test_limit_names_the_resource_nearest_saturation_at_the_first_failing_rate(values, expected):
     assert limit(row(**values), 0.1, 10.0, never_failed=False) == expected
     assert limit(row(**values), 0.1, 10.0, never_failed=True) == "none reached"
 
@@ -154,3 +157,29 @@ def test_capacity_refuses_bad_input_in_one_line(tmp_path, capsys, extra, message
     assert main(["capacity", str(SAMPLES / "micro-full"), "--out", str(tmp_path / "o"), *extra]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_the_served_table_puts_peak_reservation_beside_paged_and_the_limits_figures():
+    """capacity-served's rows: paged admission's max rate, the peak-reservation sweep's beside it, and the limit
+    with the shares it was read from."""
+    from analysis.serving import capacity_markdown
+    from thoughtkv.capacity_served import one_sentence, with_peak_column
+
+    def capacity(rates, limits):
+        return pd.DataFrame([{
+            "run_dir": f"/r/{label}", "profile": "gh200-96gb", "label": label, "policy": policy,
+            "max_rate_per_s": rate, "first_failing_rate_per_s": rate * 1.1, "limit": lim, "fail_link": 0.2,
+            "fail_hbm": 0.55, "fail_gpu": 0.97, "accuracy": acc, "ci_low": acc - 0.05, "ci_high": min(1, acc + 0.05),
+            "n_scored": 200, "attended_frac": 0.5, "h2d_bytes_per_token_served": 0.0, "knee_link_util_h2d": 0.1,
+            "knee_hbm_occupancy": 0.4, "knee_tbt_p99_s": 0.05}
+            for (label, policy, acc), rate, lim in zip(
+                (("full cache", "full", 1.0), ("hierarchy 30%, recall ≤ 20%", "hierarchy", 0.3)), rates, limits)])
+
+    paged = capacity([60.0, 40.0], ["GPU compute", "GPU compute"])
+    merged = with_peak_column(paged, capacity([50.0, 30.0], ["HBM capacity", "HBM capacity"]))
+    table = capacity_markdown(merged)
+    assert "peak reservation (req/s)" in table.splitlines()[0]
+    assert "| gh200-96gb | full cache | 60 | 50 | GPU compute | link 20% · HBM 55% · GPU 97% |" in table
+    sentence = one_sentence(merged, "p99 TBT ≤ 100 ms")
+    assert "sustains 60 req/s on gh200-96gb (GPU compute on gh200-96gb; 50 reserving each request's peak KV)" in sentence
+    assert "(30 with peak reservation)" in sentence

@@ -70,6 +70,20 @@ def roofline_s(shape, profile, flops, hbm_bytes):
     return max(flops / profile.gpu.matmul_flops_per_s, hbm_bytes / profile.gpu.hbm_bytes_per_s)
 
 
+def kernels_s(shape, profile, tokens, attn_flops, attn_bytes):
+    """A layer operation as its kernels run, written out: the GEMMs (2 P_layer T FLOPs, the layer's weights) and
+    the attention each at its roofline, plus the small kernels' activation traffic (7h + 2(H + H_kv)d + 3I
+    elements per token at SMALL_KERNEL_HBM_FRACTION of the HBM rate)."""
+    from simulator.costs import SMALL_KERNEL_HBM_FRACTION
+    from traces.architectures import dtype_bytes
+
+    elements = 7 * shape.hidden_size + 2 * (shape.n_heads + shape.n_kv_heads) * shape.head_dim \
+        + 3 * shape.intermediate_size
+    small = tokens * elements * dtype_bytes(shape.dtype) / (profile.gpu.hbm_bytes_per_s * SMALL_KERNEL_HBM_FRACTION)
+    return (roofline_s(shape, profile, 2 * shape.layer_params * tokens, shape.layer_weight_bytes)
+            + roofline_s(shape, profile, attn_flops, attn_bytes) + small)
+
+
 # ---------------------------------------------------------------- registry and checks ------------------------
 
 
@@ -152,8 +166,7 @@ def test_zero_copy_stages_nothing_and_reads_over_the_link():
     k = shape.kv_bytes_per_token_layer
     assert timing.h2d_bytes == 0 and not work.recall_s.any()
     assert work.step_hbm_kv_bytes[0] == pytest.approx(128 * k)  # no staging buffer for the recalled tokens
-    flops = 2 * shape.layer_params + 4 * shape.n_heads * shape.head_dim * (128 + rec)
-    gpu = roofline_s(shape, PROFILE, flops, shape.layer_weight_bytes + (128 + 1) * k)
+    gpu = kernels_s(shape, PROFILE, 1, 4 * shape.n_heads * shape.head_dim * (128 + rec), (128 + 1) * k)
     t = PROFILE.transfer
     link = t.zero_copy_latency_s + rec * k / min(t.zero_copy_bytes_per_s, PROFILE.host.ddr_bytes_per_s)
     assert link > gpu  # a link-bound kernel: the point of the case
@@ -170,7 +183,7 @@ def test_cpu_attention_host_time():
     shape = shape_1layer()
     k = shape.kv_bytes_per_token_layer
     H, d = shape.n_heads, shape.head_dim
-    gpu = roofline_s(shape, PROFILE, 2 * shape.layer_params + 4 * H * d * 256, shape.layer_weight_bytes + 257 * k)
+    gpu = kernels_s(shape, PROFILE, 1, 4 * H * d * 256, 257 * k)
     attn = max(4 * H * d * 256 / PROFILE.gpu.matmul_flops_per_s, 257 * k / PROFILE.gpu.hbm_bytes_per_s)
     host = max(4 * H * d * rec / PROFILE.transfer.host_attention_flops_per_s, rec * k / PROFILE.host.ddr_bytes_per_s)
     link = PROFILE.link

@@ -65,7 +65,7 @@ def cases(n: int = 30):
         out.append(dict(
             run=run,
             machine=["h100-pcie", "half-duplex", "4-engines"][i % 3],
-            pressure=[None, 2.5, 6.0][(i // 3) % 3],
+            pressure=[None, 1.5, 3.0][(i // 3) % 3],
             rate_per_s=float(rng.uniform(20, 400)),
             duration_s=float(rng.uniform(0.2, 1.0)),
             max_batch=int(rng.choice([2, 8, 64])),
@@ -77,6 +77,11 @@ def cases(n: int = 30):
             # the host side of an iteration: none, a shipped mode, or a host model near tiny's GPU step
             host=[None, "hf-eager", "cuda-graphs", (float(rng.uniform(0, 1e-6)), float(rng.uniform(0, 1e-4)))][
                 (i // 2) % 4],
+            # paged admission (preempting under pressure) with both preempt modes, or peak; chunked prefills
+            # under a small token budget (prompts of 32 and 48 tokens) or vLLM's default
+            admission="peak" if i % 5 == 4 else "paged",
+            preempt=["recompute", "swap"][(i // 5) % 2],
+            max_batched_tokens=[None, 20, 36][i % 3],
         ))
     return out
 
@@ -100,12 +105,15 @@ def simulate_serving_fast(run, profile, config):
 @pytest.mark.parametrize("case", cases(), ids=lambda c: f"{c['transfer']}-{c['run']}-{c['machine']}-{c['pressure']}"
                          f"-{c['overlap']}"
                          f"-{'async' if c['async_offload'] else 'sync'}-{'coalesced' if c['batch_copies'] else 'each'}"
-                         f"-{c['host'] if not isinstance(c['host'], tuple) else 'host-model'}")
+                         f"-{c['host'] if not isinstance(c['host'], tuple) else 'host-model'}"
+                         f"-{c['admission']}-{c['preempt']}-{c['max_batched_tokens']}")
 def test_fast_path_equals_the_des(runs, case):
     run = runs[case["run"]]
     profile = with_host(machine(case["machine"], case["pressure"], peak_kv(run)), case["host"])
+    budget = case["max_batched_tokens"]
     config = ServingConfig(rate_per_s=case["rate_per_s"], duration_s=case["duration_s"], max_batch=case["max_batch"],
-                           seed=case["seed"], batch_copies=case["batch_copies"],
+                           seed=case["seed"], batch_copies=case["batch_copies"], admission=case["admission"],
+                           preempt=case["preempt"], max_batched_tokens=None if budget is None else max(budget, case["max_batch"]),
                            options=SimOptions(overlap=case["overlap"], async_offload=case["async_offload"],
                                               transfer=case["transfer"]))
     des = simulate_serving(run, profile, dataclasses.replace(config, options=dataclasses.replace(config.options,
@@ -118,11 +126,33 @@ def test_fast_path_equals_the_des(runs, case):
     np.testing.assert_allclose(des.tbt_s, fast.tbt_s, rtol=1e-9, atol=1e-12)
 
 
+def test_preemption_and_chunking_are_exercised(runs):
+    """The random cases preempt, in both modes, and chunk prefills: the paged cases under HBM pressure preempt
+    (recompute and swap), and a 20-token budget splits the 48-token prompts."""
+    seen = {"recompute": 0, "swap": 0}
+    for case in cases():
+        if case["admission"] != "paged" or case["pressure"] is None or case["run"] != "hierarchy":
+            continue
+        run = runs[case["run"]]
+        profile = machine(case["machine"], case["pressure"], peak_kv(run))
+        budget = case["max_batched_tokens"]
+        config = ServingConfig(rate_per_s=case["rate_per_s"], duration_s=case["duration_s"], max_batch=case["max_batch"],
+                               seed=case["seed"], preempt=case["preempt"],
+                               max_batched_tokens=None if budget is None else max(budget, case["max_batch"]))
+        seen[case["preempt"]] += simulate_serving_fast(run, profile, config).summary["n_preemptions"]
+    assert seen["recompute"] > 0 and seen["swap"] > 0
+    chunked = simulate_serving_fast(runs["hierarchy"], "h100-pcie", ServingConfig(rate_per_s=50, duration_s=0.2,
+                                                                                  max_batch=8, max_batched_tokens=20))
+    whole = simulate_serving_fast(runs["hierarchy"], "h100-pcie", ServingConfig(rate_per_s=50, duration_s=0.2, max_batch=8))
+    assert chunked.summary["ttft_p50_s"] > whole.summary["ttft_p50_s"]
+
+
 def test_admission_pressure_is_exercised(runs):
-    """The cases are not all trivially uncontended: with HBM for 2.5 requests, requests queue for admission."""
+    """The cases are not all trivially uncontended: with HBM for 2.5 requests' peaks, requests queue for admission
+    (peak reservation: at most 2 run)."""
     run = runs["hierarchy"]
     profile = machine("h100-pcie", 2.5, peak_kv(run))
-    config = ServingConfig(rate_per_s=300, duration_s=0.5, max_batch=64)
+    config = ServingConfig(rate_per_s=300, duration_s=0.5, max_batch=64, admission="peak")
     fast = simulate_serving_fast(run, profile, config)
     assert fast.summary["max_concurrency"] <= 2 and fast.summary["queue_delay_p90_s"] > 0
 

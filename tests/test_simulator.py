@@ -99,17 +99,23 @@ def test_copy_engine_contention_serialises(h200):
 
 
 def _roofline_step_s(arch, profile, attended_tokens: int, dtype_bytes: int = 2) -> float:
-    """Independent reference: one decode step = per layer max(FLOPs/F, bytes/B) + LM head, weights from shapes."""
+    """Independent reference: one decode step = per layer the GEMMs' max(FLOPs/F, weight bytes/B) + the
+    attention's max(FLOPs/F, KV bytes/B) + the small kernels' activation bytes (7h + 2(H + H_kv)d + 3I elements
+    per token) at SMALL_KERNEL_HBM_FRACTION of B, + the LM head, weights from shapes."""
+    from simulator.costs import SMALL_KERNEL_HBM_FRACTION
+
     head_params = arch.vocab_size * arch.hidden_size
     layer_params = (arch.n_params() - head_params) / arch.n_layers
     kv_layer = 2 * arch.n_kv_heads * arch.head_dim * dtype_bytes
-    flops = 2 * layer_params + 4 * arch.n_heads * arch.head_dim * attended_tokens
-    hbm_bytes = layer_params * dtype_bytes + (attended_tokens + 1) * kv_layer
     flops_per_s = profile.gpu.matmul_peak_flops_per_s * profile.gpu.matmul_efficiency
     bytes_per_s = profile.gpu.hbm_peak_bytes_per_s * profile.gpu.hbm_efficiency
-    layer = max(flops / flops_per_s, hbm_bytes / bytes_per_s)
+    gemm = max(2 * layer_params / flops_per_s, layer_params * dtype_bytes / bytes_per_s)
+    attention = max(4 * arch.n_heads * arch.head_dim * attended_tokens / flops_per_s,
+                    (attended_tokens + 1) * kv_layer / bytes_per_s)
+    elements = 7 * arch.hidden_size + 2 * (arch.n_heads + arch.n_kv_heads) * arch.head_dim + 3 * arch.intermediate_size
+    small = elements * dtype_bytes / (bytes_per_s * SMALL_KERNEL_HBM_FRACTION)
     head = max(2 * head_params / flops_per_s, head_params * dtype_bytes / bytes_per_s)
-    return arch.n_layers * layer + head
+    return arch.n_layers * (gemm + attention + small) + head
 
 
 @pytest.mark.parametrize("engine", ["des", "fast"])
