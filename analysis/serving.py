@@ -485,9 +485,9 @@ def captions(table: pd.DataFrame, capacity: pd.DataFrame, tbt_slo_s: float, ttft
         "serving_goodput": f"Goodput (tokens/s of requests whose mean TBT ≤ {1e3 * tbt_slo_s:g} ms"
                            f"{'' if ttft_slo_s is None else f' and TTFT ≤ {ttft_slo_s:g} s'}) vs Poisson arrival rate, "
                            f"per policy and profile.",
-        "serving_tbt": f"Time between tokens vs arrival rate: p99 (solid) and p50 (dotted), the SLO dashed; TBT "
-                       f"grows with the batch (every running request's KV read per iteration) and with the link's "
-                       f"queue (recalls).",
+        "serving_tbt": "Time between tokens vs arrival rate: p99 (solid) and p50 (dotted), the SLO dashed; TBT "
+                       "grows with the batch (every running request's KV read per iteration) and with the link's "
+                       "queue (recalls).",
         "serving_knee": f"At each policy's max sustainable rate ({slo}): H2D link utilisation, HBM occupancy "
                         f"(weights + held KV, share of capacity: peak and mean) and the GPU's busy share (its kernels' "
                         f"share of the iterations' time). The limit in the table is the resource nearest saturation at the first "
