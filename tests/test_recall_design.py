@@ -6,6 +6,8 @@ tests/test_cache_registries.py's; batched = sequential for every rule and the bu
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from test_cache_registries import BLOCK, GROUP, HEAD_DIM, N_BLOCKS, N_KV_HEADS, registry_layer
@@ -15,6 +17,7 @@ from simulator.options import SimOptions
 from simulator.recall_buffer import replay_buffer
 from simulator.simulate import simulate_run
 from tracer.cache.recall_rules import RECALL_RULES, RecallRequest
+from tracer.cache.speculation import LayerInputs
 from tracer.transfer import KeyBounds
 from traces.policy import PREFETCHABLE_RECALL_RULES, TRACER_RECALL_RULES, PolicySpec, recall_is_prefetchable
 from traces.recall_buffer import RecallBuffer, replay_hits
@@ -24,6 +27,24 @@ def test_each_tracer_rule_declares_the_prefetch_contract_of_the_policy():
     assert PREFETCHABLE_RECALL_RULES  # at least one rule can be prefetched
     for name in TRACER_RECALL_RULES:
         assert RECALL_RULES[name].uses_query == (not recall_is_prefetchable(name)), name
+
+
+def speculation_inputs(rows: int, layer_idx: int = 1) -> LayerInputs:
+    """What a speculative rule reads at layer `layer_idx` of a forward: a real Qwen2 decoder layer of the test's
+    head shapes (its input norm, q_proj with bias, RoPE) and the hidden state that entered the layer before it."""
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+
+    torch.manual_seed(4)
+    config = Qwen2Config(hidden_size=24, intermediate_size=32, num_attention_heads=N_KV_HEADS * GROUP,
+                         num_key_value_heads=N_KV_HEADS, head_dim=HEAD_DIM, num_hidden_layers=layer_idx + 1)
+    inputs = LayerInputs()
+    hidden = torch.randn(rows, 1, config.hidden_size, generator=torch.Generator().manual_seed(9))
+    position_embeddings = Qwen2RotaryEmbedding(config)(hidden, torch.tensor([[37]] * rows))
+    for index in range(layer_idx + 1):
+        inputs.enter(index, Qwen2DecoderLayer(config, index).eval(), hidden if index == layer_idx - 1 else None,
+                     position_embeddings)
+    return inputs
 
 
 def _choices(name: str, query: torch.Tensor) -> list[set[int]]:
@@ -39,7 +60,10 @@ def _choices(name: str, query: torch.Tensor) -> list[set[int]]:
         mask[row, blocks] = True
     bounds.mark(torch.arange(rows), mask)
     layer = registry_layer(keys, in_ddr, bounds, torch.rand(rows, N_BLOCKS * BLOCK, generator=generator))
-    choice = RECALL_RULES[name].select(RecallRequest(query, slice(0, rows), (3, 2), N_BLOCKS, layer, scaling=0.5))
+    # layer 1 of a forward (prev-layer speculates from layer 0's input), with its queries of the previous step
+    layer.layer_idx, layer.shared = 1, SimpleNamespace(layer_inputs=speculation_inputs(rows))
+    with torch.no_grad():
+        choice = RECALL_RULES[name].select(RecallRequest(query, slice(0, rows), (3, 2), N_BLOCKS, layer, scaling=0.5))
     return [set(choice.ids[row, : choice.per_row[row]].tolist()) for row in range(rows)]
 
 
@@ -178,3 +202,123 @@ def test_the_recall_design_table_has_every_rule_at_every_budget_and_refuses_a_ba
     assert {"oracle", "score"} <= set(RULES)
     assert main(["recall-design", "--out", str(tmp_path), "--n-samples", "0"]) == 2
     assert "--n-samples" in capsys.readouterr().err
+
+
+# -- the speculative rules in a decode --------------------------------------------------------------------------
+def _tiny(arch: str):
+    from _helpers import TINY_CONFIGS
+    from transformers import AutoModelForCausalLM
+
+    import tracer.attention  # noqa: F401  (registers the "thoughtkv" attention function)
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(TINY_CONFIGS[arch](), attn_implementation="thoughtkv",
+                                            dtype=torch.float32).eval()
+
+
+def _decode(model, rule: str, n_new: int = 24, prompts=(41, 29, 35)):
+    """A hierarchy decode of three prompts at batch 2 (a row is refilled): each job's recorder."""
+    from tracer.cache import TieredCache, TierSettings
+    from tracer.decode import DecodeJob, decode_batch
+    from tracer.recorder import Recorder
+    from tracer.scorers import build_scorer
+
+    spec = PolicySpec(policy="hierarchy", hbm_budget=0.3, recall_k=2, recall_rule=rule, block_size=4, sink_tokens=4,
+                      window_tokens=8)
+    generator = torch.Generator().manual_seed(3)
+    jobs = [DecodeJob(i, torch.randint(3, 320, (n,), generator=generator).tolist(),
+                      TierSettings(spec=spec, scorer=build_scorer("h2o")), Recorder()) for i, n in enumerate(prompts)]
+    list(decode_batch(model, jobs, TieredCache(model.config.num_hidden_layers, jobs[0].settings), 2, n_new, set()))
+    return [job.recorder for job in jobs]
+
+
+def _rope_reference(query: torch.Tensor, positions: torch.Tensor, config) -> torch.Tensor:
+    """RoPE written out (rotate-half, HF's llama/qwen2 layout) at `positions` [m] for queries [m, Hq, d]."""
+    d = query.shape[-1]
+    theta = config.rope_parameters["rope_theta"]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    angles = positions.double()[:, None] * inv_freq[None]  # [m, d / 2]
+    cos, sin = torch.cat([angles, angles], -1).cos()[:, None], torch.cat([angles, angles], -1).sin()[:, None]
+    q = query.double()
+    rotated = torch.cat([-q[..., d // 2:], q[..., : d // 2]], -1)
+    return q * cos + rotated * sin
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_prev_layer_is_layer_i_query_made_from_the_hidden_state_entering_layer_i_minus_1(arch, monkeypatch):
+    """Every query prev-layer ranks by, against one computed here from the hidden state that entered layer i - 1
+    (caught by this test's own hook) and layer i's weights (its RMS norm, q_proj with its bias, RoPE at the
+    step's position, all written out); at layer 0, the query layer 0 attended with at the previous forward. GQA:
+    4 query heads on 2 KV heads."""
+    from tracer.cache.layer import PagedLayer
+    from tracer.cache.recall_rules import PrevLayer
+
+    model = _tiny(arch)
+    config = model.config
+    forwards: list[dict] = []  # per forward: position ids, each layer's input, each layer's attended query
+    model.register_forward_pre_hook(lambda _m, _a, kwargs: forwards.append(
+        {"positions": kwargs["position_ids"], "inputs": {}, "attended": {}}), with_kwargs=True)
+    for index, decoder in enumerate(model.model.layers):
+        decoder.register_forward_pre_hook(lambda _m, args, kwargs, index=index: forwards[-1]["inputs"].__setitem__(
+            index, (args[0] if args else kwargs["hidden_states"]).clone()), with_kwargs=True)
+    speculated = []  # (forward, layer, entries, query [m, Hq, d])
+    original_query_of, original_attend = PrevLayer.query_of, PagedLayer.attend
+
+    def query_of(self, request):
+        query = original_query_of(self, request)
+        speculated.append((len(forwards) - 1, request.layer.layer_idx, request.entries, query.flatten(1, 2).clone()))
+        return query
+
+    def attend(self, rows, query, scaling):
+        forwards[-1]["attended"][self.layer_idx] = (list(rows), query[:, :, -1].clone())
+        return original_attend(self, rows, query, scaling)
+
+    monkeypatch.setattr(PrevLayer, "query_of", query_of)
+    monkeypatch.setattr(PagedLayer, "attend", attend)
+    _decode(model, "prev-layer")
+    checked = {0: 0, 1: 0}
+    for forward, layer, entries, query in speculated:
+        step = forwards[forward]
+        entries = list(range(query.shape[0])) if entries is None else entries.tolist()
+        if layer == 0:  # the layer's own query at the previous forward each row took part in
+            rows = step["attended"][0][0]
+            for position, entry in enumerate(entries):
+                earlier = next(f for f in reversed(forwards[:forward]) if rows[entry] in f["attended"][0][0])
+                row_at = earlier["attended"][0][0].index(rows[entry])
+                torch.testing.assert_close(query[position], earlier["attended"][0][1][row_at])
+        else:
+            decoder = model.model.layers[layer]
+            hidden = step["inputs"][layer - 1][entries, -1].double()  # [m, hidden]
+            norm = decoder.input_layernorm
+            normed = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+            projection = decoder.self_attn.q_proj
+            q = (normed * norm.weight.double()) @ projection.weight.double().T
+            if projection.bias is not None:
+                q = q + projection.bias.double()
+            expected = _rope_reference(q.view(len(entries), config.num_attention_heads, -1),
+                                       step["positions"][entries, -1], config)
+            torch.testing.assert_close(query.double(), expected, rtol=1e-4, atol=1e-5)
+        checked[min(layer, 1)] += 1
+    assert checked[0] > 20 and checked[1] > 20, checked  # both kinds, at many decode steps
+
+
+@pytest.mark.parametrize("rule", ["prev-layer", "prev-layer-per-head", "prev-step", "prev-step-per-head", "quest"])
+def test_a_speculative_rule_recalls_the_same_blocks_when_the_current_query_is_perturbed(rule, monkeypatch):
+    """In a decode, the query each recall request carries (the current one, which attention still uses) gets
+    noise: a speculative rule recalls exactly the blocks it recalled without it; quest (which reads it) does not."""
+    from tracer.cache import recall
+
+    model = _tiny("qwen2")
+    plain = _decode(model, rule)
+    made = recall.RecallRequest
+
+    def perturbed(query, *args, **kwargs):
+        noise = torch.randn(query.shape, generator=torch.Generator().manual_seed(query.numel())) * 3
+        return made(query + noise * query.abs().mean(), *args, **kwargs)
+
+    monkeypatch.setattr(recall, "RecallRequest", perturbed)
+    noisy = _decode(model, rule)
+    recalled = [[list(ids) for ids in r.steps_table()["recalled_block_ids"]] for r in plain]
+    assert sum(len(ids) for sample in recalled for ids in sample) > 50  # blocks were recalled
+    same = recalled == [[list(ids) for ids in r.steps_table()["recalled_block_ids"]] for r in noisy]
+    assert same == recall_is_prefetchable(rule)

@@ -79,7 +79,7 @@ def recall(layer, rows: list[int], states: list[RowState], rows_t: torch.Tensor,
     group = query.shape[1] // layer.n_kv_heads
     q = rec_query.reshape(len(batch_index), layer.n_kv_heads, group, layer.head_dim)  # (one query: [m, Hq, 1, d])
     choice = RECALL_RULES[layer.spec.recall_rule].select(
-        RecallRequest(q, selected, plan.wanted, plan.n_blocks, layer, scaling))
+        RecallRequest(q, selected, plan.wanted, plan.n_blocks, layer, scaling, entries))
     staged = stage(layer, rows, plan, rec_rows, selected, every_row, choice)
     per_row, head_picks, width = choice.per_row, choice.head_picks, choice.ids.shape[1]
     flat_ids, n_bytes = staged.flat_ids, staged.n_bytes
