@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from test_cache_registries import BLOCK, GROUP, HEAD_DIM, N_BLOCKS, N_KV_HEADS, registry_layer
@@ -322,3 +323,90 @@ def test_a_speculative_rule_recalls_the_same_blocks_when_the_current_query_is_pe
     assert sum(len(ids) for sample in recalled for ids in sample) > 50  # blocks were recalled
     same = recalled == [[list(ids) for ids in r.steps_table()["recalled_block_ids"]] for r in noisy]
     assert same == recall_is_prefetchable(rule)
+
+
+# -- the buffer and prefetch in the latency model ---------------------------------------------------------------
+def test_the_simulators_copies_under_a_buffer_are_the_tracers_misses(buffered_runs):
+    """`simulate --recall-buffer-blocks 6` on the unbuffered run copies exactly the bytes the tracer copied with a
+    buffer of 6 (its misses), sample by sample, and holds the same HBM; 0 on the buffered run copies every recalled
+    block again (the unbuffered run's bytes). serve-sim's per-request work copies and reserves the same."""
+    from hwprofiles import load_profile
+    from simulator.serving import load_run_work
+
+    plain, buffered = buffered_runs
+    misses = buffered.steps().groupby("sample_id")["bytes_h2d"].sum()
+    everything = plain.steps().groupby("sample_id")["bytes_h2d"].sum()
+    assert (misses < everything).all()  # the buffer served some recalls
+    replayed = simulate_run(plain, "h100-pcie", SimOptions(recall_buffer_blocks=6)).samples.set_index("sample_id")
+    traced = simulate_run(buffered, "h100-pcie", SimOptions()).samples.set_index("sample_id")
+    unbuffered = simulate_run(buffered, "h100-pcie", SimOptions(recall_buffer_blocks=0)).samples.set_index("sample_id")
+    assert replayed["bytes_h2d"].to_dict() == misses.to_dict() == traced["bytes_h2d"].to_dict()
+    assert unbuffered["bytes_h2d"].to_dict() == everything.to_dict()
+    for column in ("kv_hbm_bytes_per_seq", "peak_hbm_bytes", "ms_per_token"):
+        assert replayed[column].to_dict() == pytest.approx(traced[column].to_dict(), rel=1e-12), column
+    assert (replayed["kv_hbm_bytes_per_seq"] >= unbuffered["kv_hbm_bytes_per_seq"]).all()  # its HBM counts
+    assert (replayed["ms_per_token"] <= unbuffered["ms_per_token"]).all()  # hits copy nothing
+    profile = load_profile("h100-pcie")
+    served = {w.sample_id: w for w in load_run_work(plain.path, profile, recall_buffer_blocks=6)[2]}
+    served_traced = {w.sample_id: w for w in load_run_work(buffered.path, profile)[2]}
+    for sample_id, n_bytes in misses.items():
+        assert served[sample_id].recall_bytes.sum() == n_bytes
+        assert served[sample_id].peak_hbm_kv_bytes == served_traced[sample_id].peak_hbm_kv_bytes
+
+
+@pytest.fixture(scope="module")
+def prefetchable_run(tmp_path_factory):
+    from tracer.run import TraceConfig, run_trace
+
+    config = TraceConfig(model="micro", task="chains", out=str(tmp_path_factory.mktemp("prefetch") / "run"),
+                         n_samples=3, max_new_tokens=40, block_size=4, window_tokens=8, device="cpu", access=False,
+                         policy="hierarchy", hbm_budget=0.3, recall_k=4, recall_rule="prev-layer", batch_size=3)
+    return run_trace(config, progress=False)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("buffer", [None, 0, 6])
+@pytest.mark.parametrize("projection", [None, "qwen2-7b"])
+def test_fast_path_equals_des_with_a_buffer_and_layer_prefetch(prefetchable_run, batch, buffer, projection):
+    """A prefetchable rule's run under layer prefetch, with and without a buffer, one sequence or a lockstep
+    batch, on its own shapes and projected: the closed form is the DES to 1e-9; prefetch never slows it."""
+    from simulator.options import Projection
+
+    def run(engine: str, overlap: str = "layer-prefetch"):
+        options = SimOptions(engine=engine, overlap=overlap, batch=batch, recall_buffer_blocks=buffer,
+                             transfer="dma-batched")
+        return simulate_run(prefetchable_run, "h100-pcie", options, projection=Projection(as_model=projection))
+
+    fast, des = run("fast").samples, run("des").samples
+    assert (fast["engine"] == "fast").all() and (des["engine"] == "des").all()
+    for column in ("total_s", "ms_per_token", "link_stall_s", "link_util_h2d", "d2h_backlog_s", "peak_hbm_bytes"):
+        np.testing.assert_allclose(fast[column], des[column], rtol=1e-9, atol=1e-15, err_msg=column)
+    assert (fast["bytes_h2d"] == des["bytes_h2d"]).all() and fast["bytes_h2d"].sum() > 0
+    assert (fast["ms_per_token"] <= run("fast", "none").samples["ms_per_token"] * (1 + 1e-12)).all()
+
+
+@pytest.mark.parametrize("buffer", [None, 6])
+def test_serving_fast_path_equals_its_des_with_a_buffer_and_layer_prefetch(prefetchable_run, buffer):
+    """serve-sim of the prefetchable run, prefetching, with its recalls replayed through a buffer: the serving fast
+    path is its DES to 1e-9; the buffer copies less and reserves more HBM per request."""
+    import pandas as pd
+    from _helpers import assert_same
+
+    from simulator.options import ServingConfig
+    from simulator.serving import simulate_serving
+
+    def serve(engine: str, blocks=buffer):
+        options = SimOptions(engine=engine, overlap="layer-prefetch", recall_buffer_blocks=blocks)
+        return simulate_serving(prefetchable_run, "h100-pcie", ServingConfig(rate_per_s=400, duration_s=0.05,
+                                                                             max_batch=8, seed=3, options=options))
+
+    des, fast = serve("des"), serve("fast")
+    assert des.summary["n_requests"] > 3 and des.summary["bytes_h2d"] > 0
+    assert_same(des.summary, fast.summary, "summary")
+    pd.testing.assert_frame_equal(des.requests, fast.requests, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(des.tbt_s, fast.tbt_s, rtol=1e-9, atol=1e-12)
+    if buffer:
+        unbuffered = serve("fast", 0).summary
+        assert fast.summary["bytes_h2d"] < unbuffered["bytes_h2d"]
+        assert fast.summary["kv_reserved_bytes_per_request"] > unbuffered["kv_reserved_bytes_per_request"]
+    assert fast.summary["recall_buffer_blocks"] == buffer  # (a result column: an option)

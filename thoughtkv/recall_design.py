@@ -34,9 +34,14 @@ from thoughtkv_base import UserError
 
 HBM_BUDGETS = (0.3, 0.5)
 RECALL_BUDGETS = (0.05, 0.1, 0.2)
-RULES = ("quest", "quest-per-head", "score", "oracle")
+RULES = ("quest", "quest-per-head", "score", "prev-layer", "prev-layer-per-head", "prev-step", "prev-step-per-head",
+         "oracle")
 RULE_LABELS = {"quest": "quest", "quest-per-head": "quest-per-head", "score": "score (prefetchable)",
+               "prev-layer": "prev-layer (prefetchable)", "prev-layer-per-head": "prev-layer-per-head (prefetchable)",
+               "prev-step": "prev-step (prefetchable)", "prev-step-per-head": "prev-step-per-head (prefetchable)",
                "oracle": "oracle (ceiling)"}
+SHORT_NAMES = {"quest-per-head": "qph", "prev-layer": "pl", "prev-layer-per-head": "plph", "prev-step": "ps",
+               "prev-step-per-head": "psph"}  # (run directory names)
 BUFFER_SIZES = (16, 32, 64)
 PROFILES = ("h100-pcie", "gh200-96gb")
 AS_MODEL = "qwen2-7b"
@@ -57,7 +62,7 @@ class Cell:
     def name(self) -> str:
         if self.policy == "full":
             return "full"
-        short = {"quest-per-head": "qph"}.get(self.recall_rule, self.recall_rule)
+        short = SHORT_NAMES.get(self.recall_rule, self.recall_rule)
         return f"{short}-b{round(self.hbm_budget * 100)}-r{round(self.recall_budget * 100)}"
 
     def table_long_cell(self):
