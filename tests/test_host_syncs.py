@@ -116,6 +116,18 @@ def test_data_dependent_counts_cost_one_read_per_layer_and_no_more(extra, per_la
     assert 1 < per_step <= bound, by_op
 
 
+def test_a_buffer_read_from_hbm_costs_the_same_one_read_per_layer(monkeypatch):
+    """The GPU's recall with a buffer (hits from its HBM region: `tracer.cache.recall.stage_from_buffer`), forced
+    on the CPU: its read-back of the chosen ids is the one a buffer costs per layer, nothing more."""
+    from tracer.cache import recall
+
+    monkeypatch.setattr(recall, "hits_from_hbm", lambda layer: True)
+    spec = PolicySpec(policy="hierarchy", hbm_budget=0.3, block_size=4, sink_tokens=4, window_tokens=8, recall_k=2,
+                      recall_buffer_blocks=4)
+    per_step, by_op = syncs_per_step(spec, 4, record=True)
+    assert 1 < per_step <= 1 + SHAPES["num_hidden_layers"], by_op
+
+
 class _Uploads(TorchDispatchMode):
     """Counts the tensors made from Python lists or arrays (`aten.lift_fresh` of one or more dimensions; a Python
     scalar written into a tensor is made a 0-dim one, filled on the device): an index built by

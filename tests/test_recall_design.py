@@ -108,6 +108,26 @@ def test_the_buffer_counts_what_a_reference_lru_counts():
     assert buffer.admit([5, 1]) == 0 and buffer.admit([1, 7]) == 1 and 5 not in buffer and len(buffer) == 2
 
 
+def test_the_buffers_slots_hold_what_they_are_read_for():
+    """`admit_slots` against a device buffer written out as a list of slots: every hit reads its own id back (the
+    hits read before the misses write), every miss that stays is written to a free slot below the capacity."""
+    generator = torch.Generator().manual_seed(8)
+    for capacity in (1, 3, 8):
+        buffer, slots = RecallBuffer(capacity), [None] * capacity
+        for _ in range(80):
+            ids = sorted(set(torch.randint(0, 20, (int(torch.randint(0, 11, (1,), generator=generator)),),
+                                           generator=generator).tolist()))
+            hits, misses = buffer.admit_slots(ids)
+            assert sorted([i for i, _ in hits] + [i for i, _ in misses]) == ids
+            assert all(slots[slot] == i for i, slot in hits)
+            for i, slot in misses:
+                if slot is not None:
+                    slots[slot] = i
+            held = [i for i in ids if i in buffer]
+            assert len(held) == min(len(ids), capacity) and len(buffer) <= capacity
+            assert all(i in slots for i in held)  # (and read back as a hit next time: checked above)
+
+
 @pytest.fixture(scope="module")
 def buffered_runs(tmp_path_factory):
     """The bundled micro model on chains: a hierarchy recalling by quest, without and with a buffer of 6 blocks."""
@@ -410,3 +430,4 @@ def test_serving_fast_path_equals_its_des_with_a_buffer_and_layer_prefetch(prefe
         assert fast.summary["bytes_h2d"] < unbuffered["bytes_h2d"]
         assert fast.summary["kv_reserved_bytes_per_request"] > unbuffered["kv_reserved_bytes_per_request"]
     assert fast.summary["recall_buffer_blocks"] == buffer  # (a result column: an option)
+

@@ -20,26 +20,47 @@ from collections.abc import Iterable, Sequence
 
 
 class RecallBuffer:
-    """One (sequence, layer)'s LRU of recalled block ids, `capacity` of them at most."""
+    """One (sequence, layer)'s LRU of recalled block ids, `capacity` of them at most, each in a slot of its own
+    (0 .. capacity - 1: where a device buffer keeps the block, `admit_slots`)."""
 
-    __slots__ = ("capacity", "_ids")
+    __slots__ = ("capacity", "_ids", "_unused")
 
     def __init__(self, capacity: int):
         self.capacity = int(capacity)
-        self._ids: OrderedDict[int, None] = OrderedDict()
+        self._ids: OrderedDict[int, int | None] = OrderedDict()  # id -> its slot, least recent first
+        self._unused = 0  # slots below this have been handed out
 
     def admit(self, ids: Iterable[int]) -> int:
         """Recall `ids` (one step's): returns how many were already held (hits); all of them become the most
         recent, and the least recent leave past the capacity."""
+        return len(self.admit_slots(ids)[0])
+
+    def admit_slots(self, ids: Iterable[int]) -> tuple[list[tuple[int, int]], list[tuple[int, int | None]]]:
+        """`admit`, with where the blocks are: (hits as (id, the slot it is read from), misses as (id, the slot it
+        is written to, None when it does not stay past this step)). A hit that leaves in this same step (a step
+        recalling more than the capacity) gives its slot to a miss: read the hits before writing the misses."""
         ids = sorted(int(i) for i in ids)
         held = self._ids
-        hits = sum(1 for i in ids if i in held)
+        hits = [(i, held[i]) for i in ids if i in held]
+        hit_ids = {i for i, _ in hits}
         for i in ids:
-            held[i] = None
+            held[i] = held.get(i)
             held.move_to_end(i)
+        freed = []
         while len(held) > self.capacity:
-            held.popitem(last=False)
-        return hits
+            slot = held.popitem(last=False)[1]
+            if slot is not None:
+                freed.append(slot)
+        misses = []
+        for i in ids:
+            if i in held and held[i] is None:
+                if freed:
+                    held[i] = freed.pop()
+                else:
+                    held[i], self._unused = self._unused, self._unused + 1
+            if i not in hit_ids:
+                misses.append((i, held.get(i)))
+        return hits, misses
 
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._ids

@@ -81,6 +81,8 @@ class PagedLayer(PagePool):
         self.pads = None  # a left-padded prefill of several rows: each row's pad count (else None)
         self.recalled_ids = None  # this step's recalled ids, when placed with the other layers (`copies.LayerIds`)
         self.last_query = None  # [rows, Hq, d]: each row's last query, under a rule that keeps it (`keep_query`)
+        self.recall_region = None  # a recall buffer's blocks in HBM (`tracer.cache.recall.buffer_region`)
+        self.hits_from_hbm: bool | None = None  # read a buffer's hits from that region (None: on a GPU)
 
     def reset_row(self, row: int, settings: TierSettings, recorder=None) -> None:
         while len(self.rows) <= row:
