@@ -36,20 +36,22 @@ def replay_buffer(steps, capacity: int, block_bytes: int, block_hbm_bytes: int) 
     """`steps`: one sample's steps table (columns step, layer, recalled_block_ids); `block_bytes`: one
     DDR block as stored (what a miss copies); `block_hbm_bytes`: one block in HBM (what the buffer holds)."""
     frame = steps.sort_values(["layer", "step"])
-    layers = sorted(frame["layer"].unique())
+    layer_of = frame["layer"].to_numpy()
+    layers = np.unique(layer_of)
     n_steps = int(frame["step"].max()) + 1
     shape = (n_steps, len(layers))
     recalled, hits, held = np.zeros(shape, np.int64), np.zeros(shape, np.int64), np.zeros(shape, np.int64)
-    for j, layer in enumerate(layers):
-        rows = frame[frame["layer"] == layer]
-        step = rows["step"].to_numpy()
-        ids = [[] if v is None else list(v) for v in rows["recalled_block_ids"]]
+    all_ids = [[] if v is None else list(v) for v in frame["recalled_block_ids"]]
+    step_of = frame["step"].to_numpy()
+    bounds = np.searchsorted(layer_of, layers, side="left").tolist() + [len(frame)]  # (sorted by layer)
+    for j in range(len(layers)):
+        rows = slice(bounds[j], bounds[j + 1])
+        ids, step = all_ids[rows], step_of[rows]
         recalled[step, j] = [len(v) for v in ids]
         hits[step, j], held[step, j] = replay(ids, capacity)
     misses = recalled - hits
-    taken = np.array([[hbm_blocks(h, r) for h, r in zip(a, b, strict=True)] for a, b in zip(held, recalled, strict=True)])
-    return BufferReplay(capacity, recalled, hits, misses, misses * block_bytes, taken.reshape(shape) * block_hbm_bytes)
-
+    return BufferReplay(capacity, recalled, hits, misses, misses * block_bytes,
+                        hbm_blocks(held, recalled) * block_hbm_bytes)
 
 def block_copy_bytes(frame, arrays: dict, default_bytes: float) -> float:
     """Bytes one miss copies (a DDR block as stored) in one sample's steps: its copied bytes over its copied blocks

@@ -431,3 +431,30 @@ def test_serving_fast_path_equals_its_des_with_a_buffer_and_layer_prefetch(prefe
         assert fast.summary["kv_reserved_bytes_per_request"] > unbuffered["kv_reserved_bytes_per_request"]
     assert fast.summary["recall_buffer_blocks"] == buffer  # (a result column: an option)
 
+
+
+def test_the_headline_compares_the_best_prefetchable_rule_at_equal_traffic_and_says_if_the_goal_is_missed(tmp_path):
+    """The sentence from cell results: the most accurate prefetchable rule at 30% HBM against quest-per-head and the
+    oracle at its recall budget, its ms/token with the buffer and prefetch against quest's; the goal's gap in points.
+    The served batches come from capacity_served.csv, and its absence is one line naming the fix."""
+    from thoughtkv.recall_design import LATENCY_BUFFER, PROFILES, headline, latency_key, served_batches
+    from thoughtkv_base import UserError
+
+    def cell(rule, accuracy, ms_none, ms_prefetch=None, recall=0.2):
+        ms = {latency_key(p, b, n, o): None for p in PROFILES for b in ("1", "served") for n in (0, LATENCY_BUFFER)
+              for o in ("none", "layer-prefetch")}
+        ms[latency_key("h100-pcie", "1", LATENCY_BUFFER, "none")] = ms_none
+        ms[latency_key("h100-pcie", "1", LATENCY_BUFFER, "layer-prefetch")] = ms_prefetch
+        return {"policy": "hierarchy", "hbm_budget": 0.3, "recall_budget": recall, "recall_rule": rule, "n": 200,
+                "accuracy": accuracy, "ci_low": accuracy - 0.05, "ci_high": accuracy + 0.05, "cell": rule,
+                "buffers": {"0": {"h2d_bytes_per_token_ref": 1e6}}, "ms_per_token": ms}
+
+    results = [cell("quest", 0.30, 11.1), cell("quest-per-head", 0.685, 11.2), cell("oracle", 1.0, 11.1),
+               cell("prev-layer-per-head", 0.08, 11.1, 10.9), cell("prev-step", 0.05, 11.0, 10.9),
+               cell("prev-layer-per-head", 0.02, 11.0, 10.9, recall=0.1)]
+    text = headline(results)
+    assert "prev-layer-per-head, keeps 8.0 [3.0, 13.0]%" in text and "quest-per-head's 68.5 [63.5, 73.5]%" in text
+    assert "10.90 ms/token on h100-pcie" in text and "quest's 11.10" in text
+    assert "not reached" in text and "60.5 points below" in text and "50.5 points short" in text
+    with pytest.raises(UserError, match="capacity-served"):
+        served_batches(tmp_path)

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 
 class RecallBuffer:
     """One (sequence, layer)'s LRU of recalled block ids, `capacity` of them at most, each in a slot of its own
@@ -69,11 +71,10 @@ class RecallBuffer:
         return len(self._ids)
 
 
-def hbm_blocks(held_blocks: int, recalled_blocks: int) -> int:
+def hbm_blocks(held_blocks, recalled_blocks):
     """HBM blocks the recall takes at a step: what the buffer holds after it, or the step's recall when larger
-    (without a buffer, the step's recall: its staging pages)."""
-    return max(held_blocks, recalled_blocks)
-
+    (without a buffer, the step's recall: its staging pages). Numbers or arrays (elementwise)."""
+    return np.maximum(held_blocks, recalled_blocks)
 
 def replay(recalled_ids: Sequence[Sequence[int]], capacity: int) -> tuple[list[int], list[int]]:
     """(hits, blocks held after the step) per step of one (sequence, layer) whose steps recalled `recalled_ids`
