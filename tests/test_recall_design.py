@@ -397,6 +397,9 @@ def test_fast_path_equals_des_with_a_buffer_and_layer_prefetch(prefetchable_run,
                              transfer="dma-batched")
         return simulate_run(prefetchable_run, "h100-pcie", options, projection=Projection(as_model=projection))
 
+    from traces.manifest import load_manifest
+
+    assert load_manifest(prefetchable_run)["tracer"]["recall"] == {"rule": "prev-layer", "prefetchable": True}
     fast, des = run("fast").samples, run("des").samples
     assert (fast["engine"] == "fast").all() and (des["engine"] == "des").all()
     for column in ("total_s", "ms_per_token", "link_stall_s", "link_util_h2d", "d2h_backlog_s", "peak_hbm_bytes"):

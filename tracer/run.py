@@ -375,6 +375,11 @@ def _trace_locked(config: TraceConfig, task, samples, loaded, threads: int, prog
         print(f"warning: {no_recall['warning']}", file=sys.stderr)
         tracer_extra["recall_rounds_to_zero"] = no_recall
     tracer_extra["kv_buffer_bytes"] = check_kv_fits(config, loaded, prompt_lengths)
+    if spec.uses_ddr:  # which rule recalled, and whether its copies are decided before their layer runs (every
+        # copy of a rule that reads nothing of the layer's current query can be prefetched: bytes_h2d, all of it)
+        from tracer.cache.recall_rules import RECALL_RULES
+
+        tracer_extra["recall"] = {"rule": spec.recall_rule, "prefetchable": not RECALL_RULES[spec.recall_rule].uses_query}
     note = describe(config.from_model, config.model)  # after the refusals: those stay one line
     if note is not None:
         print(note, file=sys.stderr)
