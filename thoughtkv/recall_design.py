@@ -364,8 +364,8 @@ def headline(results: list[dict], budget: float = 0.3) -> str:
     if per_head is None or oracle is None or quest is None:
         return f"In one sentence: not yet — the quest, quest-per-head or oracle cell at recall ≤ {recall:.0%} has not run."
 
-    def ms(r: dict, overlap: str) -> float:
-        return r["ms_per_token"][latency_key("h100-pcie", "1", LATENCY_BUFFER, overlap)]
+    def ms(r: dict, overlap: str, batch: str = "1") -> float | None:
+        return r["ms_per_token"][latency_key("h100-pcie", batch, LATENCY_BUFFER, overlap)]
 
     fast, quest_ms, per_head_ms = ms(best, "layer-prefetch"), ms(quest, "none"), ms(per_head, "none")
     text = (f"In one sentence: at {budget:.0%} HBM and equal traffic (recall ≤ {recall:.0%} of the context per "
@@ -373,7 +373,13 @@ def headline(results: list[dict], budget: float = 0.3) -> str:
             f"{best['n']}) against quest-per-head's {_accuracy(per_head)}% and the oracle's {_accuracy(oracle)}%, and "
             f"with an LRU of {LATENCY_BUFFER} blocks and layer prefetch it projects {fast:.2f} ms/token on h100-pcie "
             f"(batch 1, {AS_MODEL}) against quest's {quest_ms:.2f} with the same buffer (quest-per-head's "
-            f"{per_head_ms:.2f}).")
+            f"{per_head_ms:.2f})")
+    served = best.get("served_batch", {}).get("h100-pcie")
+    if served is not None and ms(best, "layer-prefetch", "served") is not None:
+        text += (f", and at the served frontier's batch of {served} {ms(best, 'layer-prefetch', 'served'):.2f} "
+                 f"against quest's {ms(quest, 'none', 'served'):.2f} (quest-per-head's "
+                 f"{ms(per_head, 'none', 'served'):.2f})")
+    text += "."
     gaps = [(at[("quest-per-head", r["recall_budget"])]["accuracy"] - r["accuracy"], r) for r in prefetched
             if ("quest-per-head", r["recall_budget"]) in at]
     gap, closest = min(gaps, key=lambda g: g[0])
@@ -630,6 +636,12 @@ def write_table(out: Path, runs: Path, work: Path, log=print) -> list[dict]:
         "| " + " | ".join(TRAFFIC_HEADER) + " |",
         "|" + "---|" * len(TRAFFIC_HEADER),
         *("| " + " | ".join(traffic_row(r)) + " |" for r in results),
+        "",
+        "Reading the score rows: score ranks the DDR blocks by h2o's accumulated attention, which a DDR block gains "
+        "only while it is recalled and attended, so it recalls the same blocks step after step (an LRU of 16 blocks "
+        "serves almost every recall) and cannot follow a look-up that moves. Being known before the layer runs is "
+        "what prefetch needs, not what accuracy needs; the speculative rules follow the look-up only as far as the "
+        "query they are made under does (the agreement below).",
         "",
         f"Projected ms/token (mean over the samples) at {AS_MODEL}'s shapes (`thoughtkv simulate --as-model "
         f"{AS_MODEL} --overhead-mode cuda-graphs --transfer dma-batched`): at batch 1, with no buffer and with "
