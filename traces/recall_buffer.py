@@ -34,35 +34,42 @@ class RecallBuffer:
 
     def admit(self, ids: Iterable[int]) -> int:
         """Recall `ids` (one step's): returns how many were already held (hits); all of them become the most
-        recent, and the least recent leave past the capacity."""
-        return len(self.admit_slots(ids)[0])
+        recent, and the least recent leave past the capacity. (A buffer is used through `admit` or through
+        `admit_slots`, not both: this one hands out no slots.)"""
+        return self._admit(ids, False)[0]
 
     def admit_slots(self, ids: Iterable[int]) -> tuple[list[tuple[int, int]], list[tuple[int, int | None]]]:
         """`admit`, with where the blocks are: (hits as (id, the slot it is read from), misses as (id, the slot it
         is written to, None when it does not stay past this step)). A hit that leaves in this same step (a step
         recalling more than the capacity) gives its slot to a miss: read the hits before writing the misses."""
-        ids = sorted(int(i) for i in ids)
+        _, hits, misses = self._admit(ids, True)
+        return hits, misses
+
+    def _admit(self, ids: Iterable[int], slots: bool):
         held = self._ids
-        hits = [(i, held[i]) for i in ids if i in held]
-        hit_ids = {i for i, _ in hits}
-        for i in ids:
-            held[i] = held.get(i)
-            held.move_to_end(i)
+        hits, new = [], []
+        for i in sorted(int(i) for i in ids):  # (ascending: the order the trace records them)
+            if i in held:
+                hits.append((i, held[i]))
+                held.move_to_end(i)
+            else:
+                held[i] = None
+                new.append(i)
         freed = []
         while len(held) > self.capacity:
-            slot = held.popitem(last=False)[1]
-            if slot is not None:
-                freed.append(slot)
+            freed.append(held.popitem(last=False)[1])
+        if not slots:
+            return len(hits), None, None
+        freed = [slot for slot in freed if slot is not None]
         misses = []
-        for i in ids:
-            if i in held and held[i] is None:
+        for i in new:
+            if i in held:
                 if freed:
                     held[i] = freed.pop()
                 else:
                     held[i], self._unused = self._unused, self._unused + 1
-            if i not in hit_ids:
-                misses.append((i, held.get(i)))
-        return hits, misses
+            misses.append((i, held.get(i)))
+        return len(hits), hits, misses
 
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._ids
