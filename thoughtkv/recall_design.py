@@ -405,7 +405,7 @@ def agreement_lines(agreement: dict | None) -> list[str]:
     return [
         f"Why (measured: `speculation_agreement`, {agreement['n']} problems decoded under prev-layer-per-head at "
         f"{agreement['hbm_budget']:.0%} HBM, recall ≤ {agreement['recall_budget']:.0%}, "
-        f"{agreement['requests']} recalls per layer): of the attention the current query puts on the DDR blocks "
+        f"{agreement['requests']} batched recall requests per layer): of the attention the current query puts on the DDR blocks "
         "(an exact softmax, as the oracle's), the share quest-per-head's picks hold when made under each query, per "
         "layer, at the same step over the same blocks. A pick follows the look-up the current step makes: the "
         "previous step's query made the previous look-up, and on this 3-layer model prev-layer speculates layer 0 "
