@@ -420,73 +420,78 @@ def agreement_lines(agreement: dict | None) -> list[str]:
 
 
 # -- the served frontier point ---------------------------------------------------------------------------------
+SERVED_PROFILE = "h100-pcie"  # where the hierarchy's served rate is link-bound (docs/capacity_served.md)
+SERVED_RATES = (4.0, 8.0, 16.0, 32.0)
+SERVED_REFINE = 1
+
+
 def served_point(results: list[dict], runs: Path, work: Path, workers: int | None = None, log=print) -> dict | None:
-    """`thoughtkv capacity` (docs/capacity_served.md's settings: thoughtkv.capacity_served) of the best prefetchable
-    rule's run at 30% HBM with an LRU of `LATENCY_BUFFER` blocks and layer prefetch, and of quest's at the same
-    recall budget with the same buffer (it cannot prefetch), on `PROFILES`; cached under WORK/served (each rate a
-    sweep cell) and summarised in WORK/served_point.json. None when the cells have not run."""
+    """`thoughtkv capacity` (docs/capacity_served.md's serving settings: thoughtkv.capacity_served) of the best
+    prefetchable rule's run at 30% HBM with an LRU of `LATENCY_BUFFER` blocks and layer prefetch, on
+    `SERVED_PROFILE` (rates `SERVED_RATES`, `SERVED_REFINE` refinement round); each rate a sweep cell cached under
+    WORK/served, summarised in WORK/served_point.json. None when no prefetchable cell has run."""
     import dataclasses
 
     from simulator.options import Projection, ServingConfig, SimOptions
     from thoughtkv import capacity_served as served
     from thoughtkv.capacity import capacity_sweep
+    from traces.layout import write_atomic
     from traces.policy import recall_is_prefetchable
 
-    at = {(r["recall_rule"], r["recall_budget"]): r for r in results
-          if r["policy"] == "hierarchy" and r["hbm_budget"] == 0.3}
-    prefetched = [r for (rule, _), r in at.items() if recall_is_prefetchable(rule)]
-    if not prefetched or ("quest", _best(prefetched)["recall_budget"]) not in at:
+    prefetched = [r for r in results if r["policy"] == "hierarchy" and r["hbm_budget"] == 0.3
+                  and recall_is_prefetchable(r["recall_rule"])]
+    if not prefetched:
         return None
     best = _best(prefetched)
-    quest = at[("quest", best["recall_budget"])]
-    base = ServingConfig(**served.SETTINGS, projection=Projection(served.AS_MODEL),
-                         options=SimOptions(**served.OPTIONS, recall_buffer_blocks=LATENCY_BUFFER))
-    points = []
-    for r, overlap in ((best, "layer-prefetch"), (quest, "none")):
-        config = dataclasses.replace(base, options=dataclasses.replace(base.options, overlap=overlap))
-        log(f"recall-design: serving {r['cell']} ({overlap}, LRU {LATENCY_BUFFER})")
-        _, capacity = capacity_sweep([runs / r["cell"]], list(PROFILES), config, list(served.RATES), served.REFINE,
-                                     work / "served" / overlap, workers=workers, progress=False, log=log)
-        for _, row in capacity.iterrows():
-            points.append({"cell": r["cell"], "recall_rule": r["recall_rule"], "recall_budget": r["recall_budget"],
-                           "overlap": overlap, "profile": row["profile"], "max_rate_per_s": row["max_rate_per_s"],
-                           "limit": row["limit"], "knee_mean_concurrency": row["knee_mean_concurrency"],
-                           "knee_link_util_h2d": row["knee_link_util_h2d"],
-                           "h2d_bytes_per_token_served": row["h2d_bytes_per_token_served"],
-                           "accuracy": r["accuracy"], "ci_low": r["ci_low"], "ci_high": r["ci_high"], "n": r["n"]})
-    result = {"buffer": LATENCY_BUFFER, "points": points}
-    from traces.layout import write_atomic
-
-    write_atomic(work / "served_point.json", lambda temp: temp.write_text(json.dumps(result, indent=1, default=float)))
+    config = ServingConfig(**served.SETTINGS, projection=Projection(served.AS_MODEL),
+                           options=SimOptions(**served.OPTIONS, recall_buffer_blocks=LATENCY_BUFFER,
+                                              overlap="layer-prefetch"))
+    log(f"recall-design: serving {best['cell']} (layer prefetch, LRU {LATENCY_BUFFER}) on {SERVED_PROFILE}")
+    _, capacity = capacity_sweep([runs / best["cell"]], [SERVED_PROFILE], config, list(SERVED_RATES), SERVED_REFINE,
+                                 work / "served" / "layer-prefetch", workers=workers, progress=False, log=log)
+    row = capacity.iloc[0]
+    point = {key: (None if row[key] != row[key] else float(row[key])) if key != "limit" else row[key]
+             for key in ("max_rate_per_s", "first_failing_rate_per_s", "limit", "knee_mean_concurrency",
+                         "knee_link_util_h2d", "knee_tbt_p99_s", "h2d_bytes_per_token_served")}
+    result = {"buffer": LATENCY_BUFFER, "profile": SERVED_PROFILE, "cell": best["cell"],
+              "recall_rule": best["recall_rule"], "recall_budget": best["recall_budget"], "n": best["n"],
+              "accuracy": best["accuracy"], "ci_low": best["ci_low"], "ci_high": best["ci_high"],
+              "settings": dataclasses.asdict(config), **point}
+    write_atomic(work / "served_point.json", lambda temp: temp.write_text(json.dumps(result, indent=1, default=str)))
     return result
 
 
-def served_point_lines(served: dict | None) -> list[str]:
+def served_point_lines(served: dict | None, capacity_csv: Path | None = None) -> list[str]:
+    """The served frontier point, beside docs/capacity_served.md's hierarchy row at the same HBM and recall budget
+    on the same profile (quest, no buffer, no prefetch) when `capacity_csv` holds it."""
     if not served:
         return []
+    import csv
+
     from thoughtkv import capacity_served
     from traces.stats import bytes_text
 
-    header = ("profile", "rule (HBM 30%)", "recall ≤", "overlap", "max rate (req/s)", "limit beyond it",
-              "accuracy % [95% CI]", "n", "H2D/token (served)", "link util. at knee", "mean batch at knee")
-    rows = [(pt["profile"], RULE_LABELS[pt["recall_rule"]], f"{pt['recall_budget']:.0%}", pt["overlap"],
-             "—" if pt["max_rate_per_s"] is None else f"{pt['max_rate_per_s']:.3g}", pt["limit"],
-             f"{100 * pt['accuracy']:.1f} [{100 * pt['ci_low']:.1f}, {100 * pt['ci_high']:.1f}]", str(pt["n"]),
-             bytes_text(pt["h2d_bytes_per_token_served"]), f"{100 * pt['knee_link_util_h2d']:.0f}%",
-             f"{pt['knee_mean_concurrency']:.0f}") for pt in served["points"]]
     settings = capacity_served.SETTINGS
-    return [
-        f"Served frontier point (`thoughtkv capacity`, docs/capacity_served.md's settings: {capacity_served.AS_MODEL}, "
-        f"{settings['lengths']} request lengths, p99 TBT ≤ {1e3 * settings['tbt_slo_s']:g} ms and p99 TTFT ≤ "
-        f"{settings['ttft_slo_s']:g} s, {settings['duration_s']:g} s of arrivals per rate, at most "
-        f"{settings['max_batch']} requests per iteration) of the best prefetchable rule at 30% HBM with "
-        f"`--recall-buffer-blocks {served['buffer']} --overlap layer-prefetch`, and quest at the same recall budget "
-        "with the same buffer (no prefetch: it reads the current query):",
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(row) + " |" for row in rows),
-    ]
+    rate = "—" if served["max_rate_per_s"] is None else f"{served['max_rate_per_s']:.3g}"
+    text = (f"Served frontier point (`thoughtkv capacity` at docs/capacity_served.md's settings: "
+            f"{capacity_served.AS_MODEL}, {settings['lengths']} request lengths, p99 TBT ≤ "
+            f"{1e3 * settings['tbt_slo_s']:g} ms and p99 TTFT ≤ {settings['ttft_slo_s']:g} s, "
+            f"{settings['duration_s']:g} s of arrivals per rate, at most {settings['max_batch']} requests per "
+            f"iteration; rates {', '.join(f'{r:g}' for r in SERVED_RATES)} req/s, {SERVED_REFINE} refinement round): "
+            f"the best prefetchable rule at 30% HBM, {served['recall_rule']} recalling ≤ {served['recall_budget']:.0%} "
+            f"({100 * served['accuracy']:.1f} [{100 * served['ci_low']:.1f}, {100 * served['ci_high']:.1f}]%, "
+            f"n = {served['n']}), with `--recall-buffer-blocks {served['buffer']} --overlap layer-prefetch`, sustains "
+            f"{rate} req/s on {served['profile']} ({served['limit']} beyond it; at the knee H2D "
+            f"{bytes_text(served['h2d_bytes_per_token_served'])}/token, link {100 * served['knee_link_util_h2d']:.0f}% "
+            f"busy, {served['knee_mean_concurrency']:.0f} requests per iteration)")
+    rows = {} if capacity_csv is None or not capacity_csv.is_file() else {
+        (r["profile"], r["label"]): r for r in csv.DictReader(capacity_csv.open())}
+    quest = rows.get((served["profile"], f"hierarchy 30%, recall ≤ {served['recall_budget']:.0%}"))
+    if quest is not None:
+        text += (f", where quest at the same HBM and recall budget, without buffer or prefetch, sustains "
+                 f"{float(quest['max_rate_per_s']):.3g} req/s ({quest['limit']}; "
+                 f"{100 * float(quest['accuracy']):.1f}% accurate; docs/capacity_served.md)")
+    return [text + "."]
 
 
 # -- why: how often a speculated query picks what the current one picks -------------------------------------
@@ -654,7 +659,7 @@ def write_table(out: Path, runs: Path, work: Path, log=print) -> list[dict]:
         "|" + "---|" * len(latency_header(batches)),
         *("| " + " | ".join(latency_row(r)) + " |" for r in results),
         "",
-        *served_point_lines(served),
+        *served_point_lines(served, out / SERVED_TABLE),
         *([""] if served else []),
         *agreement_lines(agreement),
         *([""] if agreement else []),
