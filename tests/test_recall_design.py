@@ -461,3 +461,17 @@ def test_the_headline_compares_the_best_prefetchable_rule_at_equal_traffic_and_s
     assert "not reached" in text and "60.5 points below" in text and "50.5 points short" in text
     with pytest.raises(UserError, match="capacity-served"):
         served_batches(tmp_path)
+
+
+def test_the_served_point_is_set_beside_capacity_serveds_row_at_the_same_budgets(tmp_path):
+    from thoughtkv.recall_design import served_point_lines
+
+    (tmp_path / "capacity_served.csv").write_text("profile,label,max_rate_per_s,limit,accuracy\n"
+                                                  "h100-pcie,\"hierarchy 30%, recall ≤ 20%\",8.724,link bandwidth,0.295\n")
+    served = {"buffer": 32, "profile": "h100-pcie", "recall_rule": "prev-step", "recall_budget": 0.2, "n": 200,
+              "accuracy": 0.105, "ci_low": 0.07, "ci_high": 0.15, "max_rate_per_s": 12.5, "limit": "HBM capacity",
+              "h2d_bytes_per_token_served": 2.0e6, "knee_link_util_h2d": 0.4, "knee_mean_concurrency": 400.0}
+    [text] = served_point_lines(served, tmp_path / "capacity_served.csv")
+    assert "sustains 12.5 req/s on h100-pcie (HBM capacity beyond it" in text
+    assert "quest at the same HBM and recall budget, without buffer or prefetch, sustains 8.72 req/s" in text
+    assert served_point_lines(None) == []
