@@ -472,7 +472,8 @@ def recall_design_space(cells: pd.DataFrame, buffer_blocks: int, reference: str)
     figure = new_figure(DOUBLE_COLUMN_IN)
     axes = figure.subplots(1, len(budgets), sharey=True, squeeze=False)[0]
     full = cells[cells["policy"] == "full"]
-    rules = [r for r in ("quest", "quest-per-head", "score", "oracle") if r in set(cells["recall_rule"].dropna())]
+    rules = [r for r in ("quest", "quest-per-head", "score", "prev-layer", "prev-layer-per-head", "prev-step",
+                         "prev-step-per-head", "oracle") if r in set(cells["recall_rule"].dropna())]
     buffered = f"buffer{buffer_blocks}_h2d_bytes_per_token_ref"
     for ax, budget in zip(axes, budgets, strict=True):
         if not full.empty:

@@ -14,9 +14,12 @@ so S is a cumulative sum. Async offloads (full duplex) never delay the sequence;
 direction they form a FIFO queue whose end is the max-plus form of  end_k = max(ready_k, end_{k-1}) + o_k:
 end_n = C_n + max_k (ready_k - C_{k-1}) with C the cumulative sum of durations.
 
-Cases outside these (a lockstep batch, a half-duplex link with async offload, several copy engines per
-direction with async offload) share a resource between transfers of the same sequence; `applies` says so
-and the DES is used instead.
+A lockstep batch of n (`--batch n`) on a link with one copy engine per direction is the same recurrence: the DES
+issues the n members' copies of an operation at one instant, back to back in one FIFO queue, so the last ends
+when one copy of their summed duration would (r and o above become n r and n o). Cases outside these (a
+lockstep batch on several copy engines per direction, a half-duplex link with async offload, several copy
+engines per direction with async offload) share a resource between transfers in ways a sum does not capture;
+`applies` says so and the DES is used instead.
 
 With a host model (costs.host_times: lead_s, step_s) the steps are no longer one cumulative sum: step s begins
 when the previous token is out (T_s = E_{s-1}); its first operation starts at T_s + lead_s + r_first (with
@@ -35,7 +38,7 @@ from simulator.workload import Timing, Workload
 
 
 def applies(work: Workload, profile: HardwareProfile, overlap: str, async_offload: bool) -> bool:
-    if work.batch != 1:
+    if work.batch != 1 and engines_per_channel(profile) != 1:
         return False
     if not async_offload:
         return overlap == "none" or profile.link.full_duplex or engines_per_channel(profile) == 1
@@ -45,7 +48,8 @@ def applies(work: Workload, profile: HardwareProfile, overlap: str, async_offloa
 def run_fast(work: Workload, profile: HardwareProfile, overlap: str = "none", async_offload: bool = True) -> Timing:
     if not applies(work, profile, overlap, async_offload):
         raise ValueError("the fast path only covers a single sequence without shared transfers; use the DES")
-    c, r, o = work.compute_s, work.recall_s, work.offload_s
+    # (a lockstep batch: its members' copies of an operation, back to back on one engine, as one copy)
+    c, r, o = work.compute_s, work.batch * work.recall_s, work.batch * work.offload_s
     r_next = np.append(r[1:], 0.0)  # the recall waited for before the next operation
     if overlap == "none":
         gap = c + r_next + (0.0 if async_offload else o)
@@ -57,7 +61,7 @@ def run_fast(work: Workload, profile: HardwareProfile, overlap: str = "none", as
         gap = np.maximum(c, r_next) + o
     per_step = work.ops_per_step
     if work.host.lead_s or work.host.step_s:
-        start, step_end_s = _host_schedule(work, gap, overlap == "layer-prefetch", async_offload)
+        start, step_end_s = _host_schedule(work, gap, r, o, overlap == "layer-prefetch", async_offload)
         end = start + c
     else:
         start = r[0] + np.concatenate([[0.0], np.cumsum(gap[:-1])])
@@ -84,12 +88,13 @@ def run_fast(work: Workload, profile: HardwareProfile, overlap: str = "none", as
         h2d_busy_s=float(r.sum()),
         d2h_busy_s=float(o.sum()),
         last_d2h_end_s=last_d2h_end,
-        h2d_bytes=float(work.recall_bytes.sum()),
-        d2h_bytes=float(work.offload_bytes.sum()),
+        h2d_bytes=float(work.batch * work.recall_bytes.sum()),
+        d2h_bytes=float(work.batch * work.offload_bytes.sum()),
     )
 
 
-def _host_schedule(work: Workload, gap: np.ndarray, prefetch: bool, async_offload: bool):
+def _host_schedule(work: Workload, gap: np.ndarray, r: np.ndarray, o: np.ndarray, prefetch: bool,
+                   async_offload: bool):
     """(start of every operation, end of every step) under a host model (module docstring): the within-step
     offsets are cumulative sums of `gap`; the steps' starts and ends a scalar recurrence."""
     n, per_step = work.n_steps, work.ops_per_step
@@ -97,10 +102,10 @@ def _host_schedule(work: Workload, gap: np.ndarray, prefetch: bool, async_offloa
     rel = np.zeros((n, per_step))
     rel[:, 1:] = np.cumsum(gap.reshape(n, per_step)[:, :-1], axis=1)  # offsets from the step's first operation
     head_c = work.compute_s[per_step - 1 :: per_step]
-    head_o = 0.0 if async_offload else work.offload_s[per_step - 1 :: per_step]
+    head_o = 0.0 if async_offload else o[per_step - 1 :: per_step]
     gpu_end_rel = (rel[:, -1] + head_c + head_o).tolist()
     head_rel = rel[:, -1].tolist()
-    r_first = work.recall_s[::per_step].tolist()
+    r_first = r[::per_step].tolist()
     first = [0.0] * n
     step_end = [0.0] * n
     step_start = head_start = 0.0

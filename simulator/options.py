@@ -57,7 +57,8 @@ BATCHED_TOKENS_LARGE, BATCHED_TOKENS_SMALL, BATCHED_TOKENS_MEMORY_BYTES = 8192, 
 class SimOptions:
     overlap: str = field(default="none", metadata={
         "help": "none: recall, then compute; layer-prefetch: the recall for layer l+1 runs during layer l "
-                "(needs a recall rule known before the layer runs: score)", "choices": OVERLAP_MODES})
+                "(needs a recall rule known before the layer runs: traces.policy.PREFETCHABLE_RECALL_RULES, "
+                "score, prev-layer, prev-step and their per-head forms)", "choices": OVERLAP_MODES})
     async_offload: bool = field(default=True, metadata={
         "help": "offloads overlap with later compute; --no-async-offload: the sequence waits for each offload"})
     batch: int = field(default=1, metadata={"help": "decode N copies of each sequence in lockstep (simulate only)"})
@@ -85,7 +86,17 @@ class SimOptions:
                 "timed this host (e.g. measured-cpu); ignored by kernel-only and measured", "type": str,
         "metavar": "TERM", "default_text": "cited"})
 
+    recall_buffer_blocks: int | None = field(default=None, metadata={
+        "help": "replay the trace's recalls through a per-(sequence, layer) LRU of N recalled blocks kept in HBM: a "
+                "block it holds costs no copy, and its HBM counts against capacity (0: no buffer, every recalled "
+                "block copied; simulator/recall_buffer.py)", "type": int, "metavar": "N",
+        "default_text": "as traced: the run's own --recall-buffer-blocks, or none"})
+
     def __post_init__(self) -> None:
+        if self.recall_buffer_blocks is not None and (not _is_whole(self.recall_buffer_blocks)
+                                                      or not 0 <= self.recall_buffer_blocks < 2**31):
+            raise OptionError(f"recall_buffer_blocks must be a whole number >= 0 or unset, got "
+                              f"{self.recall_buffer_blocks!r} (--recall-buffer-blocks)")
         if self.overhead_mode is not None and self.overhead_mode not in OVERHEAD_MODES:
             raise OptionError(f"overhead_mode {self.overhead_mode!r} is unknown; use one of {', '.join(OVERHEAD_MODES)}")
         if self.host_term is not None and (not isinstance(self.host_term, str) or not self.host_term.strip()):

@@ -6,6 +6,9 @@ holds. So a trace's `recalled_block_ids` fix every step's recall, and a buffer o
 (no copy) and misses (copied: `bytes_h2d`), with the blocks it holds (at most N; or the step's recall, when
 larger) in HBM. `replay_buffer` does that for one sample with the one LRU the tracer runs; for the size the run was
 traced with, its misses and bytes are the tracer's own (tests/test_recall_design.py holds them equal).
+`with_recall_buffer` turns a sample's step arrays into those of that buffer: what `simulate`, `serve-sim` and
+`capacity` replay with `--recall-buffer-blocks N` (simulator.options.SimOptions), so that a hit costs no copy and
+the buffer's HBM counts against capacity.
 """
 
 from __future__ import annotations
@@ -33,16 +36,48 @@ def replay_buffer(steps, capacity: int, block_bytes: int, block_hbm_bytes: int) 
     """`steps`: one sample's steps table (columns step, layer, recalled_block_ids); `block_bytes`: one
     DDR block as stored (what a miss copies); `block_hbm_bytes`: one block in HBM (what the buffer holds)."""
     frame = steps.sort_values(["layer", "step"])
-    layers = sorted(frame["layer"].unique())
+    layer_of = frame["layer"].to_numpy()
+    layers = np.unique(layer_of)
     n_steps = int(frame["step"].max()) + 1
     shape = (n_steps, len(layers))
     recalled, hits, held = np.zeros(shape, np.int64), np.zeros(shape, np.int64), np.zeros(shape, np.int64)
-    for j, layer in enumerate(layers):
-        rows = frame[frame["layer"] == layer]
-        step = rows["step"].to_numpy()
-        ids = [list(v) for v in rows["recalled_block_ids"]]
+    all_ids = [[] if v is None else list(v) for v in frame["recalled_block_ids"]]
+    step_of = frame["step"].to_numpy()
+    bounds = np.searchsorted(layer_of, layers, side="left").tolist() + [len(frame)]  # (sorted by layer)
+    for j in range(len(layers)):
+        rows = slice(bounds[j], bounds[j + 1])
+        ids, step = all_ids[rows], step_of[rows]
         recalled[step, j] = [len(v) for v in ids]
         hits[step, j], held[step, j] = replay(ids, capacity)
     misses = recalled - hits
-    taken = np.array([[hbm_blocks(h, r) for h, r in zip(a, b, strict=True)] for a, b in zip(held, recalled, strict=True)])
-    return BufferReplay(capacity, recalled, hits, misses, misses * block_bytes, taken.reshape(shape) * block_hbm_bytes)
+    return BufferReplay(capacity, recalled, hits, misses, misses * block_bytes,
+                        hbm_blocks(held, recalled) * block_hbm_bytes)
+
+def block_copy_bytes(frame, arrays: dict, default_bytes: float) -> float:
+    """Bytes one miss copies (a DDR block as stored) in one sample's steps: its copied bytes over its copied blocks
+    (the misses where the trace had a buffer, `recall_misses`, else every recalled block); `default_bytes` where
+    the sample copied nothing."""
+    recalled = float(arrays["recalled_blocks"].sum())
+    misses = frame["recall_misses"] if "recall_misses" in frame else None
+    copied = float(misses.fillna(0).sum()) if misses is not None and misses.notna().any() else recalled
+    n_bytes = float(arrays["bytes_h2d"].sum())
+    return n_bytes / copied if copied > 0 and n_bytes > 0 else float(default_bytes)
+
+
+def with_recall_buffer(arrays: dict, frame, capacity: int, block_size: int, kv_bytes_per_token_layer: float) -> dict:
+    """One sample's step arrays ([steps, layers], `simulator.workload.step_arrays`) with the recorded recalls
+    replayed through a buffer of `capacity` blocks (`replay_buffer`; 0: none, every recalled block copied):
+    `bytes_h2d` the misses' bytes, `hbm_kv_bytes` the resident and recalled tokens plus what the buffer holds
+    beyond the step's recall (the trace's own buffer, if it had one, replaced). What attention reads, the
+    tokens and the recalled blocks, is the trace's. `frame`: the sample's steps rows (recalled_block_ids, and
+    recall_misses where the trace had a buffer)."""
+    block_hbm_bytes = block_size * kv_bytes_per_token_layer
+    played = replay_buffer(frame, capacity, block_copy_bytes(frame, arrays, block_hbm_bytes), block_hbm_bytes)
+    if played.recalled_blocks.shape != arrays["recalled_blocks"].shape or \
+            (played.recalled_blocks != arrays["recalled_blocks"]).any():
+        raise ValueError("the recalled ids and the step arrays are of different steps")
+    out = dict(arrays)
+    out["bytes_h2d"] = played.bytes_h2d.astype(np.float64)
+    held_beyond = played.recall_hbm_bytes - played.recalled_blocks * block_hbm_bytes
+    out["hbm_kv_bytes"] = (arrays["hbm_tokens"] + arrays["recalled_tokens"]) * kv_bytes_per_token_layer + held_beyond
+    return out

@@ -80,6 +80,7 @@ from simulator.mechanisms import build_workload as mechanism_workload
 from simulator.mechanisms import context as transfer_context
 from simulator.options import KEY_FIELDS, Projection, ServingConfig
 from simulator.project import project_arrays
+from simulator.recall_buffer import with_recall_buffer
 from simulator.schedule import StepSchedule
 from simulator.serving_fast import FastServing
 from simulator.tiers import check_spill, serving_memory, tier_chain
@@ -141,14 +142,19 @@ class SampleWork:
 
 def sample_work(steps: pd.DataFrame, sample: pd.Series, shape: costs.ModelShape,
                 profile: HardwareProfile, tier: str = "ddr", transfer: str = DEFAULT_MECHANISM,
-                projection: Projection | None = None, lengths: tuple[int, int] | None = None) -> SampleWork:
+                projection: Projection | None = None, lengths: tuple[int, int] | None = None,
+                recall_buffer_blocks: int | None = None, block_size: int | None = None) -> SampleWork:
     """Arrays of one sample from its steps rows: the cost model's FLOPs/KV bytes and the engine's transfers
     (their durations, and what sits in HBM, under the `transfer` mechanism: simulator/mechanisms.py).
 
     `projection` (--as-model) prices the sample's access pattern on another architecture, as simulate_run does
     (project.py); `lengths` = (prompt, output tokens) resamples its steps to those lengths (a length model,
-    simulator/lengths.py). Either way `shape` is the traced one and the work is costed on the target's."""
+    simulator/lengths.py). Either way `shape` is the traced one and the work is costed on the target's.
+    `recall_buffer_blocks` (with the run's `block_size`) replays the recorded recalls through a buffer of that
+    many blocks first (simulator/recall_buffer.py: hits copy nothing, the buffer's HBM is reserved)."""
     grid = step_arrays(steps, shape.n_layers, f"sample {sample['sample_id']}")
+    if recall_buffer_blocks is not None:
+        grid = with_recall_buffer(grid, steps, recall_buffer_blocks, block_size, shape.kv_bytes_per_token_layer)
     prompt_tokens = int(sample["prompt_tokens"])
     if projection is not None or lengths is not None:
         projection = projection if projection is not None else Projection()
@@ -184,12 +190,14 @@ def sample_work(steps: pd.DataFrame, sample: pd.Series, shape: costs.ModelShape,
 def load_run_work(run_dir: str | Path, profile: HardwareProfile, tier: str = "ddr",
                   transfer: str = DEFAULT_MECHANISM, projection: Projection | None = None,
                   lengths: str | None = None, seed: int = 0,
-                  classes: list[tuple[int, int, int]] | None = None) -> tuple[dict, costs.ModelShape, list[SampleWork]]:
+                  classes: list[tuple[int, int, int]] | None = None, recall_buffer_blocks: int | None = None
+                  ) -> tuple[dict, costs.ModelShape, list[SampleWork]]:
     """The run's manifest, the shape its work is costed on and its samples as SampleWork, costed on `profile` as
     given (the caller picks the policy's overheads: simulate_serving): every committed sample, or with a length
     model (`lengths`, simulator/lengths.py) one work per length class, each a sample drawn with `seed`
     resampled to the class's (prompt, output) tokens, or one work per (sample index, prompt, output) of
-    `classes` (an arrival CSV's lengths: lengths.csv_classes). `projection` prices them on another architecture."""
+    `classes` (an arrival CSV's lengths: lengths.csv_classes). `projection` prices them on another architecture;
+    `recall_buffer_blocks` replays the recalls through a recall buffer (`sample_work`)."""
     from simulator.workload import STEP_COLUMNS
 
     run = open_run(run_dir)
@@ -200,6 +208,7 @@ def load_run_work(run_dir: str | Path, profile: HardwareProfile, tier: str = "dd
         raise ServingError(f"{run_dir}: the run has no committed samples; trace or synthesise some first")
     steps = run.steps(columns=["sample_id", *STEP_COLUMNS])
     by_sample = dict(tuple(steps.groupby("sample_id", sort=False)))
+    buffer = dict(recall_buffer_blocks=recall_buffer_blocks, block_size=int(run.manifest["policy"]["block_size"]))
     if lengths is not None:
         from simulator.lengths import length_model
 
@@ -207,11 +216,11 @@ def load_run_work(run_dir: str | Path, profile: HardwareProfile, tier: str = "dd
         picks = np.random.default_rng([seed, 1]).integers(0, len(samples), size=len(sizes))
         classes = [(int(i), prompt, output) for i, (prompt, output) in zip(picks, sizes)]
     if classes is None:
-        works = [sample_work(by_sample[row.sample_id], row, shape, profile, tier, transfer, projection)
+        works = [sample_work(by_sample[row.sample_id], row, shape, profile, tier, transfer, projection, **buffer)
                  for _, row in samples.iterrows()]
     else:
         works = [sample_work(by_sample[samples.iloc[i]["sample_id"]], samples.iloc[i], shape, profile, tier, transfer,
-                             projection, lengths=(prompt, output)) for i, prompt, output in classes]
+                             projection, lengths=(prompt, output), **buffer) for i, prompt, output in classes]
     return run.manifest, (projection.shape if projection is not None else shape), works
 
 
@@ -656,7 +665,8 @@ def simulate_serving(run_dir: str | Path, profile: str | HardwareProfile, config
     # profiles measure each decode path).
     profile = apply_mode(profile, config.options.overhead_mode, config.options.host_term)
     profile, overhead_source = costs.profile_for_policy(profile, run.manifest["policy"]["name"])
-    work_of = dict(projection=config.projection, lengths=config.lengths, seed=config.seed)  # --as-model, --lengths
+    work_of = dict(projection=config.projection, lengths=config.lengths, seed=config.seed,  # --as-model, --lengths
+                   recall_buffer_blocks=config.options.recall_buffer_blocks)
     if config.arrivals_csv:  # the CSV's own lengths: each row's nearest sample resampled to them
         requests = read_arrivals_csv(config.arrivals_csv)
         work_of["classes"], request_class = csv_classes(

@@ -33,6 +33,7 @@ from simulator.costs import ModelShape
 from simulator.engine import Timeline, engines_per_channel, run_des
 from simulator.errors import SimulationError
 from simulator.options import KEY_FIELDS, Projection, SimOptions
+from simulator.recall_buffer import with_recall_buffer
 from simulator.whatif import parse_what_if, replay, replays_own_recalls, traced_config, what_if_config
 from simulator.workload import STEP_COLUMNS, Timing, Workload, step_arrays
 from traces.host import provenance_warning, same_host
@@ -83,6 +84,9 @@ def simulate_run(
     config = what_if_config(policy, overrides) if projected else traced_config(policy)
     if overlap == "layer-prefetch":
         check_prefetch(run, config, projected)
+    if projected and options.recall_buffer_blocks is not None:
+        raise SimulationError("--recall-buffer-blocks replays the recalls the trace recorded; a --what-if "
+                              "re-places the blocks: drop one of them")
     host_warning = provenance_warning(profile.name, profile.provenance, str(run.path), run.manifest.get("hardware"))
     profile = apply_mode(profile, options.overhead_mode, options.host_term)  # measured | kernel-only | hf-eager | cuda-graphs
     geometry_warning = costs.geometry_warning(profile, config, str(run.path)) if mode_of(profile) == "measured" else None
@@ -94,8 +98,11 @@ def simulate_run(
         raise SimulationError(f"{run.path}: no committed samples to simulate; let the trace run finish (or resume it)")
     rows, step_frames = [], []
     for index, sample_id in enumerate(sample_ids):
-        arrays = step_arrays(run.steps(sample_id, columns=list(STEP_COLUMNS)), shape.n_layers,
-                             f"{run.path} sample {sample_id}")
+        frame = run.steps(sample_id, columns=list(STEP_COLUMNS))
+        arrays = step_arrays(frame, shape.n_layers, f"{run.path} sample {sample_id}")
+        if options.recall_buffer_blocks is not None:  # hits copy nothing; the buffer's blocks sit in HBM
+            arrays = with_recall_buffer(arrays, frame, options.recall_buffer_blocks, int(policy["block_size"]),
+                                        shape.kv_bytes_per_token_layer)
         mass_evicted = mass_not_recalled = None
         if projected:
             recorded = recorded_recalls(run, sample_id, shape.n_layers) if replays_own_recalls(policy, config) else None
@@ -127,8 +134,9 @@ def simulate_run(
         use_fast = engine == "fast" or (engine == "auto" and record is None
                                         and fastpath.applies(work, profile, overlap, async_offload))
         if engine == "fast" and not fastpath.applies(work, profile, overlap, async_offload):
-            raise SimulationError("--engine fast covers one sequence without shared transfers (batch 1; async "
-                                  "offload only on a full-duplex link with one copy engine per direction); use des")
+            raise SimulationError("--engine fast covers transfers that share no resource in other ways than a sum (a "
+                                  "lockstep --batch and async offload only on a full-duplex link with one copy "
+                                  "engine per direction); use des")
         if use_fast:
             timing = fastpath.run_fast(work, profile, overlap, async_offload)
         else:
@@ -170,7 +178,7 @@ def check_prefetch(run: TraceRun, config: PolicySpec, projected: bool) -> None:
         return
     source = "--what-if" if projected else f"the trace's recall_rule {run.manifest['policy'].get('recall_rule')!r}"
     raise SimulationError(
-        f"--overlap layer-prefetch needs recalls decided from earlier steps, but {source} picks them with the "
+        f"--overlap layer-prefetch needs recalls decided before the layer runs, but {source} picks them with the "
         f"current query; use --overlap none, a run traced with --recall-rule "
         f"{' or '.join(PREFETCHABLE_RECALL_RULES)}, or --what-if recall_rule=score"
     )

@@ -28,7 +28,8 @@ NUMERIC_STEP_COLUMNS = (
     "bytes_d2h", "hbm_kv_bytes", "ddr_kv_bytes",
 )
 MOVE_COLUMNS = ("promoted_block_ids", "offloaded_block_ids", "evicted_block_ids")
-STEP_COLUMNS = NUMERIC_STEP_COLUMNS + MOVE_COLUMNS + ("recalled_block_ids",)
+# (recall_misses: the copies of a trace recorded with a recall buffer, for replaying another: simulator/recall_buffer.py)
+STEP_COLUMNS = NUMERIC_STEP_COLUMNS + MOVE_COLUMNS + ("recalled_block_ids", "recall_misses")
 
 
 def step_arrays(frame, n_layers: int, where: str = "steps table") -> dict[str, np.ndarray]:

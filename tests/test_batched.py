@@ -1,7 +1,7 @@
 """Batched decoding equals sequential decoding: every sample of a batch (B in {2, 5, 8}, prompts of different
 lengths, samples stopping at different steps, continuous refill of freed rows) gets the logits, tokens and
 recorded placement rows of its batch-1 run, for full, evict and hierarchy (recall, per-head recall, promote,
-an int8 DDR tier with its per-row quantization error)."""
+an int8 DDR tier with its per-row quantization error, a recall buffer, the speculative rules)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,10 @@ POLICIES = {
     "oracle": dict(policy="hierarchy", hbm_budget=0.3, recall_k=2, recall_rule="oracle"),
     "score": dict(policy="hierarchy", hbm_budget=0.3, recall_k=2, recall_rule="score"),
     "buffer": dict(policy="hierarchy", hbm_budget=0.3, recall_k=3, recall_buffer_blocks=4),
+    # speculative: from the previous layer's input (each row's own hidden state) and the previous step's query
+    "prev-layer": dict(policy="hierarchy", hbm_budget=0.3, recall_k=2, recall_rule="prev-layer"),
+    "prev-layer-per-head": dict(policy="hierarchy", hbm_budget=0.3, recall_k=2, recall_rule="prev-layer-per-head"),
+    "prev-step": dict(policy="hierarchy", hbm_budget=0.3, recall_k=2, recall_rule="prev-step"),
 }
 RECORDED = ("step", "layer", "logical_len", "hbm_tokens", "ddr_tokens", "recalled_block_ids", "offloaded_block_ids",
             "evicted_block_ids", "promoted_block_ids", "bytes_h2d", "bytes_d2h")

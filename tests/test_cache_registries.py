@@ -80,11 +80,18 @@ REFERENCES = {"quest": lambda request, keys, in_ddr, wanted: quest_reference(
                   request.query, keys, in_ddr, wanted, request.scaling),
               "score": lambda request, keys, in_ddr, wanted: score_reference(
                   request.layer.token_scores, in_ddr, wanted)}
+# The speculative rules: the same bounds under the layer's query of the previous step (`registry_layer` is layer 0,
+# where prev-layer takes it too; prev-layer's query from the previous layer's input is tests/test_recall_design.py's).
+for _rule, _reference in (("prev-layer", quest_reference), ("prev-layer-per-head", per_head_reference),
+                          ("prev-step", quest_reference), ("prev-step-per-head", per_head_reference)):
+    REFERENCES[_rule] = lambda request, keys, in_ddr, wanted, reference=_reference: reference(
+        quest_bounds(request.layer.last_query.view(request.query.shape), keys), in_ddr, wanted)
 
 
 def registry_layer(keys: torch.Tensor, in_ddr: list[list[int]], bounds: KeyBounds, token_scores: torch.Tensor):
     """A layer as the rules read it: the DDR store (bounds, and the DDR blocks' keys through `get`), and the
-    resident keys in pages: every non-DDR block's, in shuffled slots, with empty slots (-1) among them."""
+    resident keys in pages: every non-DDR block's, in shuffled slots, with empty slots (-1) among them; layer 0,
+    with its rows' queries of the previous step (`last_query`, what the speculative rules read there)."""
     rows = keys.shape[0]
     slots = N_BLOCKS * BLOCK + 2 * BLOCK
     pages = torch.zeros(rows, N_KV_HEADS, slots, HEAD_DIM)
@@ -101,8 +108,10 @@ def registry_layer(keys: torch.Tensor, in_ddr: list[list[int]], bounds: KeyBound
         blocks = keys[row_ids, block_ids]
         return blocks, blocks, 0
 
+    last_query = torch.randn(rows, N_KV_HEADS * GROUP, HEAD_DIM, generator=torch.Generator().manual_seed(rows))
     return SimpleNamespace(ddr=SimpleNamespace(bounds=bounds, get=get), token_scores=token_scores, keys=pages,
-                           slot_pos=slot_pos, main_slots=slice(0, slots), head_dim=HEAD_DIM, block_size=BLOCK)
+                           slot_pos=slot_pos, main_slots=slice(0, slots), head_dim=HEAD_DIM, block_size=BLOCK,
+                           layer_idx=0, last_query=last_query)
 
 
 @pytest.mark.parametrize("name", list(RECALL_RULES))

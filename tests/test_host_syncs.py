@@ -85,7 +85,12 @@ def test_the_decode_loop_and_its_recording_cost_one_sync_per_step(batch_size, re
     PolicySpec(policy="evict", hbm_budget=0.3, block_size=4, sink_tokens=4, window_tokens=8),
     PolicySpec(policy="hierarchy", hbm_budget=0.3, block_size=4, sink_tokens=4, window_tokens=8, recall_k=2,
                recall_rule="score"),  # the prefetchable rule: decided on the device from earlier steps' scores
-], ids=["hierarchy", "hierarchy-int8", "evict", "hierarchy-score"])
+    # speculative: from the previous layer's input (caught by a pre-hook) and the previous step's query
+    PolicySpec(policy="hierarchy", hbm_budget=0.3, block_size=4, sink_tokens=4, window_tokens=8, recall_k=2,
+               recall_rule="prev-layer"),
+    PolicySpec(policy="hierarchy", hbm_budget=0.3, block_size=4, sink_tokens=4, window_tokens=8, recall_k=2,
+               recall_rule="prev-step"),
+], ids=["hierarchy", "hierarchy-int8", "evict", "hierarchy-score", "hierarchy-prev-layer", "hierarchy-prev-step"])
 def test_a_tiered_step_costs_one_sync(spec, batch_size):
     """Offloads, recalls and evictions every few steps (block 4, 30% HBM), recorded: still the one copy."""
     per_step, by_op = syncs_per_step(spec, batch_size, record=True)
@@ -97,6 +102,7 @@ def test_a_tiered_step_costs_one_sync(spec, batch_size):
     (dict(evict_ratio=0.2), "placement"),  # eviction may take a DDR or an HBM block: the counts are read back
     (dict(promote=True), "placement"),
     (dict(recall_rule="quest-per-head"), "recall"),  # the union's size
+    (dict(recall_rule="prev-layer-per-head"), "recall"),
     (dict(recall_buffer_blocks=4), "recall"),  # the recalled ids, for the buffer's hits
 ])
 def test_data_dependent_counts_cost_one_read_per_layer_and_no_more(extra, per_layer):
@@ -108,6 +114,18 @@ def test_data_dependent_counts_cost_one_read_per_layer_and_no_more(extra, per_la
     bound = 1 + SHAPES["num_hidden_layers"]
     print(f"{extra}: {per_step:.2f} host syncs per step ({per_layer}): {by_op}")
     assert 1 < per_step <= bound, by_op
+
+
+def test_a_buffer_read_from_hbm_costs_the_same_one_read_per_layer(monkeypatch):
+    """The GPU's recall with a buffer (hits from its HBM region: `tracer.cache.recall.stage_from_buffer`), forced
+    on the CPU: its read-back of the chosen ids is the one a buffer costs per layer, nothing more."""
+    from tracer.cache import recall
+
+    monkeypatch.setattr(recall, "hits_from_hbm", lambda layer: True)
+    spec = PolicySpec(policy="hierarchy", hbm_budget=0.3, block_size=4, sink_tokens=4, window_tokens=8, recall_k=2,
+                      recall_buffer_blocks=4)
+    per_step, by_op = syncs_per_step(spec, 4, record=True)
+    assert 1 < per_step <= 1 + SHAPES["num_hidden_layers"], by_op
 
 
 class _Uploads(TorchDispatchMode):

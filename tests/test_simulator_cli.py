@@ -95,7 +95,9 @@ def test_simulate_cli_table_and_results(synth_dir, tmp_path, capsys):
         (["--profile", "h100-sxm", "--what-if", "scorer=keynorm"], "cannot be computed from recorded masses"),
         (["--profile", "h100-sxm", "--what-if", "colour=red"], "unknown key"),
         (["--profile", "h100-sxm", "--batch", "0"], "--batch"),
-        (["--profile", "h100-sxm", "--engine", "fast", "--batch", "2"], "--engine fast"),
+        (["--profile", "example-measured-cpu", "--engine", "fast"], "--engine fast"),  # async offload, half duplex
+        (["--profile", "h100-sxm", "--recall-buffer-blocks", "-1"], "--recall-buffer-blocks"),
+        (["--profile", "h100-sxm", "--recall-buffer-blocks", "4", "--what-if", "budget=0.3"], "--recall-buffer-blocks"),
         (["--profile", "h100-sxm", "--overlap", "layer-prefetch", "--what-if", "recall_rule=query"], "prefetch"),
     ],
 )

@@ -88,6 +88,39 @@ def test_fast_path_equals_des(trace, numbers, case, host):
     np.testing.assert_allclose(lean_off.step_end_s, des.step_end_s, rtol=1e-12, atol=0)
 
 
+# A lockstep batch: the cases with one copy engine per direction (its members' copies queue back to back on it)
+BATCH_CASES = [case for case in FAST_CASES if (case[3] // 2 if case[2] else case[3]) == 1]
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=random_trace(max_steps=10, max_layers=4), numbers=link_numbers, case=st.sampled_from(BATCH_CASES),
+       host=host_models, batch=st.integers(2, 4), mechanism=st.sampled_from(["dma-per-block", "dma-batched"]))
+def test_fast_path_equals_des_for_a_lockstep_batch(trace, numbers, case, host, batch, mechanism):
+    """`--batch n` on one copy engine per direction: the n members' copies of an operation, back to back, are
+    one copy of their summed time (per block, or one batched call split n ways)."""
+    from simulator.mechanisms import build_workload as mechanism_workload
+    from simulator.mechanisms import get_mechanism
+
+    overlap, async_offload, full_duplex, engines = case
+    profile = with_host(link_variant(numbers, full_duplex, engines), host)
+    work = mechanism_workload(get_mechanism(mechanism), "s", SHAPE, profile, trace[0], trace[1], 0 * trace[1],
+                              trace[2], trace[3], trace[4], trace[4], batch=batch, overlap=overlap,
+                              async_offload=async_offload)
+    assert applies(work, profile, overlap, async_offload)
+    des = run_des(work, profile, overlap, async_offload)
+    fast = run_fast(work, profile, overlap, async_offload)
+    np.testing.assert_allclose(fast.step_end_s, des.step_end_s, rtol=1e-9, atol=0)
+    assert fast.h2d_busy_s == pytest.approx(des.h2d_busy_s, rel=1e-9)
+    assert fast.d2h_busy_s == pytest.approx(des.d2h_busy_s, rel=1e-9)
+    assert fast.last_d2h_end_s == pytest.approx(des.last_d2h_end_s, rel=1e-9)
+    assert fast.h2d_bytes == pytest.approx(des.h2d_bytes, rel=1e-12)
+    assert fast.d2h_bytes == pytest.approx(des.d2h_bytes, rel=1e-12)
+    wide = link_variant(numbers, True, 4)  # two engines per direction: their setups overlap, not a sum
+    assert not applies(mechanism_workload(get_mechanism("dma-per-block"), "s", SHAPE, wide, trace[0], trace[1],
+                                          0 * trace[1], *trace[2:], trace[4], batch=batch), wide, overlap,
+                       async_offload)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     trace=random_trace(max_steps=10, max_layers=4),

@@ -1,25 +1,30 @@
-"""`thoughtkv recall-design --out docs/`: the recall design space on the long workload, one table and one figure.
+"""`thoughtkv recall-design --out docs/`: the recall design space on the long workload, two tables and one figure.
 
     thoughtkv recall-design --out docs/ [--runs build/recall_design] [--work build/recall_design_cells]
-                            [--n-samples 200] [--figure-only]
+                            [--n-samples 200] [--figure-only] [--agreement] [--served-point]
 
-Which blocks a hierarchy recalls, against the ceiling, with reuse and with prefetch. Cells (`cells()`): HBM
-30% and 50% x recall budget <= 5/10/20% of the context per layer-step x recall rule quest, quest-per-head, score
-(the scorer's scores from earlier steps: known before the layer runs) and oracle (true attention mass under the
-current query: a ceiling), nothing evicted, plus the full cache; bundled `micro_long` model on `chains_long`,
-the settings of `tracer.micro.table_long` (capacity-long's). Every cell is one `thoughtkv trace` run under
---runs: a run already there with the cell's policy, task and model shapes and at least --n-samples committed
-problems is adopted as it is (e.g. capacity-long's, copied or traced elsewhere), otherwise it is traced or
-resumed. Per cell, computed once and cached under --work (keyed by the run's committed samples):
+Which blocks a hierarchy recalls, against the ceiling, with reuse, with speculation and with prefetch. Cells
+(`cells()`): HBM 30% and 50% x recall budget <= 5/10/20% of the context per layer-step x recall rule quest,
+quest-per-head, score (the scorer's scores from earlier steps), prev-layer and prev-step (quest's bound under a
+query speculated from the previous layer's input or the previous step) and their per-head forms, and oracle (true
+attention mass under the current query: a ceiling), nothing evicted, plus the full cache; bundled `micro_long`
+model on `chains_long`, the settings of `tracer.micro.table_long` (capacity-long's). Every cell is one `thoughtkv
+trace` run under --runs: a run already there with the cell's policy, task and model shapes and at least
+--n-samples committed problems is adopted as it is (e.g. capacity-long's, copied or traced elsewhere), otherwise
+it is traced or resumed. Per cell, computed once and cached under --work (keyed by the run's committed samples):
 
 - accuracy [95% Wilson CI], attended and recalled shares of the context (traces.stats.traffic_summary);
 - H2D bytes per generated token at qwen2-7b's KV size with no recall buffer and with LRU buffers of
   `BUFFER_SIZES` blocks per layer and sequence (simulator.recall_buffer: replayed from the recorded recalled ids,
   which a buffer does not change), each with the HBM it adds (mean share of the context over decode layer-steps);
-- projected ms/token (batch 1, qwen2-7b's shapes, `OPTIONS`) on `PROFILES`, without and, for a rule known before
-  the layer runs (traces.policy.recall_is_prefetchable), with layer prefetch.
+- projected ms/token (qwen2-7b's shapes, `OPTIONS`) on `PROFILES` (`latency`): at batch 1 without and with a
+  buffer of `LATENCY_BUFFER` blocks, and with it at the batch the served frontier runs (`served_batches`, from
+  OUT/capacity_served.csv), each without and, for a rule known before the layer runs
+  (traces.policy.recall_is_prefetchable), with layer prefetch.
 
-Writes OUT/recall_design_space.md, OUT/recall_design_space.csv and OUT/figures/recall_design_space.png|pdf.
+`--agreement` measures why a speculated query misses (`speculation_agreement`), `--served-point` serves the best
+prefetchable rule with `thoughtkv capacity` (`served_point`). Writes OUT/recall_design_space.md,
+OUT/recall_design_space.csv and OUT/figures/recall_design_space.png|pdf.
 """
 
 from __future__ import annotations
@@ -34,16 +39,26 @@ from thoughtkv_base import UserError
 
 HBM_BUDGETS = (0.3, 0.5)
 RECALL_BUDGETS = (0.05, 0.1, 0.2)
-RULES = ("quest", "quest-per-head", "score", "oracle")
+RULES = ("quest", "quest-per-head", "score", "prev-layer", "prev-layer-per-head", "prev-step", "prev-step-per-head",
+         "oracle")
 RULE_LABELS = {"quest": "quest", "quest-per-head": "quest-per-head", "score": "score (prefetchable)",
+               "prev-layer": "prev-layer (prefetchable)", "prev-layer-per-head": "prev-layer-per-head (prefetchable)",
+               "prev-step": "prev-step (prefetchable)", "prev-step-per-head": "prev-step-per-head (prefetchable)",
                "oracle": "oracle (ceiling)"}
-BUFFER_SIZES = (16, 32, 64)
+SHORT_NAMES = {"quest-per-head": "qph", "prev-layer": "pl", "prev-layer-per-head": "plph", "prev-step": "ps",
+               "prev-step-per-head": "psph"}  # (run directory names)
+BUFFER_SIZES = (16, 32)
+LATENCY_BUFFER = 32  # the recall buffer (blocks per layer and sequence) of the "with the buffer" latencies
 PROFILES = ("h100-pcie", "gh200-96gb")
 AS_MODEL = "qwen2-7b"
 OPTIONS = dict(overhead_mode="cuda-graphs", transfer="dma-batched")  # capacity-served's (docs/capacity_served.md)
 N_SAMPLES = 200
 TABLE = "recall_design_space"
-CACHE_VERSION = 1  # bump when what a cell's cached result holds changes
+CACHE_VERSION = 2  # bump when what a cell's cached result holds changes
+# The served frontier's batch: the mean concurrency at the knee of this row of docs/capacity_served.csv, per profile
+# (a lockstep `--batch` of that many sequences prices a step at the load the frontier runs).
+SERVED_ROW = "hierarchy 30%, recall ≤ 20%"
+SERVED_TABLE = "capacity_served.csv"
 
 
 @dataclass(frozen=True)
@@ -57,7 +72,7 @@ class Cell:
     def name(self) -> str:
         if self.policy == "full":
             return "full"
-        short = {"quest-per-head": "qph"}.get(self.recall_rule, self.recall_rule)
+        short = SHORT_NAMES.get(self.recall_rule, self.recall_rule)
         return f"{short}-b{round(self.hbm_budget * 100)}-r{round(self.recall_budget * 100)}"
 
     def table_long_cell(self):
@@ -88,6 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads when tracing (default: the tracer's)")
     parser.add_argument("--figure-only", action="store_true", help="table and figure from the runs there are; "
                                                                    "trace nothing")
+    parser.add_argument("--served-point", action="store_true",
+                        help="also serve the best prefetchable rule (and quest) with `thoughtkv capacity` (tens of "
+                             "minutes; cached under --work)")
+    parser.add_argument("--agreement", action="store_true",
+                        help=f"also measure the speculated queries' per-layer agreement ({AGREEMENT_N} problems)")
+    parser.add_argument("--workers", type=int, default=None, help="parallel serving cells (--served-point)")
 
 
 # -- runs -------------------------------------------------------------------------------------------------------
@@ -134,13 +155,32 @@ def trace_cells(runs: Path, n_samples: int, batch_size: int, threads: int | None
 
 
 # -- per cell ---------------------------------------------------------------------------------------------------
-def cell_key(run_dir: Path) -> str:
-    """The cell's cache key: its committed sample parts (names and sizes) and the cache version."""
+def served_batches(out: Path) -> dict[str, int]:
+    """Per profile, the batch the served frontier runs: the knee's mean concurrency of `SERVED_ROW` in
+    OUT/capacity_served.csv (`thoughtkv capacity-served`), rounded."""
+    import csv
+
+    path = out / SERVED_TABLE
+    if not path.is_file():
+        raise UserError(f"{path}: not found; the latencies at the served batch read it (run `thoughtkv capacity-served "
+                        f"--out {out}` first, or give --out the folder that holds it)")
+    rows = {r["profile"]: r for r in csv.DictReader(path.open()) if r.get("label") == SERVED_ROW}
+    missing = [p for p in PROFILES if p not in rows or not rows[p].get("knee_mean_concurrency")]
+    if missing:
+        raise UserError(f"{path}: no {SERVED_ROW!r} row with a knee_mean_concurrency for {', '.join(missing)}; "
+                        "regenerate it with `thoughtkv capacity-served`")
+    return {p: max(1, round(float(rows[p]["knee_mean_concurrency"]))) for p in PROFILES}
+
+
+def cell_key(run_dir: Path, batches: dict[str, int]) -> str:
+    """The cell's cache key: its committed sample parts (names and sizes), what is computed from them and the
+    cache version."""
     from traces.layout import list_parts
 
     parts = sorted((p.name, p.stat().st_size) for p in list_parts(run_dir, "samples").values())
     steps = sorted((p.name, p.stat().st_size) for p in list_parts(run_dir, "steps").values())
-    text = json.dumps([CACHE_VERSION, parts, steps, BUFFER_SIZES, PROFILES, AS_MODEL, OPTIONS])
+    text = json.dumps([CACHE_VERSION, parts, steps, BUFFER_SIZES, LATENCY_BUFFER, PROFILES, AS_MODEL, OPTIONS,
+                       sorted(batches.items())])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -177,25 +217,35 @@ def buffer_traffic(trace, steps) -> dict:
     return out
 
 
-def latency(run_dir: Path, rule: str | None) -> dict:
-    """Projected ms/token (mean over samples) per profile, without and (a prefetchable rule) with layer prefetch."""
+def latency_key(profile: str, batch: str, buffer: int, overlap: str) -> str:
+    """`batch`: "1" or "served"; `buffer`: the recall buffer's blocks (0: none)."""
+    return f"{profile}/B{batch}/buffer{buffer}/{overlap}"
+
+
+def latency(run_dir: Path, rule: str | None, batches: dict[str, int]) -> dict:
+    """Projected ms/token (mean over samples, qwen2-7b's shapes, `OPTIONS`) per profile: at batch 1 with no buffer
+    and with a buffer of `LATENCY_BUFFER` blocks, and at the served batch (a lockstep batch of `batches[profile]`)
+    with the buffer; each without and (a prefetchable rule) with layer prefetch (`latency_key`: None where refused)."""
     from simulator.options import Projection, SimOptions
     from simulator.simulate import simulate_run
     from traces.policy import recall_is_prefetchable
 
     out = {}
     for profile in PROFILES:
-        for overlap in ("none", "layer-prefetch"):
-            if overlap == "layer-prefetch" and (rule is None or not recall_is_prefetchable(rule)):
-                out[f"{profile}/{overlap}"] = None
-                continue
-            result = simulate_run(run_dir, profile, SimOptions(overlap=overlap, **OPTIONS),
-                                  projection=Projection(as_model=AS_MODEL))
-            out[f"{profile}/{overlap}"] = float(result.samples["ms_per_token"].mean())
+        for batch, buffer in (("1", 0), ("1", LATENCY_BUFFER), ("served", LATENCY_BUFFER)):
+            for overlap in ("none", "layer-prefetch"):
+                key = latency_key(profile, batch, buffer, overlap)
+                if overlap == "layer-prefetch" and (rule is None or not recall_is_prefetchable(rule)):
+                    out[key] = None
+                    continue
+                options = SimOptions(overlap=overlap, batch=1 if batch == "1" else batches[profile],
+                                     recall_buffer_blocks=buffer if rule is not None else None, **OPTIONS)
+                result = simulate_run(run_dir, profile, options, projection=Projection(as_model=AS_MODEL))
+                out[key] = float(result.samples["ms_per_token"].mean())
     return out
 
 
-def cell_result(cell: Cell, runs: Path, work: Path) -> dict | None:
+def cell_result(cell: Cell, runs: Path, work: Path, batches: dict[str, int]) -> dict | None:
     """A cell's results (cached under `work` by `cell_key`); None when its run has no committed problem."""
     from traces.reader import open_run
     from traces.stats import TRAFFIC_COLUMNS, traffic_summary, wilson_interval
@@ -203,7 +253,7 @@ def cell_result(cell: Cell, runs: Path, work: Path) -> dict | None:
     run_dir = runs / cell.name
     if _committed(run_dir) == 0:
         return None
-    key = cell_key(run_dir)
+    key = cell_key(run_dir, batches)
     cached = work / f"{cell.name}.json"
     if cached.is_file():
         stored = json.loads(cached.read_text())
@@ -221,7 +271,8 @@ def cell_result(cell: Cell, runs: Path, work: Path) -> dict | None:
               "n": n, "correct": correct, "accuracy": correct / n if n else float("nan"), "ci_low": low,
               "ci_high": high, "attended_frac": traffic["attended_frac"], "recalled_frac": traffic["recalled_frac"],
               "hbm_frac": traffic["hbm_frac"], "buffers": buffer_traffic(trace, steps),
-              "ms_per_token": latency(run_dir, cell.recall_rule if cell.policy != "full" else None)}
+              "served_batch": batches,
+              "ms_per_token": latency(run_dir, cell.recall_rule if cell.policy != "full" else None, batches)}
     work.mkdir(parents=True, exist_ok=True)
     from traces.layout import write_atomic
 
@@ -233,7 +284,9 @@ def flat_rows(results: list[dict]) -> list[dict]:
     """One CSV record per cell: the nested buffer and latency results as columns."""
     rows = []
     for r in results:
-        row = {k: v for k, v in r.items() if k not in ("buffers", "ms_per_token")}
+        row = {k: v for k, v in r.items() if k not in ("buffers", "ms_per_token", "served_batch")}
+        for profile, batch in r["served_batch"].items():
+            row[f"served_batch_{profile.replace('-', '_')}"] = batch
         for capacity, values in r["buffers"].items():
             for name, value in values.items():
                 row[f"buffer{capacity}_{name}"] = value
@@ -256,101 +309,323 @@ def _ms(value) -> str:
     return "—" if value is None else f"{value:.2f}"
 
 
-HEADER = ("HBM", "recall ≤", "rule", "accuracy % [95% CI]", "n", "attended %", "recalled %",
-          f"H2D/token @{AS_MODEL}, no buffer", *(f"LRU {n} blocks (+HBM)" for n in BUFFER_SIZES),
-          *(f"ms/token {p}: none / prefetch" for p in PROFILES))
+TRAFFIC_HEADER = ("HBM", "recall ≤", "rule", "accuracy % [95% CI]", "n", "attended %", "recalled %",
+                  f"H2D/token @{AS_MODEL}, no buffer", *(f"LRU {n} blocks (+HBM)" for n in BUFFER_SIZES))
 
 
-def table_row(r: dict) -> list[str]:
+def latency_header(batches: dict[str, int]) -> tuple[str, ...]:
+    return ("HBM", "recall ≤", "rule", *(f"{p} {what}: none / prefetch" for p in PROFILES for what in (
+        "B=1", f"B=1 LRU {LATENCY_BUFFER}", f"B={batches[p]} LRU {LATENCY_BUFFER}")))
+
+
+def _where(r: dict) -> list[str]:
+    label = "full cache" if r["policy"] == "full" else RULE_LABELS[r["recall_rule"]]
+    return ["100%" if r["policy"] == "full" else f"{r['hbm_budget']:.0%}",
+            "—" if r["recall_budget"] is None else f"{r['recall_budget']:.0%}", label]
+
+
+def traffic_row(r: dict) -> list[str]:
     from traces.stats import bytes_text
 
     buffers = r["buffers"]
-    label = "full cache" if r["policy"] == "full" else RULE_LABELS[r["recall_rule"]]
-    return [
-        "100%" if r["policy"] == "full" else f"{r['hbm_budget']:.0%}",
-        "—" if r["recall_budget"] is None else f"{r['recall_budget']:.0%}", label, _accuracy(r), str(r["n"]),
-        _pct(r["attended_frac"]), _pct(r["recalled_frac"]), bytes_text(buffers["0"]["h2d_bytes_per_token_ref"]),
-        *(f"{bytes_text(buffers[str(n)]['h2d_bytes_per_token_ref'])} (+{_pct(buffers[str(n)]['hbm_added_frac'])})"
-          for n in BUFFER_SIZES),
-        *(f"{_ms(r['ms_per_token'][f'{p}/none'])} / {_ms(r['ms_per_token'][f'{p}/layer-prefetch'])}"
-          for p in PROFILES),
-    ]
+    return [*_where(r), _accuracy(r), str(r["n"]), _pct(r["attended_frac"]), _pct(r["recalled_frac"]),
+            bytes_text(buffers["0"]["h2d_bytes_per_token_ref"]),
+            *(f"{bytes_text(buffers[str(n)]['h2d_bytes_per_token_ref'])} (+{_pct(buffers[str(n)]['hbm_added_frac'])})"
+              for n in BUFFER_SIZES)]
 
 
-def headline(results: list[dict], budget: float = 0.3, recall: float = 0.1) -> str:
-    """How far the real rules are from the ceiling at equal traffic (the same recall budget: the same blocks per
-    step), the best real rule against the cheapest oracle cell that matches it, and what reuse (an LRU of 32
-    blocks) and prefetch (the prefetchable rules' projected ms/token) buy, at HBM `budget`."""
-    from traces.stats import bytes_text
+def latency_row(r: dict) -> list[str]:
+    ms = r["ms_per_token"]
+    return [*_where(r), *(f"{_ms(ms[latency_key(p, b, n, 'none')])} / {_ms(ms[latency_key(p, b, n, 'layer-prefetch')])}"
+                          for p in PROFILES for b, n in (("1", 0), ("1", LATENCY_BUFFER), ("served", LATENCY_BUFFER)))]
+
+
+def _best(rows: list[dict]) -> dict:
+    """The most accurate row (ties: the fewer H2D bytes per token)."""
+    return max(rows, key=lambda r: (r["accuracy"], -r["buffers"]["0"]["h2d_bytes_per_token_ref"]))
+
+
+def headline(results: list[dict], budget: float = 0.3) -> str:
+    """The table's answer, at HBM `budget` and equal traffic (the same recall budget: the same blocks per step per
+    head): the best prefetchable rule's accuracy against quest-per-head's and the oracle's, and its projected
+    ms/token at batch 1 with the buffer (`LATENCY_BUFFER`) and layer prefetch on h100-pcie against quest's (which
+    cannot prefetch) with the same buffer; then whether the goal is reached (within 10 points of quest-per-head,
+    faster per token) and by how much it is missed."""
+    from traces.policy import recall_is_prefetchable
 
     at = {(r["recall_rule"], r["recall_budget"]): r for r in results
           if r["policy"] == "hierarchy" and r["hbm_budget"] == budget}
-    if ("oracle", recall) not in at or ("quest", recall) not in at:
-        return "In one sentence: not yet — the oracle or quest cells have not run."
+    prefetched = [r for (rule, _), r in at.items() if recall_is_prefetchable(rule)]
+    if not prefetched:
+        return "In one sentence: not yet — no prefetchable rule's cell has run."
+    best = _best(prefetched)
+    recall = best["recall_budget"]
+    per_head, oracle, quest = (at.get((rule, recall)) for rule in ("quest-per-head", "oracle", "quest"))
+    if per_head is None or oracle is None or quest is None:
+        return f"In one sentence: not yet — the quest, quest-per-head or oracle cell at recall ≤ {recall:.0%} has not run."
 
-    def h2d(r: dict, capacity: int = 0) -> str:
-        return bytes_text(r["buffers"][str(capacity)]["h2d_bytes_per_token_ref"])
+    def ms(r: dict, overlap: str, batch: str = "1") -> float | None:
+        return r["ms_per_token"][latency_key("h100-pcie", batch, LATENCY_BUFFER, overlap)]
 
-    oracle, quest = at[("oracle", recall)], at[("quest", recall)]
-    real = [r for (rule, _), r in at.items() if rule != "oracle"]
-    best = max(real, key=lambda r: (r["accuracy"], -r["buffers"]["0"]["h2d_bytes_per_token_ref"]))
-    matching = [r for (rule, _), r in at.items() if rule == "oracle" and r["accuracy"] >= best["accuracy"]]
-    text = (f"In one sentence: at {budget:.0%} HBM the oracle keeps {_accuracy(oracle)}% recalling ≤ {recall:.0%} of "
-            f"the context per step ({h2d(oracle)}/token H2D at {AS_MODEL}) where quest keeps {_accuracy(quest)}% at "
-            f"the same budget ({h2d(quest)}), and the best real rule ({best['recall_rule']}, recall ≤ "
-            f"{best['recall_budget']:.0%}) needs {h2d(best)} for {_accuracy(best)}%")
-    if matching:
-        cheapest = min(matching, key=lambda r: r["buffers"]["0"]["h2d_bytes_per_token_ref"])
-        text += f" (the oracle: {_accuracy(cheapest)}% with {h2d(cheapest)})"
-    text += ": the loss is the rule's, not the workload's"
-    reuse = at.get(("quest", 0.2))
-    if reuse is not None:
-        text += (f"; an LRU of 32 blocks per layer cuts quest's H2D at recall ≤ 20% from {h2d(reuse)} to "
-                 f"{h2d(reuse, 32)}/token for +{_pct(reuse['buffers']['32']['hbm_added_frac'])} of the context in HBM")
+    fast, quest_ms, per_head_ms = ms(best, "layer-prefetch"), ms(quest, "none"), ms(per_head, "none")
+    text = (f"In one sentence: at {budget:.0%} HBM and equal traffic (recall ≤ {recall:.0%} of the context per "
+            f"layer-step), the best prefetchable rule, {best['recall_rule']}, keeps {_accuracy(best)}% (n = "
+            f"{best['n']}) against quest-per-head's {_accuracy(per_head)}% and the oracle's {_accuracy(oracle)}%, and "
+            f"with an LRU of {LATENCY_BUFFER} blocks and layer prefetch it projects {fast:.2f} ms/token on h100-pcie "
+            f"(batch 1, {AS_MODEL}) against quest's {quest_ms:.2f} with the same buffer (quest-per-head's "
+            f"{per_head_ms:.2f})")
+    served = best.get("served_batch", {}).get("h100-pcie")
+    if served is not None and ms(best, "layer-prefetch", "served") is not None:
+        text += (f", and at the served frontier's batch of {served} {ms(best, 'layer-prefetch', 'served'):.2f} "
+                 f"against quest's {ms(quest, 'none', 'served'):.2f} (quest-per-head's "
+                 f"{ms(per_head, 'none', 'served'):.2f})")
+    text += "."
+    gaps = [(at[("quest-per-head", r["recall_budget"])]["accuracy"] - r["accuracy"], r) for r in prefetched
+            if ("quest-per-head", r["recall_budget"]) in at]
+    gap, closest = min(gaps, key=lambda g: g[0])
+    reached = gap <= 0.10 and ms(closest, "layer-prefetch") < ms(at[("quest-per-head", closest["recall_budget"])], "none")
+    text += (f" Goal (a prefetchable rule within 10 points of quest-per-head at equal traffic, faster per token): "
+             f"{'reached' if reached else 'not reached'} — the closest, {closest['recall_rule']} at recall ≤ "
+             f"{closest['recall_budget']:.0%}, is {100 * gap:.1f} points "
+             f"{'below' if gap >= 0 else 'above'} quest-per-head"
+             + ("." if reached else f", {100 * max(gap - 0.10, 0):.1f} points short of the goal."))
+    return text
+
+
+def agreement_lines(agreement: dict | None) -> list[str]:
+    """The per-layer agreement of the speculated queries' picks with the current query's (`speculation_agreement`)."""
+    if not agreement:
+        return []
+    layers = sorted(agreement["layers"], key=int)
+    header = ("query the picks are made under", *(f"layer {layer}" for layer in layers))
+    rows = [(label, *(f"{100 * agreement['layers'][layer][key]:.1f}%" for layer in layers))
+            for key, label in (("current", "the current query (quest-per-head)"),
+                               ("prev-layer", "prev-layer's (layer i's from layer i-1's input)"),
+                               ("prev-step", "prev-step's (the layer's previous step's)"))]
+    return [
+        f"Why (measured: `speculation_agreement`, {agreement['n']} problems decoded under prev-layer-per-head at "
+        f"{agreement['hbm_budget']:.0%} HBM, recall ≤ {agreement['recall_budget']:.0%}, "
+        f"{agreement['requests']} batched recall requests per layer): of the attention the current query puts on the DDR blocks "
+        "(an exact softmax, as the oracle's), the share quest-per-head's picks hold when made under each query, per "
+        "layer, at the same step over the same blocks. A pick follows the look-up the current step makes: the "
+        "previous step's query made the previous look-up, and on this 3-layer model prev-layer speculates layer 0 "
+        "from the previous step and layer 1 from the token embedding alone (layer 0's input), so only layer 2's "
+        "speculation starts from a hidden state that has attended; a deep model has one such layer in its first "
+        "two, not two in three.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+
+
+# -- the served frontier point ---------------------------------------------------------------------------------
+SERVED_PROFILE = "h100-pcie"  # where the hierarchy's served rate is link-bound (docs/capacity_served.md)
+SERVED_RATES = (4.0, 8.0, 16.0, 32.0)
+SERVED_REFINE = 1
+
+
+def served_point(results: list[dict], runs: Path, work: Path, workers: int | None = None, log=print) -> dict | None:
+    """`thoughtkv capacity` (docs/capacity_served.md's serving settings: thoughtkv.capacity_served) of the best
+    prefetchable rule's run at 30% HBM with an LRU of `LATENCY_BUFFER` blocks and layer prefetch, on
+    `SERVED_PROFILE` (rates `SERVED_RATES`, `SERVED_REFINE` refinement round); each rate a sweep cell cached under
+    WORK/served, summarised in WORK/served_point.json. None when no prefetchable cell has run."""
+    import dataclasses
+
+    from simulator.options import Projection, ServingConfig, SimOptions
+    from thoughtkv import capacity_served as served
+    from thoughtkv.capacity import capacity_sweep
+    from traces.layout import write_atomic
     from traces.policy import recall_is_prefetchable
 
-    prefetched = [r for (rule, _), r in at.items() if recall_is_prefetchable(rule)]
-    if prefetched:
-        r = max(prefetched, key=lambda r: r["recall_budget"])
-        ms = r["ms_per_token"]
-        accuracies = sorted(x["accuracy"] for x in prefetched)
-        text += (f"; layer prefetch takes {r['recall_rule']}'s projected ms/token (recall ≤ {r['recall_budget']:.0%}) "
-                 f"from {_ms(ms['h100-pcie/none'])} to {_ms(ms['h100-pcie/layer-prefetch'])} on h100-pcie and from "
-                 f"{_ms(ms['gh200-96gb/none'])} to {_ms(ms['gh200-96gb/layer-prefetch'])} on gh200-96gb, but that rule "
-                 f"keeps {100 * accuracies[0]:.1f}-{100 * accuracies[-1]:.1f}%")
-    return text + "."
+    prefetched = [r for r in results if r["policy"] == "hierarchy" and r["hbm_budget"] == 0.3
+                  and recall_is_prefetchable(r["recall_rule"])]
+    if not prefetched:
+        return None
+    best = _best(prefetched)
+    config = ServingConfig(**served.SETTINGS, projection=Projection(served.AS_MODEL),
+                           options=SimOptions(**served.OPTIONS, recall_buffer_blocks=LATENCY_BUFFER,
+                                              overlap="layer-prefetch"))
+    log(f"recall-design: serving {best['cell']} (layer prefetch, LRU {LATENCY_BUFFER}) on {SERVED_PROFILE}")
+    _, capacity = capacity_sweep([runs / best["cell"]], [SERVED_PROFILE], config, list(SERVED_RATES), SERVED_REFINE,
+                                 work / "served" / "layer-prefetch", workers=workers, progress=False, log=log)
+    row = capacity.iloc[0]
+    point = {key: (None if row[key] != row[key] else float(row[key])) if key != "limit" else row[key]
+             for key in ("max_rate_per_s", "first_failing_rate_per_s", "limit", "knee_mean_concurrency",
+                         "knee_link_util_h2d", "knee_tbt_p99_s", "h2d_bytes_per_token_served")}
+    result = {"buffer": LATENCY_BUFFER, "profile": SERVED_PROFILE, "cell": best["cell"],
+              "recall_rule": best["recall_rule"], "recall_budget": best["recall_budget"], "n": best["n"],
+              "accuracy": best["accuracy"], "ci_low": best["ci_low"], "ci_high": best["ci_high"],
+              "settings": dataclasses.asdict(config), **point}
+    write_atomic(work / "served_point.json", lambda temp: temp.write_text(json.dumps(result, indent=1, default=str)))
+    return result
+
+
+def served_point_lines(served: dict | None, capacity_csv: Path | None = None) -> list[str]:
+    """The served frontier point, beside docs/capacity_served.md's hierarchy row at the same HBM and recall budget
+    on the same profile (quest, no buffer, no prefetch) when `capacity_csv` holds it."""
+    if not served:
+        return []
+    import csv
+
+    from thoughtkv import capacity_served
+    from traces.stats import bytes_text
+
+    settings = capacity_served.SETTINGS
+    rate = "—" if served["max_rate_per_s"] is None else f"{served['max_rate_per_s']:.3g}"
+    text = (f"Served frontier point (`thoughtkv capacity` at docs/capacity_served.md's settings: "
+            f"{capacity_served.AS_MODEL}, {settings['lengths']} request lengths, p99 TBT ≤ "
+            f"{1e3 * settings['tbt_slo_s']:g} ms and p99 TTFT ≤ {settings['ttft_slo_s']:g} s, "
+            f"{settings['duration_s']:g} s of arrivals per rate, at most {settings['max_batch']} requests per "
+            f"iteration; rates {', '.join(f'{r:g}' for r in SERVED_RATES)} req/s, {SERVED_REFINE} refinement round): "
+            f"the best prefetchable rule at 30% HBM, {served['recall_rule']} recalling ≤ {served['recall_budget']:.0%} "
+            f"({100 * served['accuracy']:.1f} [{100 * served['ci_low']:.1f}, {100 * served['ci_high']:.1f}]%, "
+            f"n = {served['n']}), with `--recall-buffer-blocks {served['buffer']} --overlap layer-prefetch`, sustains "
+            f"{rate} req/s on {served['profile']} ({served['limit']} beyond it; at the knee H2D "
+            f"{bytes_text(served['h2d_bytes_per_token_served'])}/token, link {100 * served['knee_link_util_h2d']:.0f}% "
+            f"busy, {served['knee_mean_concurrency']:.0f} requests per iteration)")
+    rows = {} if capacity_csv is None or not capacity_csv.is_file() else {
+        (r["profile"], r["label"]): r for r in csv.DictReader(capacity_csv.open())}
+    quest = rows.get((served["profile"], f"hierarchy 30%, recall ≤ {served['recall_budget']:.0%}"))
+    if quest is not None:
+        text += (f", where quest at the same HBM and recall budget, without buffer or prefetch, sustains "
+                 f"{float(quest['max_rate_per_s']):.3g} req/s ({quest['limit']}; "
+                 f"{100 * float(quest['accuracy']):.1f}% accurate; docs/capacity_served.md)")
+    return [text + "."]
+
+
+# -- why: how often a speculated query picks what the current one picks -------------------------------------
+AGREEMENT_CELL = (0.3, 0.2)  # (HBM, recall budget) the agreement is measured at
+AGREEMENT_N = 32
+
+
+def _ddr_mass(request) -> list:
+    """Per recalling row: [Hkv, n_blocks] the current query's true attention mass (mean over each KV head's query
+    group, an exact softmax over the row's resident and DDR keys, as the oracle rule computes it) on each block
+    in DDR (0 elsewhere)."""
+    import torch
+
+    layer, rows = request.layer, request.rows
+    row_ids = list(range(rows.start, rows.stop)) if isinstance(rows, slice) else rows.tolist()
+    in_ddr = layer.ddr.bounds.in_ddr(rows, request.n_blocks)
+    scaling = request.scaling if request.scaling is not None else layer.head_dim ** -0.5
+    out = []
+    for i, row in enumerate(row_ids):
+        ddr_ids = in_ddr[i].nonzero().squeeze(1)
+        stored = layer.slot_pos[row, layer.main_slots] >= 0
+        resident = layer.keys[row][:, layer.main_slots][:, stored]
+        ddr_keys = layer.ddr.get(torch.full_like(ddr_ids, row), ddr_ids, row=row)[0]
+        ddr_keys = ddr_keys.permute(1, 0, 2, 3).flatten(1, 2).to(resident.dtype)
+        keys = torch.cat([resident, ddr_keys], 1).float()
+        weights = torch.softmax(torch.einsum("hgd,hkd->hgk", request.query[i].float(), keys) * scaling, -1)
+        mass = torch.zeros(keys.shape[0], request.n_blocks)
+        mass[:, ddr_ids] = weights[..., resident.shape[1]:].mean(1).view(keys.shape[0], len(ddr_ids), -1).sum(2)
+        out.append(mass)
+    return out
+
+
+def _captured(choice, masses) -> list[float]:
+    """Per row: the DDR attention mass each KV head's own picks hold, averaged over the KV heads."""
+    out = []
+    for i, (n, mass) in enumerate(zip(choice.per_row, masses, strict=True)):
+        ids, picks = choice.ids[i, :n], choice.head_picks[i, :n].t()  # [Hkv, n]
+        out.append(float((mass[:, ids] * picks).sum(1).mean()))
+    return out
+
+
+def speculation_agreement(work: Path, n_samples: int = AGREEMENT_N, log=print) -> dict:
+    """Per layer, the current query's attention mass on the DDR blocks (`_ddr_mass`: what a recall can bring back)
+    that quest-per-head's picks hold under the current query and under each speculated query (prev-layer's,
+    prev-step's), at the same step over the same blocks, as a share of all of it: `n_samples` problems of the
+    table's workload decoded under prev-layer-per-head at `AGREEMENT_CELL` (the trajectory is a speculative
+    rule's), every recall request scored three ways. Cached as WORK/speculation_agreement.json."""
+    import dataclasses
+    import shutil
+    from collections import defaultdict
+
+    from tracer.cache import recall_rules
+    from tracer.micro.table_long import HIERARCHY_SCORER, trace_config
+    from tracer.micro.table_long import Cell as LongCell
+    from tracer.run import run_trace
+    from traces.layout import write_atomic
+
+    totals: dict = defaultdict(lambda: defaultdict(float))
+    rules = {"current": recall_rules.QuestPerHead(), "prev-layer": recall_rules.PrevLayerPerHead(),
+             "prev-step": recall_rules.PrevStepPerHead()}
+    requests = defaultdict(int)
+
+    class Measured(recall_rules.PrevLayerPerHead):
+        def select(self, request):
+            masses, layer = _ddr_mass(request), str(request.layer.layer_idx)
+            choices = {key: rule.select(request) for key, rule in rules.items()}
+            for key, choice in choices.items():
+                totals[layer][key] += sum(_captured(choice, masses))
+            totals[layer]["all"] += sum(float(m.sum(1).mean()) for m in masses)
+            requests[layer] += 1
+            return choices["prev-layer"]
+
+    registry, name = recall_rules.RECALL_RULES, "prev-layer-per-head"
+    kept = registry[name]
+    hbm, recall = AGREEMENT_CELL
+    shutil.rmtree(work / "agreement", ignore_errors=True)  # (a run resumed would decode nothing)
+    config = trace_config(LongCell("hierarchy", hbm, HIERARCHY_SCORER, 0.0, recall, name), work / "agreement",
+                          n_samples, batch_size=16)
+    registry[name] = Measured()  # (this measurement's decode only; restored below)
+    try:
+        log(f"recall-design: measuring the speculation agreement on {n_samples} problems")
+        run_trace(dataclasses.replace(config, out=str(work / "agreement" / "run"), threads=1), progress=False)
+    finally:
+        registry[name] = kept
+    result = {"n": n_samples, "hbm_budget": hbm, "recall_budget": recall,
+              "requests": min(requests.values()) if requests else 0,
+              "layers": {layer: {k: v / max(t["all"], 1e-30) for k, v in t.items() if k != "all"}
+                         for layer, t in totals.items()}}
+    write_atomic(work / "speculation_agreement.json", lambda temp: temp.write_text(json.dumps(result, indent=1)))
+    return result
 
 
 def write_table(out: Path, runs: Path, work: Path, log=print) -> list[dict]:
     from tracer.micro.table_long import BLOCK_SIZE, SINK_TOKENS, WINDOW_TOKENS
     from traces.layout import write_atomic, write_csv_atomic
 
+    batches = served_batches(out)
     results = []
     for cell in cells():
-        result = cell_result(cell, runs, work)
+        result = cell_result(cell, runs, work, batches)
         if result is not None:
             results.append(result)
     missing = [c.name for c in cells() if c.name not in {r["cell"] for r in results}]
     short = [r["cell"] for r in results if r["n"] < N_SAMPLES]
+    agreement_file = work / "speculation_agreement.json"
+    agreement = json.loads(agreement_file.read_text()) if agreement_file.is_file() else None
+    served = json.loads(served_file.read_text()) if (served_file := work / "served_point.json").is_file() else None
+    batch_text = ", ".join(f"{batches[p]} on {p}" for p in PROFILES)
     lines = [
-        "# The recall design space: ceiling, reuse and prefetch (`chains_long`, bundled `micro_long` model)",
+        "# The recall design space: ceiling, reuse, speculation and prefetch (`chains_long`, bundled `micro_long` "
+        "model)",
         "",
         "Regenerate: `thoughtkv recall-design --out docs/ [--runs DIR] [--work DIR]` (resumable: one `thoughtkv "
         "trace` run per cell under --runs, default `build/recall_design`, a run already there with the cell's "
-        "settings and enough problems adopted as it is; each cell's results cached under --work; ~2-3 min of one "
-        "core per traced cell at `--batch-size 16`, ~20 s per cell for its replays and projections). Greedy "
+        "settings and enough problems adopted as it is; each cell's results cached under --work; ~2-4 min of one "
+        "core per traced cell at `--batch-size 16`, ~1-2 min per cell for its replays and projections; "
+        "`--served-point` adds the served frontier point, `--agreement` the per-layer agreement). Greedy "
         "decoding, final-answer exact match, 95% Wilson interval, n per row. Hierarchy, nothing evicted, placement "
         f"by h2o; blocks of {BLOCK_SIZE} tokens, {SINK_TOKENS} sink tokens and a {WINDOW_TOKENS}-token window "
         "always resident; HBM = share of each sequence's logical length kept resident; `recall ≤` = the recall "
-        "budget per layer and decode step, a share of the current context rounded down to whole blocks "
-        "(`quest-per-head`: each KV head's budget, the union copied; read `recalled %`).",
+        "budget per layer and decode step, a share of the current context rounded down to whole blocks (the "
+        "per-head rules: each KV head's budget, the union copied; read `recalled %`).",
         "",
         "Rules: **quest** (Tang et al., 2024: the key-bound of each block under the current query, max over heads); "
         "**quest-per-head** (each KV head its own top blocks); **score** (the top DDR blocks by h2o's scores of "
-        "earlier steps: decided before the layer runs, so its copy can overlap the previous layer's compute); "
-        "**oracle** (the DDR blocks with the largest true attention mass under the current query, from an exact "
-        "softmax over every resident and DDR key: a *ceiling* that costs a full attention per layer, not a rule a "
-        "system could run).",
+        "earlier steps); **prev-layer** (quest's bound under layer i's query made from the hidden state entering "
+        "layer i-1 with layer i's input norm, q_proj and RoPE at the current position, as InfiniGen (Lee et al., "
+        "OSDI '24) speculates; layer 0, which has no layer before it, takes its previous step's query); "
+        "**prev-step** (quest's bound under the layer's query of the previous decode step); the `-per-head` forms "
+        "pick per KV head as quest-per-head does; **oracle** (the DDR blocks with the largest true attention mass "
+        "under the current query, from an exact softmax over every resident and DDR key: a *ceiling* that costs a "
+        "full attention per layer, not a rule a system could run). *prefetchable*: decided before the layer runs "
+        "(nothing of its current query is read: tests/test_recall_design.py perturbs it), so its copy can overlap "
+        "the previous layer's (or, at layer 0, the previous step's LM head's) compute.",
         "",
         f"Traffic (decode steps only): `attended %` and `recalled %` are mean shares of the context per layer-step; "
         f"H2D bytes per generated token over all layers, for this access pattern priced at {AS_MODEL}'s bf16 KV "
@@ -359,23 +634,35 @@ def write_table(out: Path, runs: Path, work: Path, log=print) -> list[dict]:
         "(simulator/recall_buffer.py; attention reads the same blocks, so accuracy is the row's); `+HBM` is what "
         "the buffer adds to HBM beyond the step's own recall (the blocks it holds, at most N, growing page by page), "
         "as a mean share of the context: on this workload's short contexts (~100-550 tokens) N blocks of "
-        f"{BLOCK_SIZE} tokens are a large share, so read the bytes saved against the HBM spent. ms/token: projected "
-        f"decode latency at batch 1 at {AS_MODEL}'s shapes (`thoughtkv simulate --as-model {AS_MODEL} "
-        "--overhead-mode cuda-graphs --transfer dma-batched`), with no buffer, without / with `--overlap "
-        "layer-prefetch`; `—` where the rule needs the layer's own query (prefetch is refused).",
+        f"{BLOCK_SIZE} tokens are a large share, so read the bytes saved against the HBM spent.",
         "",
         headline(results),
         "",
+        "| " + " | ".join(TRAFFIC_HEADER) + " |",
+        "|" + "---|" * len(TRAFFIC_HEADER),
+        *("| " + " | ".join(traffic_row(r)) + " |" for r in results),
+        "",
         "Reading the score rows: score ranks the DDR blocks by h2o's accumulated attention, which a DDR block gains "
         "only while it is recalled and attended, so it recalls the same blocks step after step (an LRU of 16 blocks "
-        "serves almost every recall: its H2D is a few kB/token) and cannot follow a look-up that moves. Being known "
-        "before the layer runs is what prefetch needs, not what accuracy needs; a prefetchable rule from the previous "
-        "step's or the previous layer's query (as InfiniGen does) is the one to try next.",
+        "serves almost every recall) and cannot follow a look-up that moves. Being known before the layer runs is "
+        "what prefetch needs, not what accuracy needs; the speculative rules follow the look-up only as far as the "
+        "query they are made under does (the agreement below).",
         "",
-        "| " + " | ".join(HEADER) + " |",
-        "|" + "---|" * len(HEADER),
-        *("| " + " | ".join(table_row(r)) + " |" for r in results),
+        f"Projected ms/token (mean over the samples) at {AS_MODEL}'s shapes (`thoughtkv simulate --as-model "
+        f"{AS_MODEL} --overhead-mode cuda-graphs --transfer dma-batched`): at batch 1, with no buffer and with "
+        f"`--recall-buffer-blocks {LATENCY_BUFFER}` (hits cost no copy; the buffer's HBM is counted), and at the "
+        f"batch the served frontier runs (`--batch`: the knee's mean concurrency of docs/capacity_served.md's "
+        f"`{SERVED_ROW}` row, {batch_text}) with the buffer; each without / with `--overlap layer-prefetch` (`—` "
+        "where the rule needs the layer's own query: prefetch is refused).",
         "",
+        "| " + " | ".join(latency_header(batches)) + " |",
+        "|" + "---|" * len(latency_header(batches)),
+        *("| " + " | ".join(latency_row(r)) + " |" for r in results),
+        "",
+        *served_point_lines(served, out / SERVED_TABLE),
+        *([""] if served else []),
+        *agreement_lines(agreement),
+        *([""] if agreement else []),
         f"Cells not run yet: {', '.join(missing)}." if missing else "All cells have run.",
     ]
     if short:
@@ -406,7 +693,11 @@ def run(args: argparse.Namespace) -> int:
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     if not args.figure_only:
         trace_cells(args.runs, args.n_samples, args.batch_size, args.threads, log)
+    if args.agreement and not (args.work / "speculation_agreement.json").is_file():
+        speculation_agreement(args.work, log=log)
     results = write_table(args.out, args.runs, args.work, log)
+    if args.served_point and served_point(results, args.runs, args.work, args.workers, log) is not None:
+        results = write_table(args.out, args.runs, args.work, log)
     print(headline(results))
     print(f"wrote {args.out / (TABLE + '.md')}, {draw(args.out)}")
     return 0

@@ -48,6 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tracer.attention import ATTN_IMPLEMENTATION
 from tracer.cache import TieredCache, UnsupportedBatch
+from tracer.cache.speculation import watch_layer_inputs
 from tracer.compat import cache_kwargs
 from tracer.recorder import Recorder
 from tracer.timing import LayerTimer, step_clock
@@ -123,7 +124,7 @@ def greedy_decode(
     recorder: Recorder | None = None, progress=None,
 ) -> DecodeResult:
     """Greedy decode of one sample on `cache` (a TieredCache, or a DynamicCache as the untraced reference)."""
-    with decode_grad_mode(getattr(cache, "settings", None))():
+    with decode_grad_mode(getattr(cache, "settings", None))(), watch_layer_inputs(model, cache):
         return _greedy_decode(model, prompt_ids, cache, max_new_tokens, eos_ids, recorder, progress)
 
 
@@ -381,6 +382,8 @@ def _decode_batch(model, jobs, cache, batch_size, max_new_tokens, eos_ids, progr
     timer = LayerTimer(model)
     _, clock = step_clock(device)
     cache.reserve_rows(batch_size)
+    watching = contextlib.ExitStack()  # (a rule that speculates from the previous layer's input: its hooks)
+    watching.enter_context(watch_layer_inputs(model, cache))
 
     def step(rows: list[int], input_ids: torch.Tensor, position_ids: torch.Tensor,
              earlier: tuple[float, list[float] | None] = (0.0, None),
@@ -458,6 +461,7 @@ def _decode_batch(model, jobs, cache, batch_size, max_new_tokens, eos_ids, progr
                                     device)
             yield from step(rows, inputs[0][:, None], inputs[1][:, None])
     finally:
+        watching.close()
         timer.close()
 
 

@@ -182,13 +182,14 @@ GROWTH_SLACK = 2
 def kv_buffer_bytes(spec, kv_bytes_per_token: int, batch_size: int, max_prompt: int, max_new_tokens: int,
                     n_kv_heads: int = 1) -> dict:
     """Worst-case KV buffer bytes of a run: `hbm` (device: the resident entries at their peak, the whole prompt
-    at prefill, plus the recall staging slots: per KV head under quest-per-head) and `ddr` (host, hierarchy),
-    for `batch_size` samples at once."""
+    at prefill, plus the recall staging slots: per KV head under a per-head rule; plus a recall buffer's region,
+    which holds its blocks in HBM on a GPU) and `ddr` (host, hierarchy), for `batch_size` samples at once."""
     from traces.policy import max_recall_blocks, n_blocks, peak_hbm_tokens
 
     bs, max_len = spec.block_size, max_prompt + max_new_tokens
     resident, staging = peak_hbm_tokens(spec, max_prompt, max_len), max_recall_blocks(spec, max_len, n_kv_heads) * bs
-    per_sample_hbm = GROWTH_SLACK * (resident + staging) * kv_bytes_per_token
+    buffer = spec.recall_buffer_blocks * bs if spec.uses_ddr else 0
+    per_sample_hbm = GROWTH_SLACK * (resident + staging + buffer) * kv_bytes_per_token
     per_sample_ddr = GROWTH_SLACK * n_blocks(spec, max_len) * bs * kv_bytes_per_token if spec.uses_ddr else 0
     return {"hbm": batch_size * per_sample_hbm, "ddr": batch_size * per_sample_ddr,
             "hbm_per_sample": per_sample_hbm, "max_len": max_len}
@@ -395,6 +396,11 @@ def _trace_locked(config: TraceConfig, task, samples, loaded, threads: int, prog
 
         references = load_references(config.fidelity_reference, loaded.manifest, task.name, config.max_new_tokens,
                                      [s.sample_id for s in samples])
+    if spec.uses_ddr:  # which rule recalled, and whether its copies are decided before their layer runs (every
+        # copy of a rule that reads nothing of the layer's current query can be prefetched: bytes_h2d, all of it)
+        from tracer.cache.recall_rules import RECALL_RULES
+
+        tracer_extra["recall"] = {"rule": spec.recall_rule, "prefetchable": not RECALL_RULES[spec.recall_rule].uses_query}
     note = describe(config.from_model, config.model)  # after the refusals: those stay one line
     if note is not None:
         print(note, file=sys.stderr)

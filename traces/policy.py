@@ -41,15 +41,29 @@ RECALL_RULES = {
     # The scorer's scores from earlier steps (the tracer: its token scores summed per block; the simulator: its
     # block scores from recorded masses): known before the layer runs, so its copy may be prefetched.
     "score": "score: top-recall_k DDR blocks by the scorer's scores from earlier steps (known before the layer runs)",
+    # Speculative: the quest bound under a query made before the layer runs, so the copy may be prefetched.
+    # prev-layer: layer i's query from the hidden state entering layer i-1 (InfiniGen's speculation; layer 0: its
+    # previous step's query); prev-step: the layer's query of the previous decode step.
+    "prev-layer": "prev-layer: top-recall_k DDR blocks by max_heads sum_d max(q*kmin, q*kmax), q = layer i's query "
+    "from layer i-1's input (its norm, q_proj, RoPE at the current position; layer 0: the previous step's)",
+    "prev-layer-per-head": "prev-layer-per-head: each KV head its own top-recall_k DDR blocks by the quest bound "
+    "under prev-layer's query; a block is copied when any head picks it",
+    "prev-step": "prev-step: top-recall_k DDR blocks by max_heads sum_d max(q*kmin, q*kmax), q = the layer's query "
+    "of the previous decode step",
+    "prev-step-per-head": "prev-step-per-head: each KV head its own top-recall_k DDR blocks by the quest bound "
+    "under prev-step's query; a block is copied when any head picks it",
     # Simulator-only (computed from recorded masses): the current query's attention mass over the blocks, as the
     # trace recorded it (the oracle, approximated from what the traced run attended).
     "query": "query",
 }
-TRACER_RECALL_RULES = ("quest", "quest-per-head", "oracle", "score")
+TRACER_RECALL_RULES = ("quest", "quest-per-head", "oracle", "score", "prev-layer", "prev-layer-per-head",
+                       "prev-step", "prev-step-per-head")
 # Rules whose choice is known before the layer runs (it reads nothing of the layer's current query), so the copy
 # can overlap earlier compute (the simulator's `--overlap layer-prefetch`). The tracer's rules declare the same
 # (`RecallRule.uses_query`; tests/test_recall_design.py holds the two together).
-PREFETCHABLE_RECALL_RULES = ("score",)
+PREFETCHABLE_RECALL_RULES = ("score", "prev-layer", "prev-layer-per-head", "prev-step", "prev-step-per-head")
+# Rules where each KV head picks its own blocks and the union is copied (up to n_kv_heads times one rule's).
+PER_HEAD_RECALL_RULES = ("quest-per-head", "prev-layer-per-head", "prev-step-per-head")
 
 
 def recall_is_prefetchable(rule: str) -> bool:
@@ -344,9 +358,9 @@ def peak_hbm_tokens(spec: PolicySpec, max_prompt: int, max_len: int) -> int:
 
 def max_recall_blocks(spec: PolicySpec, max_logical_len: int, n_kv_heads: int = 1) -> int:
     """The most blocks one decode step can recall up to this length (sizes staging slots): under quest-per-head
-    the union of every KV head's picks, up to `n_kv_heads` times one rule's."""
+    the union of every KV head's picks (a per-head rule), up to `n_kv_heads` times one rule's."""
     most = max(recall_blocks(spec, max_logical_len), recall_blocks(spec, 1))
-    return most * n_kv_heads if spec.recall_rule == "quest-per-head" else most
+    return most * n_kv_heads if spec.recall_rule in PER_HEAD_RECALL_RULES else most
 
 
 def protected_excess(spec: PolicySpec, logical_len: int) -> str | None:
@@ -388,7 +402,8 @@ FLAG_HELP = {
     "whole blocks, instead of --recall-k",
     "recall_rule": "hierarchy: how recalled blocks are chosen: " + ", ".join(RECALL_RULES)
     + " (quest*: key bounds; oracle: true attention, a ceiling; score: earlier steps' scores, prefetchable; "
-    "query: the simulator's oracle from recorded masses)",
+    "prev-layer*, prev-step*: key bounds under a query speculated from the previous layer's input or the previous "
+    "step, prefetchable; query: the simulator's oracle from recorded masses)",
     "scorer": "block importance: h2o | tova | snapkv | keynorm | rkv | recency | random | oracle | vatp | gradient "
     "(the simulator computes h2o, tova, recency, random, oracle from masses)",
     "promote": "hierarchy: a recalled block that outscores a resident one takes its HBM place",

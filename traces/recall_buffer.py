@@ -18,28 +18,58 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 
 class RecallBuffer:
-    """One (sequence, layer)'s LRU of recalled block ids, `capacity` of them at most."""
+    """One (sequence, layer)'s LRU of recalled block ids, `capacity` of them at most, each in a slot of its own
+    (0 .. capacity - 1: where a device buffer keeps the block, `admit_slots`)."""
 
-    __slots__ = ("capacity", "_ids")
+    __slots__ = ("capacity", "_ids", "_unused")
 
     def __init__(self, capacity: int):
         self.capacity = int(capacity)
-        self._ids: OrderedDict[int, None] = OrderedDict()
+        self._ids: OrderedDict[int, int | None] = OrderedDict()  # id -> its slot, least recent first
+        self._unused = 0  # slots below this have been handed out
 
     def admit(self, ids: Iterable[int]) -> int:
         """Recall `ids` (one step's): returns how many were already held (hits); all of them become the most
-        recent, and the least recent leave past the capacity."""
-        ids = sorted(int(i) for i in ids)
+        recent, and the least recent leave past the capacity. (A buffer is used through `admit` or through
+        `admit_slots`, not both: this one hands out no slots.)"""
+        return self._admit(ids, False)[0]
+
+    def admit_slots(self, ids: Iterable[int]) -> tuple[list[tuple[int, int]], list[tuple[int, int | None]]]:
+        """`admit`, with where the blocks are: (hits as (id, the slot it is read from), misses as (id, the slot it
+        is written to, None when it does not stay past this step)). A hit that leaves in this same step (a step
+        recalling more than the capacity) gives its slot to a miss: read the hits before writing the misses."""
+        _, hits, misses = self._admit(ids, True)
+        return hits, misses
+
+    def _admit(self, ids: Iterable[int], slots: bool):
         held = self._ids
-        hits = sum(1 for i in ids if i in held)
-        for i in ids:
-            held[i] = None
-            held.move_to_end(i)
+        hits, new = [], []
+        for i in sorted(int(i) for i in ids):  # (ascending: the order the trace records them)
+            if i in held:
+                hits.append((i, held[i]))
+                held.move_to_end(i)
+            else:
+                held[i] = None
+                new.append(i)
+        freed = []
         while len(held) > self.capacity:
-            held.popitem(last=False)
-        return hits
+            freed.append(held.popitem(last=False)[1])
+        if not slots:
+            return len(hits), None, None
+        freed = [slot for slot in freed if slot is not None]
+        misses = []
+        for i in new:
+            if i in held:
+                if freed:
+                    held[i] = freed.pop()
+                else:
+                    held[i], self._unused = self._unused, self._unused + 1
+            misses.append((i, held.get(i)))
+        return len(hits), hits, misses
 
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._ids
@@ -48,11 +78,10 @@ class RecallBuffer:
         return len(self._ids)
 
 
-def hbm_blocks(held_blocks: int, recalled_blocks: int) -> int:
+def hbm_blocks(held_blocks, recalled_blocks):
     """HBM blocks the recall takes at a step: what the buffer holds after it, or the step's recall when larger
-    (without a buffer, the step's recall: its staging pages)."""
-    return max(held_blocks, recalled_blocks)
-
+    (without a buffer, the step's recall: its staging pages). Numbers or arrays (elementwise)."""
+    return np.maximum(held_blocks, recalled_blocks)
 
 def replay(recalled_ids: Sequence[Sequence[int]], capacity: int) -> tuple[list[int], list[int]]:
     """(hits, blocks held after the step) per step of one (sequence, layer) whose steps recalled `recalled_ids`

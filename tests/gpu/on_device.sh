@@ -6,7 +6,7 @@
 #   2. the crosscheck: calibrate the GPU (--quick), run the CUDA paths of the transfer tests, then measured
 #      decodes of random:qwen2-7b (full, evict, hierarchy at two HBM budgets) against the simulator on the
 #      calibrated profile and on the datasheet profile (h100-sxm / h200-sxm by the GPU's name).
-# Each phase is bounded by `timeout`; the limits below add up to 550 s (the `run` call's timeout_s: 580). Every
+# Each phase is bounded by `timeout`; the limits below add up to 570 s (the `run` call's timeout_s: 580). Every
 # phase's output goes to stdout and to $OUT/log.txt as it comes (a `tee` per phase, which ends before the next one
 # starts: nothing is lost at exit). PHASES (default: all four) runs some of them, e.g. a rerun of one that failed.
 # Writes under $OUT (7 files, at most one folder down): log.txt, throughput/{throughput.json, layer_us.csv,
@@ -54,7 +54,7 @@ else
   THROUGHPUT_ARGS=(--budget-s 150)  # (its defaults: prompt 512, 96 steps, 2 rounds, B = 1 and 16)
   CALIBRATE_ARGS=(--quick) CROSSCHECK_MODEL=random:qwen2-7b
   CROSSCHECK_ARGS=(--policy full evict hierarchy --hbm-budget 0.5 0.25 --steps 160 --repeats 2 --datasheet-profile auto)
-  T_INSTALL=30 T_ENV=45 T_PROBE=30 T_THROUGHPUT=200 T_CALIBRATE=90 T_TESTS=40 T_CROSSCHECK=115
+  T_INSTALL=30 T_ENV=45 T_PROBE=30 T_THROUGHPUT=200 T_CALIBRATE=90 T_TESTS=60 T_CROSSCHECK=115
 fi
 
 phase "environment"
@@ -112,8 +112,9 @@ if wanted calibrate || wanted crosscheck; then  # (the crosscheck needs the cali
 fi
 
 if wanted tests; then
-  phase "transfer tests (the DDR tier's data movement; on CUDA its mapped and copy-engine paths)"
-  bounded "$T_TESTS" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_calibrate_transfer.py || status=1
+  phase "transfer tests (the DDR tier's data movement, on CUDA its mapped and copy-engine paths; recall-buffer hits from HBM)"
+  bounded "$T_TESTS" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_calibrate_transfer.py \
+    tests/test_recall_buffer_hbm.py || status=1
 fi
 
 if ! wanted crosscheck; then

@@ -65,6 +65,6 @@ grep -E '^== done' "$OUT/log.txt"
 echo "== the tests of what the device runs, under $VENV + $WHEELS"
 env -u THOUGHTKV_DDR_COPY PYTHONPATH="$PWD:$SITE" OMP_NUM_THREADS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
   tests/test_transformers_compat.py tests/test_calibrate_transfer.py tests/test_host_syncs.py tests/test_batched.py \
-  tests/test_chunked_prefill.py tests/test_gpu_scripts.py tests/test_crosscheck.py
+  tests/test_chunked_prefill.py tests/test_gpu_scripts.py tests/test_crosscheck.py tests/test_recall_buffer_hbm.py
 
 echo "gpu-rehearsal passed in $((SECONDS - started)) s; carry $WHEELS ($(awk "BEGIN {printf \"%.2f\", $wheels_bytes / 1048576}") MiB)"

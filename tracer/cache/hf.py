@@ -19,6 +19,7 @@ from thoughtkv_base import UserError
 from tracer.attention import set_pending
 from tracer.cache.layer import PagedLayer
 from tracer.cache.pool import LengthHint
+from tracer.cache.recall_rules import RECALL_RULES
 from tracer.cache.rows import RowState, TierSettings, UnsupportedBatch
 from tracer.cache.step import StepShared
 from traces.schema import TIER_DDR
@@ -233,6 +234,13 @@ class TieredCache(Cache):
     @property
     def logical_len(self) -> int:
         return self.layers[0].logical_len
+
+    @property
+    def reads_layer_inputs(self) -> bool:
+        """Whether the recall rule speculates from each decoder layer's input (the decode loop then catches them:
+        `tracer.cache.speculation.watch_layer_inputs`)."""
+        spec = self.settings.spec
+        return spec.uses_ddr and RECALL_RULES[spec.recall_rule].reads_layer_inputs
 
 
 @dataclass

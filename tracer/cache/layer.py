@@ -80,6 +80,9 @@ class PagedLayer(PagePool):
         self.staged_pages = 0  # staging pages this step's recall filled (the last ones before the main pages)
         self.pads = None  # a left-padded prefill of several rows: each row's pad count (else None)
         self.recalled_ids = None  # this step's recalled ids, when placed with the other layers (`copies.LayerIds`)
+        self.last_query = None  # [rows, Hq, d]: each row's last query, under a rule that keeps it (`keep_query`)
+        self.recall_region = None  # a recall buffer's blocks in HBM (`tracer.cache.recall.buffer_region`)
+        self.hits_from_hbm: bool | None = None  # read a buffer's hits from that region (None: on a GPU)
 
     def reset_row(self, row: int, settings: TierSettings, recorder=None) -> None:
         while len(self.rows) <= row:
@@ -97,6 +100,7 @@ class PagedLayer(PagePool):
         # (a recall buffer makes each layer's copied bytes its own: hits differ by layer)
         self.sharing = PlanSharing(exact, exact and RECALL_RULES[self.spec.recall_rule].counts_known
                                    and not self.spec.recall_buffer_blocks)
+        self.keeps_query = self.spec.uses_ddr and RECALL_RULES[self.spec.recall_rule].keeps_query
         if self.initialized:
             self.grow_rows(len(self.rows))
             self.clear_row(row)
@@ -140,6 +144,8 @@ class PagedLayer(PagePool):
         together = self.layers_share_plans(query.shape[-2], reads_recall=True) and self.plan(
             "layers", 1, lambda: self.layers_alike(rows, states), reads_recall=True)
         hidden = recall(self, rows, states, rows_t, query, together, scaling) if query.shape[-2] == 1 else None
+        if self.keeps_query:  # (after recall: this step's recall read the previous step's)
+            self.keep_query(selected, query)
         # The slots in use, one range: the staging pages this step's recall filled (the last `staged_pages`),
         # then the main pages up to the fullest row's resident blocks (packed at the front).
         bs, staging = self.block_size, self.n_staging_pages
@@ -159,6 +165,18 @@ class PagedLayer(PagePool):
         else:
             self.after_attention(rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos)
         return output
+
+    def keep_query(self, selected: slice | torch.Tensor, query: torch.Tensor) -> None:
+        """Each of the rows' last query [rows, Hq, lq, d] -> `last_query` (what `prev-step` reads at the next
+        step: at a prefill the prompt's last; a left-padded prefill's rows all end on a real token). One copy."""
+        last = query[:, :, -1]
+        kept, n_rows = self.last_query, len(self.rows)
+        if kept is None or kept.shape[0] < n_rows or kept.shape[1:] != last.shape[1:] or kept.dtype != last.dtype:
+            grown = last.new_zeros((max(n_rows, self.rows_hint), *last.shape[1:]))
+            if kept is not None and kept.shape[1:] == last.shape[1:] and kept.dtype == last.dtype:
+                grown[: kept.shape[0]] = kept
+            self.last_query = kept = grown
+        kept[selected] = last
 
     # -- after attention ---------------------------------------------------------------------------------------
     def after_attention(self, rows, states, rows_t, weights_mean, weights_max, keys, values, slot_pos) -> None:

@@ -6,6 +6,14 @@ chooses which (`tracer.cache.recall_rules`, by the rule name of the policy); `st
 DDR store into the last staging pages, one gather for all rows, so that attention reads one range of slots
 (this step's staging pages, then the main pages). The ids reach the trace through the step's one copy. A
 per-head choice also returns the mask of the staged slots each KV head must not attend (`hidden`).
+
+With a recall buffer (`--recall-buffer-blocks`) on a GPU, the buffer is a region of HBM per layer
+(`buffer_region`: [rows, capacity] blocks): `stage_from_buffer` copies a hit from its slot there into its staging
+page (a device-local copy: the DDR store is not read for it) and gathers only the misses from DDR, keeping those
+that stay in the buffer in their slots. On a CPU both tiers are host memory and `stage` gathers every chosen
+block; the accounting (`bytes_h2d`: the misses) is the same either way, and so is what attention reads
+(a DDR block never changes while it lives there: a held copy is the block). `PagedLayer.hits_from_hbm` forces
+either path (tests run the GPU's on a CPU).
 """
 
 from __future__ import annotations
@@ -13,11 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from tracer.attention import workspace
 from tracer.cache.copies import LayerIds, as_int64
-from tracer.cache.indexing import cached_device_index, flat_selection_index, staging_pages
+from tracer.cache.indexing import cached_device_index, device_index, flat_selection_index, staging_pages
 from tracer.cache.recall_rules import RECALL_RULES, RecallChoice, RecallRequest
 from tracer.cache.rows import RecalledIds, RowState
 from traces.policy import recall_blocks
@@ -79,8 +88,13 @@ def recall(layer, rows: list[int], states: list[RowState], rows_t: torch.Tensor,
     group = query.shape[1] // layer.n_kv_heads
     q = rec_query.reshape(len(batch_index), layer.n_kv_heads, group, layer.head_dim)  # (one query: [m, Hq, 1, d])
     choice = RECALL_RULES[layer.spec.recall_rule].select(
-        RecallRequest(q, selected, plan.wanted, plan.n_blocks, layer, scaling))
-    staged = stage(layer, rows, plan, rec_rows, selected, every_row, choice)
+        RecallRequest(q, selected, plan.wanted, plan.n_blocks, layer, scaling, entries))
+    buffered = layer.spec.recall_buffer_blocks
+    if buffered and hits_from_hbm(layer):  # hits read from the buffer's HBM region, misses from DDR
+        staged, hits = stage_from_buffer(layer, rows, plan, states, choice)
+    else:
+        staged = stage(layer, rows, plan, rec_rows, selected, every_row, choice)
+        hits = admit_to_buffers(layer, plan.batch_index, choice.per_row, states, staged.flat_ids) if buffered else None
     per_row, head_picks, width = choice.per_row, choice.head_picks, choice.ids.shape[1]
     flat_ids, n_bytes = staged.flat_ids, staged.n_bytes
     block_bytes = n_bytes // max(1, flat_ids.shape[0])
@@ -94,8 +108,9 @@ def recall(layer, rows: list[int], states: list[RowState], rows_t: torch.Tensor,
         if head_picks is not None:
             state.head_picks = head_picks[position, :n]
         start += n
-    if layer.spec.recall_buffer_blocks:
-        account_buffer(layer, batch_index, per_row, states, flat_ids, block_bytes)
+    if hits is not None:  # `bytes_h2d`: the misses only
+        for i, n, n_hits in zip(batch_index, per_row, hits, strict=True):
+            states[i].buffer_hits, states[i].bytes_h2d = n_hits, (n - n_hits) * block_bytes
     if head_picks is None:
         return None
     hidden = torch.zeros(len(rows), layer.n_kv_heads, layer.keys.shape[2], dtype=torch.bool, device=layer.device)
@@ -108,23 +123,99 @@ def recall(layer, rows: list[int], states: list[RowState], rows_t: torch.Tensor,
     return hidden
 
 
-def account_buffer(layer, batch_index, per_row, states: list[RowState], flat_ids: torch.Tensor,
-                   block_bytes: int) -> None:
-    """`--recall-buffer-blocks`: each recalling row's LRU of recalled ids (`traces.recall_buffer.RecallBuffer`, per
-    row and layer) counts this step's hits; `bytes_h2d` becomes the misses' bytes. The ids are read back (one
-    synchronisation per layer, only with a buffer). What this accounts is what a GPU implementation that keeps
-    the buffer's blocks resident copies: `stage` above still gathers every chosen block from the DDR store into
-    the staging pages (on this CPU tracer both tiers are host memory), and since a DDR block never changes
-    while it lives there, a held copy and a fresh one are the same values: attention reads the same either way."""
+def hits_from_hbm(layer) -> bool:
+    """Whether a buffer's hits are read from its HBM region (`stage_from_buffer`): on a GPU, unless the layer's
+    `hits_from_hbm` says otherwise."""
+    forced = getattr(layer, "hits_from_hbm", None)
+    return layer.device.type == "cuda" if forced is None else forced
+
+
+def _buffer_of(layer, state: RowState) -> RecallBuffer:
+    if state.recall_buffer is None:
+        state.recall_buffer = RecallBuffer(layer.spec.recall_buffer_blocks)
+    return state.recall_buffer
+
+
+def admit_to_buffers(layer, batch_index, per_row, states: list[RowState], flat_ids: torch.Tensor) -> list[int]:
+    """`--recall-buffer-blocks` where every chosen block was gathered from DDR (`stage`, a CPU): each recalling
+    row's LRU of recalled ids (`traces.recall_buffer.RecallBuffer`, per row and layer) counts this step's hits.
+    The ids are read back (one synchronisation per layer, only with a buffer)."""
     ids = flat_ids.tolist()
-    start = 0
+    hits, start = [], 0
     for i, n in zip(batch_index, per_row, strict=True):
-        state = states[i]
-        if state.recall_buffer is None:
-            state.recall_buffer = RecallBuffer(layer.spec.recall_buffer_blocks)
-        state.buffer_hits = state.recall_buffer.admit(ids[start : start + n])
-        state.bytes_h2d = (n - state.buffer_hits) * block_bytes
+        hits.append(_buffer_of(layer, states[i]).admit(ids[start : start + n]))
         start += n
+    return hits
+
+
+def buffer_region(layer) -> torch.Tensor:
+    """The layer's recall buffer in HBM, [rows, capacity, 2, Hkv, block, d] (a slot per block it holds, the DDR
+    store's block layout), made at its first use and grown with the rows."""
+    region, n_rows = layer.recall_region, max(len(layer.rows), layer.rows_hint)
+    if region is None or region.shape[0] < n_rows:
+        grown = torch.zeros((n_rows, layer.spec.recall_buffer_blocks, 2, layer.n_kv_heads, layer.block_size,
+                             layer.head_dim), dtype=layer.kv.dtype, device=layer.device)
+        if region is not None:
+            grown[: region.shape[0]] = region
+        layer.recall_region = region = grown
+    return region
+
+
+def stage_from_buffer(layer, rows: list[int], plan: RecallPlan, states: list[RowState], choice: RecallChoice
+                      ) -> tuple[Staged, list[int]]:
+    """`stage` with the recall buffer in HBM: the chosen ids are read back (the one synchronisation per layer a
+    buffer costs), each row's buffer says which are hits (`RecallBuffer.admit_slots`, the slot each is held
+    in) and which misses; a row's j-th pick goes to staging page S - width + j as in `stage`. The hits are
+    copied from their slots in `buffer_region` first, then the misses are gathered from the DDR store into their
+    pages and written into the slots they keep (a hit leaving in this step may give its slot to a miss). Returns
+    the staged picks and each recalling row's hits."""
+    ids, per_row = choice.ids, choice.per_row
+    width = ids.shape[1]
+    if width > layer.n_staging_pages:
+        layer.resize_pages(layer.n_pages, width)
+    host_ids = ids.tolist()  # (the read-back)
+    first_page = layer.n_staging_pages - width
+    layer.staged_pages = width
+    region = buffer_region(layer)
+    picks: list[list[int]] = [[], [], []]  # every pick's row, page and id, rows in order
+    hit: list[list[int]] = [[], [], []]  # row, slot, page
+    miss: list[list[int]] = [[], [], []]  # row, id, page
+    kept: list[list[int]] = [[], [], []]  # index among the misses, row, slot
+    n_hits = []
+    for position, (i, n) in enumerate(zip(plan.batch_index, per_row, strict=True)):
+        row, row_ids = plan.rows[position], host_ids[position][:n]
+        page_of = {block: first_page + j for j, block in enumerate(row_ids)}
+        hits, misses = _buffer_of(layer, states[i]).admit_slots(row_ids)
+        n_hits.append(len(hits))
+        for block, slot in hits:
+            for part, value in zip(hit, (row, slot, page_of[block]), strict=True):
+                part.append(value)
+        for block, slot in misses:
+            if slot is not None:
+                for part, value in zip(kept, (len(miss[0]), row, slot), strict=True):
+                    part.append(value)
+            for part, value in zip(miss, (row, block, page_of[block]), strict=True):
+                part.append(value)
+        for part, values in zip(picks, ([row] * n, range(first_page, first_page + n), row_ids), strict=True):
+            part.extend(values)
+    device = layer.device
+    groups = (hit, miss, kept, picks)
+    flat = device_index(np.fromiter((v for parts in groups for part in parts for v in part), dtype=np.int64), device)
+    starts = np.cumsum([0] + [len(part) for parts in groups for part in parts]).tolist()  # (one upload, sliced)
+    views = iter(flat[a:b] for a, b in zip(starts, starts[1:]))
+    hit, miss, kept, picks = ([next(views) for _ in parts] for parts in groups)
+    kv, slot_pos = layer.pages_view("kv"), layer.pages_view("slot_pos")  # [2, rows, Hkv, pages, block, d]
+    slot_pos[layer.row_index(rows).select, first_page : first_page + width] = -1  # (pages this recall leaves empty)
+    if hit[0].numel():  # (two advanced indices, apart, lead the result: [n, 2, Hkv, block, d], the blocks' layout)
+        kv[:, hit[0], :, hit[2]] = region[hit[0], hit[1]]
+    if miss[0].numel():
+        blocks, _ = _get_blocks(layer, miss[0], miss[1], None)
+        kv[:, miss[0], :, miss[2]] = blocks
+        if kept[0].numel():
+            region[kept[1], kept[2]] = blocks[kept[0]]
+    slot_pos[picks[0], picks[1]] = torch.add(layer.offsets, picks[2][:, None], alpha=layer.block_size)
+    select = flat_selection_index(tuple(per_row), width, str(device)) if min(per_row) < width else None
+    return Staged(picks[2], picks[1], select, picks[2].shape[0] * layer.ddr.block_bytes()), n_hits
 
 
 class Staged(NamedTuple):

@@ -11,6 +11,9 @@ rule declares:
   before the layer runs (prefetched, overlapping the copy with earlier compute);
 - `counts_known`: whether each row recalls exactly its `wanted` blocks (the host then sizes the copy without
   reading the device, and the layers of a step share their recall plans);
+- `keeps_query` / `reads_layer_inputs`: whether the layer must keep its rows' last query (the previous step's,
+  `PagedLayer.keep_query`) or the decode loop must catch every decoder layer's input
+  (`tracer.cache.speculation.watch_layer_inputs`), for a rule that speculates the query (`tracer.cache.speculation`);
 - a per-head choice returns `head_picks` (which KV heads attend each recalled block; the others' attention
   masks it out).
 The copy of the chosen blocks into the staging pages is `tracer.cache.recall`'s, whatever the rule.
@@ -24,6 +27,7 @@ from typing import ClassVar, NamedTuple
 import torch
 
 from tracer.cache.indexing import cached_device_index
+from tracer.cache.speculation import previous_layer_query, previous_step_query
 
 
 @dataclass
@@ -36,6 +40,7 @@ class RecallRequest:
     n_blocks: int  # block ids below this (the most blocks any of the rows has)
     layer: object  # the `PagedLayer`: `ddr` (its `bounds`: `KeyBounds`), pages, `token_scores` (earlier steps')
     scaling: float | None = None  # the attention's logit scale (the oracle's softmax; None: head_dim ** -0.5)
+    entries: torch.Tensor | None = None  # the m rows' batch entries in this forward (None: every entry, in order)
     _wanted: torch.Tensor | None = field(default=None, repr=False)
 
     def wanted_tensor(self) -> torch.Tensor:
@@ -55,6 +60,8 @@ class RecallRule:
     name: ClassVar[str]
     uses_query: ClassVar[bool] = True
     counts_known: ClassVar[bool] = True
+    keeps_query: ClassVar[bool] = False
+    reads_layer_inputs: ClassVar[bool] = False
 
     def select(self, request: RecallRequest) -> RecallChoice:
         raise NotImplementedError
@@ -64,19 +71,23 @@ class Quest(RecallRule):
     """Quest (Tang et al., 2024, arXiv:2406.10774): every DDR block gets the upper bound `max over query heads of
     sum_d max(q_d * kmin_d, q_d * kmax_d)` of its attention logit under the current query (one GEMM,
     `KeyBounds.logit_bounds`, every block outside DDR at the dtype's lowest value); each row recalls its top
-    `wanted` blocks, and every head attends them."""
+    `wanted` blocks, and every head attends them. `query_of` is the query the bound is taken under (the
+    speculative rules below give another)."""
 
     name = "quest"
 
+    def query_of(self, request: RecallRequest) -> torch.Tensor:
+        return request.query
+
     def select(self, request: RecallRequest) -> RecallChoice:
-        bounds = request.layer.ddr.bounds.logit_bounds(request.query, request.rows, request.n_blocks)
+        bounds = request.layer.ddr.bounds.logit_bounds(self.query_of(request), request.rows, request.n_blocks)
         best = bounds.flatten(1, 2).amax(1)  # [m, blocks]: the max over the query heads
         # By bound, highest first: a row's first `wanted` are its picks, in that order (the trace records them
         # sorted; attention reads them as a set).
         return RecallChoice(best.topk(max(request.wanted), dim=1).indices, request.wanted)
 
 
-class QuestPerHead(RecallRule):
+class QuestPerHead(Quest):
     """Each KV head ranks the DDR blocks by the Quest bound maximised over its own query group and picks its own
     top `wanted`; a block is copied once when any head picks it (the union is what moves and what the trace
     records), and each KV head attends only the recalled blocks it picked (`head_picks`; the others' are masked
@@ -87,7 +98,7 @@ class QuestPerHead(RecallRule):
     counts_known = False
 
     def select(self, request: RecallRequest) -> RecallChoice:
-        bounds = request.layer.ddr.bounds.logit_bounds(request.query, request.rows, request.n_blocks)
+        bounds = request.layer.ddr.bounds.logit_bounds(self.query_of(request), request.rows, request.n_blocks)
         k_max = max(request.wanted)
         rank = torch.arange(k_max, device=bounds.device)
         counts = request.wanted_tensor()
@@ -160,4 +171,58 @@ class Score(RecallRule):
         return RecallChoice(order, request.wanted)
 
 
-RECALL_RULES: dict[str, RecallRule] = {rule.name: rule for rule in (Quest(), QuestPerHead(), Oracle(), Score())}
+def _grouped(request: RecallRequest, query: torch.Tensor) -> torch.Tensor:
+    """A query [m, Hq, d] grouped by KV head as the request's, [m, Hkv, group, d], in the cache's dtype."""
+    return query.reshape(request.query.shape).to(request.query.dtype)
+
+
+class PrevLayer(Quest):
+    """Quest's bound under layer i's query speculated from the input of layer i - 1 (InfiniGen's speculation,
+    Lee et al., OSDI '24: that hidden state through layer i's own input norm, `q_proj` and RoPE at the current
+    position; layer 0: its query of the previous step), so the choice exists before layer i runs and its copy can
+    overlap layer i - 1's compute (`tracer.cache.speculation`). The current query is not read."""
+
+    name = "prev-layer"
+    uses_query = False
+    keeps_query = True  # (layer 0)
+    reads_layer_inputs = True
+
+    def query_of(self, request: RecallRequest) -> torch.Tensor:
+        return _grouped(request, previous_layer_query(request.layer, request.entries, request.rows))
+
+
+class PrevLayerPerHead(QuestPerHead):
+    """quest-per-head's choice (each KV head its own top blocks, the union copied, each head attending its own)
+    under `prev-layer`'s speculated query."""
+
+    name = "prev-layer-per-head"
+    uses_query = False
+    keeps_query = True
+    reads_layer_inputs = True
+    query_of = PrevLayer.query_of
+
+
+class PrevStep(Quest):
+    """Quest's bound under the layer's query of the previous decode step (for a row's first decode step, its
+    prompt's last query), known one step ahead: the choice of every layer exists before the step begins. The
+    current query is not read."""
+
+    name = "prev-step"
+    uses_query = False
+    keeps_query = True
+
+    def query_of(self, request: RecallRequest) -> torch.Tensor:
+        return _grouped(request, previous_step_query(request.layer, request.rows))
+
+
+class PrevStepPerHead(QuestPerHead):
+    """quest-per-head's choice under `prev-step`'s query."""
+
+    name = "prev-step-per-head"
+    uses_query = False
+    keeps_query = True
+    query_of = PrevStep.query_of
+
+
+RECALL_RULES: dict[str, RecallRule] = {rule.name: rule for rule in (
+    Quest(), QuestPerHead(), Oracle(), Score(), PrevLayer(), PrevLayerPerHead(), PrevStep(), PrevStepPerHead())}

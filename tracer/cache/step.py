@@ -25,6 +25,7 @@ from tracer.cache.copies import DeferredCopies, as_int64
 from tracer.cache.indexing import BatchRows, block_of
 from tracer.cache.placement import TargetsByLength
 from tracer.cache.scoring import add_importance, score_plan
+from tracer.cache.speculation import LayerInputs
 from tracer.recorder import Deferred, StepRecording
 from tracer.scorers import Observation
 
@@ -121,6 +122,8 @@ class StepShared:
     positions: DecodePositions = field(default_factory=DecodePositions)  # a decode append's new positions
     targets: TargetsByLength = field(default_factory=TargetsByLength)  # the policy's targets by length
     rows: BatchRows = field(default_factory=BatchRows)  # the active rows as an index
+    # this forward's decoder layer inputs, for a rule that speculates from them (tracer.cache.speculation)
+    layer_inputs: LayerInputs = field(default_factory=LayerInputs)
 
     def __post_init__(self):
         self.masses = self.masses or StepMasses(self.n_layers)
