@@ -71,7 +71,8 @@ class Cell:
             return "full cache, decoded again (floor)"
         if self.policy == "evict":
             return f"evict {self.scorer}"
-        ceiling = " (ceiling)" if self.recall_rule == "oracle" else ""
+        ceiling = " (ceiling)" if self.recall_rule == "oracle" else (
+            " (prefetchable)" if self.recall_rule in SPECULATIVE_RULES else "")
         return f"hierarchy {self.recall_rule}{ceiling}, recall ≤ {self.recall_budget:.0%}"
 
 
@@ -83,10 +84,23 @@ def column(budget: float) -> list[Cell]:
             + [Cell("hierarchy", budget, HIERARCHY_SCORER, ORACLE_RECALL, "oracle")])
 
 
+# Recall decided before the layer runs (traces.policy.PREFETCHABLE_RECALL_RULES): the query speculated from the
+# previous layer's input (InfiniGen's idea) or the previous step's query, beside quest at the same traffic.
+SPECULATIVE_RULES = ("prev-layer", "prev-step")
+SPECULATIVE_BUDGETS, SPECULATIVE_RECALLS = (0.3, 0.5), (0.1, 0.2)
+
+
+def speculative_cells() -> list[Cell]:
+    return [Cell("hierarchy", budget, HIERARCHY_SCORER, recall, rule) for rule in SPECULATIVE_RULES
+            for budget in SPECULATIVE_BUDGETS for recall in SPECULATIVE_RECALLS]
+
+
 def cells() -> list[Cell]:
-    """The reference first, then the key budget's column, the floor, then the other budgets."""
+    """The reference first, then the key budget's column, the floor, the other budgets, then the speculative
+    (prefetchable) rules."""
     return [Cell("full"), *column(KEY_BUDGET), Cell("full-again"),
-            *(cell for budget in HBM_BUDGETS if budget != KEY_BUDGET for cell in column(budget))]
+            *(cell for budget in HBM_BUDGETS if budget != KEY_BUDGET for cell in column(budget)),
+            *speculative_cells()]
 
 
 def trace_config(cell: Cell, runs: Path, n_samples: int, data_file: Path, batch_size: int,

@@ -54,7 +54,7 @@ AS_MODEL = "qwen2-7b"
 OPTIONS = dict(overhead_mode="cuda-graphs", transfer="dma-batched")  # capacity-served's (docs/capacity_served.md)
 N_SAMPLES = 200
 TABLE = "recall_design_space"
-CACHE_VERSION = 2  # bump when what a cell's cached result holds changes
+CACHE_VERSION = 3  # bump when what a cell's cached result holds changes
 # The served frontier's batch: the mean concurrency at the knee of this row of docs/capacity_served.csv, per profile
 # (a lockstep `--batch` of that many sequences prices a step at the load the frontier runs).
 SERVED_ROW = "hierarchy 30%, recall ≤ 20%"
