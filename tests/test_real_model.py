@@ -225,3 +225,31 @@ def test_the_demos_real_model_section_grades_eviction_and_the_hierarchy_with_the
     for cell in DEMO_CELLS:
         samples = open_run(tmp_path / "runs" / cell.name).samples()
         assert len(samples["fidelity_kl"].iloc[0]) == samples["fidelity_reference_tokens"].iloc[0] == 8
+
+
+def test_trace_order_is_a_permutation_of_the_table_led_by_the_reference():
+    from thoughtkv.real_model import TRACE_FIRST, cells, trace_order
+
+    order = [c.name for c in trace_order()]
+    assert sorted(order) == sorted(c.name for c in cells()) and len(set(order)) == len(order)
+    assert order[0] == "full" and order[1:1 + len(TRACE_FIRST)] == list(TRACE_FIRST)
+
+
+def test_a_locked_cell_is_deferred_not_waited_on(tmp_path, monkeypatch):
+    """Two processes over the same cells: a cell another holds is retried after the free ones."""
+    import tracer.run
+    from thoughtkv import real_model
+
+    held = {"b"}
+    calls = []
+
+    def fake_run_trace(config, progress):
+        calls.append(config)
+        if config in held:
+            held.discard(config)  # the other process finishes it meanwhile
+            raise tracer.run.TraceLockedError("held")
+
+    monkeypatch.setattr(tracer.run, "run_trace", fake_run_trace)
+    done = []
+    real_model._trace_cells(["a", "b", "c"], False, lambda: done.append(calls[-1]))
+    assert calls == ["a", "b", "c", "b"] and done == ["a", "c", "b"]

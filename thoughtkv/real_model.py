@@ -13,7 +13,9 @@ recall rule at <= 10% (a ceiling)}, and the full cache decoded again against its
 
 Every cell is one trace run under --runs, so the table resumes where it stopped; the Markdown and CSV are
 rewritten after every cell from the runs that exist. `--shard I/N` traces every N-th cell from the I-th (N
-processes side by side; the reference is traced first by whichever gets it, the others wait for it).
+processes side by side; the reference is traced first by whichever gets it, the others wait for it). A cell
+another process is tracing is skipped and come back to, so a second process started later without --shard
+takes the next free cell.
 """
 
 from __future__ import annotations
@@ -103,6 +105,20 @@ def cells() -> list[Cell]:
             *speculative_cells()]
 
 
+# Traced first, so a partial table answers the headline: the key budget's remaining rows, the floor, the
+# prefetchable rules there, then eviction's cliff and the hierarchy across budgets; every other cell after.
+TRACE_FIRST = ("hier-quest-per-head-r5-b30", "hier-quest-per-head-r20-b30", "hier-oracle-r10-b30", "full-again",
+               "hier-prev-step-r10-b30", "hier-prev-layer-r10-b30", "evict-tova-b10", "hier-quest-per-head-r10-b10",
+               "evict-tova-b50", "hier-quest-per-head-r10-b50", "evict-tova-b20", "hier-quest-per-head-r10-b20")
+
+
+def trace_order() -> list[Cell]:
+    """cells() in tracing order: the reference, TRACE_FIRST, then the rest in document order."""
+    reference, *others = cells()
+    rank = {name: i for i, name in enumerate(TRACE_FIRST)}
+    return [reference, *sorted(others, key=lambda c: rank.get(c.name, len(rank)))]
+
+
 def trace_config(cell: Cell, runs: Path, n_samples: int, data_file: Path, batch_size: int,
                  max_new_tokens: int = MAX_NEW_TOKENS):
     from tracer.run import TraceConfig
@@ -132,13 +148,31 @@ def _trace_when_free(config, progress: bool) -> None:
             time.sleep(LOCK_POLL_S)
 
 
+def _trace_cells(configs: list, progress: bool, after_each) -> None:
+    """Trace each config in order; one whose run another process holds is deferred behind the rest and retried
+    (so two processes over the same cells share them without sharding), waiting only when nothing else is left."""
+    from tracer.run import TraceLockedError, run_trace
+
+    pending = list(configs)
+    while pending:
+        config = pending.pop(0)
+        try:
+            run_trace(config, progress=progress)
+        except TraceLockedError:
+            pending.append(config)
+            if len(pending) == 1:
+                time.sleep(LOCK_POLL_S)
+            continue
+        after_each()
+
+
 def run_table(out: Path, runs: Path, n_samples: int, data_file: Path, batch_size: int,
               shard: tuple[int, int] = (0, 1), progress: bool = True, parts: tuple[str, ...] = PARTS,
               max_new_tokens: int = MAX_NEW_TOKENS) -> Path:
     """The reference cell, then (shard 0) the attention profile, then this shard's cells."""
     runs.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    reference, *others = cells()
+    reference, *others = trace_order()
     if "table" in parts:
         _trace_when_free(trace_config(reference, runs, n_samples, data_file, batch_size, max_new_tokens), progress)
     index, count = shard
@@ -154,9 +188,9 @@ def run_table(out: Path, runs: Path, n_samples: int, data_file: Path, batch_size
         if "served" in parts and index == 0:
             _serve(out, runs)
         return out / DOC_NAME
-    for cell in others[index::count]:
-        _trace_when_free(trace_config(cell, runs, n_samples, data_file, batch_size, max_new_tokens), progress)
-        write(out, runs)  # after every cell: a partial table, each row with its n
+    # after every cell: a partial table, each row with its n
+    _trace_cells([trace_config(cell, runs, n_samples, data_file, batch_size, max_new_tokens)
+                  for cell in others[index::count]], progress, lambda: write(out, runs))
     if "served" in parts and index == 0:
         _serve(out, runs)
     write(out, runs)
