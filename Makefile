@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 TORCH_CPU_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean gpu-rehearsal
+.PHONY: setup demo test lint bench clean gpu-rehearsal test-fast
 
 setup: $(STAMP)
 
@@ -29,6 +29,9 @@ lint: setup
 
 test: setup lint
 	$(PY) -m pytest tests
+
+test-fast: setup lint  # every test but the slow tier (pytest -m slow): the inner loop, not a substitute
+	$(PY) -m pytest tests -m "not slow"
 
 bench: setup
 	for f in tests/bench/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done

@@ -5,6 +5,7 @@ core oversubscribes and can run 10x slower; the tests measure behaviour, not spe
 """
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
@@ -12,3 +13,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
+
+# The repository root: test modules import it (`from conftest import REPO`) rather than each working it out.
+REPO = Path(__file__).resolve().parents[1]

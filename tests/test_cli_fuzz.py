@@ -22,12 +22,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from thoughtkv.cli import build_parser, main
 
-REPO = Path(__file__).resolve().parents[1]
 SAMPLE_RUN = str(REPO / "traces" / "samples" / "micro-hierarchy-b30-e0")
 PROFILE_YAML = str(REPO / "hwprofiles" / "profiles" / "h100-pcie.yaml")
 GRID = str(REPO / "examples" / "sweeps" / "simulate_budgets.yaml")

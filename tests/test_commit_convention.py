@@ -9,11 +9,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 HOOK = REPO / ".githooks" / "commit-msg"
 MAX_SUBJECT_CHARS = 72
 

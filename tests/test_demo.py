@@ -11,6 +11,8 @@ from thoughtkv import demo
 from thoughtkv.cli import main
 from traces import open_run
 
+pytestmark = pytest.mark.slow  # the real LM or whole demo runs: the slow tier
+
 TINY = ["--model", "random:tiny", "--n-samples", "1", "--max-new-tokens", "4", "--budgets", "0.5", "--evict-ratios", "0.2",
         "--calibrate", "smoke", "--serving-duration-s", "2", "--real-model-samples", "0"]
 

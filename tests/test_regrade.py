@@ -12,13 +12,13 @@ from _helpers import (
     start_thoughtkv,
     wait_while_running,
 )
+from conftest import REPO
 
 from thoughtkv.cli import main
 from tracer.regrade import HIDDEN_PREFIX, regrade_run
 from traces import TraceWriter, open_run
 from traces.example import example_manifest, example_sample
 
-REPO = Path(__file__).resolve().parents[1]
 SAMPLES = sorted(p for p in (REPO / "traces" / "samples").iterdir() if (p / "run.json").is_file())
 CORPUS = [json.loads(line) for line in (REPO / "tests" / "data" / "grading_corpus.jsonl").read_text().splitlines()]
 GSM8K_CASES = [c for c in CORPUS if c["style"] == "gsm8k"]

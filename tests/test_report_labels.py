@@ -6,18 +6,17 @@ no stale figure, and contended calibrations left out of `--all-profiles`.
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import REPO
 
 from analysis import figures, frames
 from analysis.report import priced_text, replace_owned_files
 from thoughtkv.cli import main
 from traces import open_run
 
-REPO = Path(__file__).resolve().parents[1]
 SAMPLE_RUN = REPO / "traces" / "samples" / "micro-hierarchy-b30-e0"
 
 

@@ -26,11 +26,11 @@ from _helpers import (
     start_thoughtkv,
     wait_while_running,
 )
+from conftest import REPO
 
 from thoughtkv.cli import SUBCOMMANDS, build_parser, main
 from traces import open_run
 
-REPO = Path(__file__).resolve().parents[1]
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 CUDA_FIX = ".venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cu128"
 cpu_torch = pytest.mark.skipif(torch.version.cuda is not None, reason="needs the CPU build of torch")

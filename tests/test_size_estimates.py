@@ -1,18 +1,17 @@
 """`traces synth` and `sweep` estimate size, memory and time before they start, print it, and refuse what the
 machine cannot hold (issue 43): the estimates are checked against what a small real run writes and allocates,
-and the 10,000-cell sweep's first line against the clock.
+and the 10,000-cell sweep opens each run once before its first line.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 import tracemalloc
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import REPO
 
 from simulator.synth import (
     BASE_PEAK_BYTES,
@@ -24,7 +23,6 @@ from simulator.synth import (
 from thoughtkv.cli import main
 from traces.architectures import get_architecture
 
-REPO = Path(__file__).resolve().parents[1]
 SAMPLE_RUNS = [REPO / "traces" / "samples" / name for name in
                ("micro-full", "micro-evict-h2o-b30", "micro-hierarchy-b30-e0", "micro-hierarchy-b30-e10")]
 
@@ -87,23 +85,28 @@ def write_grid(path: Path, budgets: int, recall_ks: list[int]) -> Path:
     return path
 
 
-def test_a_10000_cell_sweep_prints_its_first_line_within_5_s(tmp_path):
+def test_a_10000_cell_sweep_opens_each_run_once_before_its_first_line(tmp_path, capsys, monkeypatch):
     """Every cell used to be validated by reopening its trace run (~30 ms a cell): 310 s of silence for 10,000.
-    Now each distinct run is opened once; the first line and the estimate come within seconds."""
+    Each distinct run is opened once to validate and once to size the estimate, whatever the cell count:
+    counted, not timed, so a loaded machine cannot fail it."""
+    from collections import Counter
+
+    import traces.reader
+
     grid = write_grid(tmp_path / "grid.yaml", 50, [1, 2, 4, 8])  # 4 runs x 14 profiles x 200 what-ifs
-    started = time.perf_counter()
-    process = subprocess.Popen([sys.executable, "-m", "thoughtkv.cli", "sweep", "--grid", str(grid), "--out",
-                                str(tmp_path / "out"), "--dry-run"], stdout=subprocess.PIPE, text=True, cwd=REPO)
-    try:
-        first = process.stdout.readline()
-        first_s = time.perf_counter() - started
-        second = process.stdout.readline()
-        process.stdout.read()
-        assert process.wait(timeout=120) == 0
-    finally:
-        process.kill()
+    opened = Counter()
+    real_open_run = traces.reader.open_run
+
+    def counting_open_run(run_dir, *args, **kwargs):
+        opened[str(Path(run_dir).resolve())] += 1
+        return real_open_run(run_dir, *args, **kwargs)
+
+    monkeypatch.setattr(traces.reader, "open_run", counting_open_run)
+    assert main(["sweep", "--grid", str(grid), "--out", str(tmp_path / "out"), "--dry-run"]) == 0
+    first, second, *_ = capsys.readouterr().out.splitlines()
     n_cells = int(first.split(": ")[1].split()[0].replace(",", ""))
-    assert n_cells >= 10_000 and first_s < 5.0, (first, first_s)
+    assert n_cells >= 10_000, first
+    assert len(opened) == 4 and max(opened.values()) <= 2, opened
     assert "already done; estimate:" in second and "on disk" in second and "peak memory" in second
 
 

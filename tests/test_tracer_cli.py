@@ -3,8 +3,6 @@ GSM8K from the shared file validates; killing it mid-run and rerunning loses and
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from _helpers import (
     has_committed_part,
@@ -12,11 +10,11 @@ from _helpers import (
     start_thoughtkv,
     wait_while_running,
 )
+from conftest import REPO
 
 from thoughtkv.cli import main
 from traces import open_run
 
-REPO = Path(__file__).resolve().parents[1]
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 needs_gsm8k = pytest.mark.skipif(not GSM8K.is_file(), reason="shared GSM8K file not present")
 

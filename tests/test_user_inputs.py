@@ -20,14 +20,13 @@ import numpy as np
 import pandas as pd
 import pytest
 from _helpers import start_thoughtkv, wait_while_running
+from conftest import REPO
 
 from analysis.frames import add_method
 from analysis.load import run_table
 from simulator.synth import synth_run
 from thoughtkv.cli import main
 from traces import open_run
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def one_line_error(capsys) -> str:
