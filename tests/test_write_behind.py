@@ -168,3 +168,24 @@ def test_thoughtkv_trace_writes_behind_what_it_writes_inline(tmp_path, monkeypat
         got, want = (getattr(run, table)() for run in (behind, inline))
         got, want = (frame.drop(columns=[c for c in timing if c in frame]) for frame in (got, want))
         assert got.astype(str).equals(want.astype(str)), table
+
+
+def test_a_bundled_model_run_resumes_from_another_checkout_and_another_model_does_not(tmp_path):
+    """The bundled models are recorded by their directory; a run traced in one checkout (or worktree) resumes in
+    another, where the same bundled model lives elsewhere, but never under a different model."""
+    import pytest
+
+    from traces import TraceWriter
+    from traces.errors import TraceFormatError
+    from traces.example import example_manifest
+
+    def manifest(model_id):
+        m = example_manifest(sample_ids=["s0"])
+        m["model"]["id"] = model_id
+        return m
+
+    TraceWriter(tmp_path / "run", manifest("/one/checkout/tracer/assets/micro_long"))
+    TraceWriter(tmp_path / "run", manifest("/another/clone/tracer/assets/micro_long"))  # resumes
+    for other in ("/another/clone/tracer/assets/micro", "/models/micro_long"):
+        with pytest.raises(TraceFormatError, match="cannot resume: model.id"):
+            TraceWriter(tmp_path / "run", manifest(other))

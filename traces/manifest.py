@@ -123,10 +123,22 @@ def resume_mismatch(existing: dict, new: dict) -> str | None:
     """The first field (dotted path) where a rerun's manifest disagrees with the run it would append to."""
     for path in RESUME_MUST_MATCH:
         a, b = _get(existing, path), _get(new, path)
+        if path == ("model",) and isinstance(a, dict) and isinstance(b, dict):
+            a, b = ({**m, "id": portable_model_id(m.get("id"))} for m in (a, b))
         difference = _first_difference(a, b, ".".join(path))
         if difference is not None:
             return difference
     return None
+
+
+def portable_model_id(model_id):
+    """A bundled model's id (its directory inside a checkout, `.../tracer/assets/NAME`) as `NAME`, so a run traced
+    in one checkout resumes in another (a fresh clone, a second worktree); any other id as it is."""
+    if isinstance(model_id, str):
+        parts = model_id.replace("\\", "/").rstrip("/").split("/")
+        if len(parts) >= 3 and parts[-3:-1] == ["tracer", "assets"]:
+            return parts[-1]
+    return model_id
 
 
 def _get(d: dict, path: tuple[str, ...]):
