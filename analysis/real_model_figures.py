@@ -1,7 +1,7 @@
 """The real-model figures (docs/real_model.md): the attention profile of a model's own full-cache decode, and
 fidelity to the full cache against the traffic that bought it.
 
-Inputs are the tables `thoughtkv real-model` writes: the profile's per-(sample, layer) rows
+Inputs are the tables `thoughtkv experiment real-model` writes: the profile's per-(sample, layer) rows
 (tracer.attention_profile.profile_samples) per model, and `real_model.csv` (one row per cell).
 """
 

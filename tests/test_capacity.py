@@ -163,7 +163,7 @@ def test_the_served_table_puts_peak_reservation_beside_paged_and_the_limits_figu
     """capacity-served's rows: paged admission's max rate, the peak-reservation sweep's beside it, and the limit
     with the shares it was read from."""
     from analysis.serving import capacity_markdown
-    from thoughtkv.capacity_served import one_sentence, with_peak_column
+    from thoughtkv.experiments.capacity_served import one_sentence, with_peak_column
 
     def capacity(rates, limits):
         return pd.DataFrame([{

@@ -196,7 +196,7 @@ def test_accuracy_vs_recall_figure_draws_every_cell_of_the_csv():
 def test_capacity_long_refuses_a_figure_with_no_runs(tmp_path, capsys):
     from thoughtkv.cli import main
 
-    assert main(["capacity-long", "--out", str(tmp_path / "docs"), "--runs", str(tmp_path / "runs"),
+    assert main(["experiment", "capacity-long", "--out", str(tmp_path / "docs"), "--runs", str(tmp_path / "runs"),
                  "--figure-only"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no hierarchy cell has run yet" in err[0]

@@ -213,7 +213,7 @@ def test_teacher_forced_kl_equals_a_dense_forward_masked_to_what_was_attended(lo
 
 
 def test_the_demos_real_model_section_grades_eviction_and_the_hierarchy_with_their_traffic(tmp_path):
-    from thoughtkv.real_model import DEMO_CELLS, demo_section
+    from thoughtkv.experiments.real_model import DEMO_CELLS, demo_section
 
     report = tmp_path / "report"
     report.mkdir()
@@ -229,7 +229,7 @@ def test_the_demos_real_model_section_grades_eviction_and_the_hierarchy_with_the
 
 
 def test_trace_order_is_a_permutation_of_the_table_led_by_the_reference():
-    from thoughtkv.real_model import TRACE_FIRST, cells, trace_order
+    from thoughtkv.experiments.real_model import TRACE_FIRST, cells, trace_order
 
     order = [c.name for c in trace_order()]
     assert sorted(order) == sorted(c.name for c in cells()) and len(set(order)) == len(order)
@@ -239,7 +239,7 @@ def test_trace_order_is_a_permutation_of_the_table_led_by_the_reference():
 def test_a_locked_cell_is_deferred_not_waited_on(tmp_path, monkeypatch):
     """Two processes over the same cells: a cell another holds is retried after the free ones."""
     import tracer.run
-    from thoughtkv import real_model
+    from thoughtkv.experiments import real_model
 
     held = {"b"}
     calls = []

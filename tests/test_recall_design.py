@@ -216,12 +216,12 @@ def test_a_buffer_outside_the_hierarchy_or_below_zero_is_refused_in_one_line():
 
 def test_the_recall_design_table_has_every_rule_at_every_budget_and_refuses_a_bad_count(tmp_path, capsys):
     from thoughtkv.cli import main
-    from thoughtkv.recall_design import HBM_BUDGETS, RECALL_BUDGETS, RULES, cells
+    from thoughtkv.experiments.recall_design import HBM_BUDGETS, RECALL_BUDGETS, RULES, cells
 
     names = [cell.name for cell in cells()]
     assert len(names) == len(set(names)) == 1 + len(HBM_BUDGETS) * len(RECALL_BUDGETS) * len(RULES)
     assert {"oracle", "score"} <= set(RULES)
-    assert main(["recall-design", "--out", str(tmp_path), "--n-samples", "0"]) == 2
+    assert main(["experiment", "recall-design", "--out", str(tmp_path), "--n-samples", "0"]) == 2
     assert "--n-samples" in capsys.readouterr().err
 
 
@@ -440,7 +440,13 @@ def test_the_headline_compares_the_best_prefetchable_rule_at_equal_traffic_and_s
     """The sentence from cell results: the most accurate prefetchable rule at 30% HBM against quest-per-head and the
     oracle at its recall budget, its ms/token with the buffer and prefetch against quest's; the goal's gap in points.
     The served batches come from capacity_served.csv, and its absence is one line naming the fix."""
-    from thoughtkv.recall_design import LATENCY_BUFFER, PROFILES, headline, latency_key, served_batches
+    from thoughtkv.experiments.recall_design import (
+        LATENCY_BUFFER,
+        PROFILES,
+        headline,
+        latency_key,
+        served_batches,
+    )
     from thoughtkv_base import UserError
 
     def cell(rule, accuracy, ms_none, ms_prefetch=None, recall=0.2):
@@ -464,7 +470,7 @@ def test_the_headline_compares_the_best_prefetchable_rule_at_equal_traffic_and_s
 
 
 def test_the_served_point_is_set_beside_capacity_serveds_row_at_the_same_budgets(tmp_path):
-    from thoughtkv.recall_design import served_point_lines
+    from thoughtkv.experiments.recall_design import served_point_lines
 
     (tmp_path / "capacity_served.csv").write_text("profile,label,max_rate_per_s,limit,accuracy\n"
                                                   "h100-pcie,\"hierarchy 30%, recall ≤ 20%\",8.724,link bandwidth,0.295\n")

@@ -413,3 +413,38 @@ def test_default_sweep_output_is_ignored_by_git():
         pytest.skip("not a git checkout")
     result = subprocess.run(["git", "check-ignore", "-q", "sweeps/budgets/results.parquet"], cwd=REPO)
     assert result.returncode == 0
+
+
+def test_readme_experiments_table_lists_every_experiment_with_its_documents():
+    from thoughtkv.experiments import EXPERIMENTS
+
+    readme = (REPO / "README.md").read_text()
+    table = readme.split("| experiment | writes |", 1)[1].split("\n\n", 1)[0]
+    for name, _module, docs, _help in EXPERIMENTS:
+        row = next((line for line in table.splitlines() if line.startswith(f"| `{name}` |")), None)
+        assert row is not None, name
+        assert all(f"docs/{doc.strip()}" in row for doc in docs.split(",")), row
+
+
+def test_help_lists_the_product_commands_then_the_experiments_with_their_documents(capsys):
+    from thoughtkv.experiments import EXPERIMENTS
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    experiments_at = text.index("experiments (")
+    assert all(f"    {name}" in text[:experiments_at] for name, *_ in SUBCOMMANDS)
+    for name, _module, docs, _help in EXPERIMENTS:
+        assert f"  {name}  " in text[experiments_at:] and f"writes docs/{docs}" in text[experiments_at:], name
+
+
+def test_a_command_imports_only_its_own_module():
+    """`thoughtkv profiles list` builds its parser without importing another command's module (torch above
+    all): the other commands are listed, not loaded."""
+    script = ("import sys\nfrom thoughtkv.cli import build_parser, SUBCOMMANDS\n"
+              "build_parser(['profiles', 'list']).parse_args(['profiles', 'list'])\n"
+              "others = [m for _, m, _ in SUBCOMMANDS if m != 'hwprofiles.cli' and m in sys.modules]\n"
+              "print(others, 'torch' in sys.modules, 'thoughtkv.experiments.real_model' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["[]", "False", "False"], result.stdout

@@ -20,35 +20,35 @@ import sys
 import threading
 from contextlib import contextmanager
 
+from thoughtkv.experiments import EXPERIMENTS
 from thoughtkv_base import UserError, __version__
 
-# (name, module, one-line help). Order = order in --help.
+# The product commands: (name, module, one-line help). Order = order in --help.
 SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("profiles", "hwprofiles.cli", "hardware profiles: list, show, validate"),
     ("traces", "traces.cli", "trace runs: info, validate, synth (synthetic traces without torch)"),
     ("trace", "tracer.cli", "decode a model with a tiered KV cache and record a trace (torch)"),
     ("models", "tracer.models_cli", "the models --model takes by name: bundled, packaged; shapes, KV bytes per token"),
     ("simulate", "simulator.cli", "replay a trace against hardware profiles (SimPy)"),
-    ("serve-sim", "simulator.serving_cli", "serving simulation: continuous batching, HBM admission, shared link"),
+    ("serve-sim", "simulator.serving_cli", "serving simulation: continuous batching, paged admission, shared link"),
+    ("capacity", "thoughtkv.capacity", "capacity as served: max arrival rate at an SLO per policy x profile, figures"),
     ("sweep", "simulator.sweep_cli", "grid of simulations or collections, local process pool or Ray"),
     ("plot", "analysis.cli", "figures, tables and report.md from traces and simulator results"),
-    ("demo", "thoughtkv.demo", "the main job on the bundled micro model: trace, simulate, report"),
+    ("analyze", "analysis.analyze_cli", "statistics on traces (e.g. rank correlation between scorers)"),
     ("calibrate", "tracer.calibrate", "microbenchmarks of this machine -> a measured hardware profile"),
     ("crosscheck", "thoughtkv.crosscheck", "measured decode vs simulator on the calibrated profile"),
-    ("capacity-long", "thoughtkv.capacity_long", "the long workload's capacity-accuracy-traffic table and Pareto figure"),
-    ("capacity", "thoughtkv.capacity", "capacity as served: max arrival rate at an SLO per policy x profile, figures"),
-    ("capacity-served", "thoughtkv.capacity_served", "the committed table of capacity as served (qwen2-7b, three GPUs)"),
-    ("real-model", "thoughtkv.real_model", "the real LM's capacity-fidelity table (smollm2-135m, GSM8K): docs/real_model.md"),
-    ("recall-design", "thoughtkv.recall_design", "recall rules vs the oracle ceiling, with reuse (LRU buffer) and prefetch"),
-    ("analyze", "analysis.analyze_cli", "statistics on traces (e.g. rank correlation between scorers)"),
+    ("demo", "thoughtkv.demo", "the main job on the bundled micro model: trace, simulate, report"),
+    ("experiment", "thoughtkv.experiments.cli", "regenerate a committed document: the experiments listed below"),
 ]
 
-# Second-level subcommands whose code lives in another package than their parent's
-# (`traces synth` needs the simulator's placement model; `traces` itself stays the dependency-free base).
+# Second-level subcommands whose code lives in another module than their parent's (`traces synth` needs the
+# simulator's placement model; `traces` itself stays the dependency-free base), and the experiments.
 NESTED: dict[str, list[tuple[str, str, str]]] = {
     "traces": [("synth", "simulator.synth", "write a synthetic trace v1 for a known architecture (no torch)"),
                ("regrade", "tracer.regrade", "re-score a finished run's stored texts with the current grader (no torch)")],
+    "experiment": [(name, module, f"{help_text}; writes {docs}") for name, module, docs, help_text in EXPERIMENTS],
 }
+
 
 # After a Ctrl-C the main thread normally raises KeyboardInterrupt at once; inside one long C++ op (a 7B
 # matmul on a CPU takes tens of seconds) it cannot, so a watchdog ends the process after this grace.
@@ -78,16 +78,31 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _experiments_epilog() -> str:
+    width = max(len(name) for name, *_ in EXPERIMENTS)
+    lines = ["experiments (`thoughtkv experiment NAME --out docs/`; each resumes and rewrites its documents):"]
+    for name, _module, docs, help_text in EXPERIMENTS:
+        lines += [f"  {name:<{width}}  {help_text}", f"  {'':<{width}}  writes docs/{docs}"]
+    return "\n".join(lines)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole parser tree, or with `argv` only the chosen command's (and experiment's) module imported: every
+    command is listed with its help either way, but `thoughtkv simulate` never imports torch or pandas for the
+    commands it does not run."""
+    chosen = _chosen(argv)
     parser = OneLineParser(
         prog="thoughtkv",
         description="Trace collector and discrete-event memory-hierarchy simulator for reasoning-LLM KV caches.",
+        epilog=_experiments_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"thoughtkv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parser.set_defaults(_group_parser=parser, _group_dest="command")
     for name, module_name, help_text in SUBCOMMANDS:
         p = sub.add_parser(name, help=help_text, description=help_text)
+        if chosen and chosen[0] != name:
+            continue  # listed, not loaded
         module = importlib.import_module(module_name)
         nested_parent = module.add_arguments(p)
         p.set_defaults(_run=module.run, _stopped_note=getattr(module, "STOPPED_NOTE", None))
@@ -97,10 +112,23 @@ def build_parser() -> argparse.ArgumentParser:
         for child, child_module_name, child_help in NESTED.get(name, []):
             # The parent's add_arguments returns its subparsers action so that children can join it.
             cp = nested_parent.add_parser(child, help=child_help, description=child_help)
+            if len(chosen) > 1 and chosen[1] != child:
+                continue
             child_module = importlib.import_module(child_module_name)
             child_module.add_arguments(cp)
             cp.set_defaults(_run=child_module.run, _stopped_note=getattr(child_module, "STOPPED_NOTE", None))
     return parser
+
+
+def _chosen(argv: list[str] | None) -> tuple[str, ...]:
+    """The command (and its second word) that argv names, or () for the whole tree (--help, a typo, no argv)."""
+    if argv is None:
+        return ()
+    words = [word for word in argv if not word.startswith("-")][:2]
+    if not words or words[0] not in {name for name, *_ in SUBCOMMANDS}:
+        return ()
+    children = {child for child, *_ in NESTED.get(words[0], [])}
+    return tuple(words) if len(words) > 1 and words[1] in children else words[:1]
 
 
 def _subparsers_of(parser: argparse.ArgumentParser):
@@ -164,7 +192,9 @@ def hard_interrupt(command: str, grace_s: float = HARD_INTERRUPT_GRACE_S, note: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    own_command_line = argv is None  # the process's own (console script, python -m thoughtkv), not a caller's
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     group = getattr(args, "_group_parser", None)
     if group is not None and getattr(args, args._group_dest, None) is None:
@@ -189,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
         signum = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
         sys.stderr.write(stopped_line(args.command, signum, getattr(args, "_stopped_note", None)))
-        if argv is None:  # the process's own command line (console script, python -m thoughtkv)
+        if own_command_line:
             # Skip the interpreter's teardown: unloading torch took seconds on a loaded machine, and every file
             # the command wrote is already committed (temp name + rename).
             sys.stdout.flush()

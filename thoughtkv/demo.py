@@ -462,7 +462,7 @@ def mechanisms_figure(cells: list[Cell], run_dirs: dict[str, Path], report_dir: 
 
 # A small projected serving sweep (issue 39): every run at qwen2-7b's shapes with R1-7B GSM8K-like request lengths,
 # on one PCIe and one NVLink-C2C GPU, at four arrival rates doubled up to once; 20 s of arrivals per rate keeps it
-# near 40 s here (`thoughtkv capacity-served`, docs/capacity_served.md: 120 s, refined rates, n = 200).
+# near 40 s here (`thoughtkv experiment capacity-served`, docs/capacity_served.md: 120 s, refined rates, n = 200).
 SERVING_PROFILES = ("h100-pcie", "gh200-96gb")
 SERVING_RATES = (8.0, 16.0, 32.0, 64.0)
 SERVING = dict(duration_s=20.0, max_batch=4096, tbt_slo_s=0.1, ttft_slo_s=10.0, lengths="r1-7b/gsm8k")
@@ -496,8 +496,8 @@ REAL_MODEL_TOKENS = 64  # new tokens per problem: the section's decodes take abo
 
 def real_model_section(out: Path, n_samples: int) -> None:
     """smollm2-135m on a few shipped GSM8K problems: eviction and the hierarchy graded by fidelity to the full
-    cache, with traffic (thoughtkv.real_model.demo_section); skipped in one line when the model is not installed."""
-    from thoughtkv.real_model import MODEL, demo_section
+    cache, with traffic (thoughtkv.experiments.real_model.demo_section); skipped in one line when the model is not installed."""
+    from thoughtkv.experiments.real_model import MODEL, demo_section
     from tracer.packaged import PACKAGED_MODELS, PackagedModelError, model_file
 
     try:

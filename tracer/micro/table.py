@@ -1,6 +1,6 @@
 """The capacity–accuracy table of the bundled micro model, through the tracer's own Python API:
 
-    python -m tracer.micro table --out docs/ [--runs build/micro_table] [--n-samples 200] [--cells key|all]
+    thoughtkv experiment micro-table --out docs/ [--runs build/micro_table] [--n-samples 200] [--cells key|all]
 
 Every cell is a `thoughtkv trace` run (`tracer.run.run_trace`) in its own directory under `--runs`, so an
 interrupted table resumes where it stopped; the Markdown is rewritten from whatever runs exist, with n per cell.
@@ -187,7 +187,7 @@ def write_markdown(path: Path, runs: Path) -> None:
     lines = [
         "# Capacity–accuracy table of the bundled micro model (task `chains`, held-out split)",
         "",
-        "Regenerate: `python -m tracer.micro table --out docs/ --cells all` (resumes; one `thoughtkv trace` run",
+        "Regenerate: `thoughtkv experiment micro-table --out docs/ --cells all` (resumes; one `thoughtkv trace` run",
         f"per cell under `{runs}`). Greedy decoding, final-answer exact match; cells are accuracy % with the",
         "95% Wilson interval and the number of problems n, then the cell's traffic (traces.stats, decode steps): the",
         "mean share of the context attended (HBM + recalled) and the H2D bytes per generated token, priced at",

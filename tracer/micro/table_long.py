@@ -1,6 +1,6 @@
 """The capacity–accuracy–traffic table on the long workload (issue 14, part 4), through the tracer's Python API:
 
-    python -m tracer.micro table-long --out docs/ [--runs build/micro_long_table] [--n-samples 200]
+    thoughtkv experiment capacity-long --out docs/ [--runs build/micro_long_table] [--n-samples 200]
                                       [--cells key|all] [--shard I/N]
 
 Model: the bundled long-workload micro model (`tracer/assets/micro_long`); task `chains_long` (~547 tokens,
@@ -236,9 +236,9 @@ def write_markdown(path: Path, runs: Path) -> None:
         "# Capacity, accuracy and traffic on the long workload (`chains_long`, bundled `micro_long` model)",
         "",
         "Regenerate this table, its CSV and `figures/accuracy_vs_recall_long.png` (accuracy vs recall traffic):",
-        "`thoughtkv capacity-long --out docs/ --batch-size 16` (resumes; two processes side by side with `--shard 0/2`",
-        f"and `--shard 1/2`: 40 min on this 2-core box; one `thoughtkv trace` run per cell under `{runs}`; the",
-        "table alone: `python -m tracer.micro table-long`). Greedy decoding, final-answer exact match, 95% Wilson",
+        "`thoughtkv experiment capacity-long --out docs/ --batch-size 16` (resumes; two processes side by side with `--shard 0/2`",
+        f"and `--shard 1/2`: 40 min on this 2-core box; one `thoughtkv trace` run per cell under `{runs}`).",
+        "Greedy decoding, final-answer exact match, 95% Wilson",
         "interval, n per row",
         "(rows with different n are not equally precise). HBM budget = share of each sequence's current logical",
         f"length kept in HBM; blocks of {BLOCK_SIZE} tokens, {SINK_TOKENS} sink tokens and a {WINDOW_TOKENS}-token",

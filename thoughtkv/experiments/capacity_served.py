@@ -1,6 +1,6 @@
-"""`thoughtkv capacity-served --out docs/`: the committed table of capacity as served (docs/capacity_served.md).
+"""`thoughtkv experiment capacity-served --out docs/`: the committed table of capacity as served (docs/capacity_served.md).
 
-    thoughtkv capacity-served --out docs/ [--runs /work/runs-shared/micro_long] [--work build/capacity_served]
+    thoughtkv experiment capacity-served --out docs/ [--runs /work/runs-shared/micro_long] [--work build/capacity_served]
 
 The four micro_long runs of docs/capacity_accuracy_long.md that the table prices (full cache, evict 30% by h2o,
 the hierarchy at 30% recalling <= 10% and <= 20% of the context per step; n = 200 each, the same settings:
@@ -165,7 +165,7 @@ def write_table(capacity, table, out: Path) -> list[Path]:
         "# Capacity as served: max arrival rate per policy and GPU (qwen2-7b shapes, R1-7B GSM8K-like requests)",
         "",
         "Regenerate (resumes; traces the four runs where missing, caches every serving cell): "
-        "`thoughtkv capacity-served --out docs/` (runs under build/micro_long_table, where `capacity-long` puts "
+        "`thoughtkv experiment capacity-served --out docs/` (runs under build/micro_long_table, where `capacity-long` puts "
         f"them; `--runs DIR` reuses runs elsewhere; {REGENERATION_TEXT}). "
         "Each row: one micro_long run of docs/capacity_accuracy_long.md (n = 200 problems, blocks of 4, 4 sink "
         "tokens, a 16-token window, up to 600 new tokens) served by `thoughtkv capacity` — Poisson arrivals, "

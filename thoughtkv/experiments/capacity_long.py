@@ -1,6 +1,6 @@
-"""`thoughtkv capacity-long`: the long workload's capacity–accuracy–traffic table and its Pareto figure, one command.
+"""`thoughtkv experiment capacity-long`: the long workload's capacity–accuracy–traffic table and its Pareto figure, one command.
 
-    thoughtkv capacity-long --out docs/ [--runs build/micro_long_table] [--n-samples 200] [--figure-only]
+    thoughtkv experiment capacity-long --out docs/ [--runs build/micro_long_table] [--n-samples 200] [--figure-only]
 
 Traces every cell of `tracer.micro.table_long` (resumable: one `thoughtkv trace` run per cell), writes
 `capacity_accuracy_long.md` and `.csv` into --out, then draws from the CSV `figures/accuracy_vs_recall_long.png`
@@ -46,7 +46,7 @@ def draw(out: Path, runs: Path) -> Path:
     csv = out / CSV_NAME
     frame = pd.read_csv(csv) if csv.stat().st_size else pd.DataFrame(columns=["policy"])
     if frame.empty or not (frame["policy"] == "hierarchy").any():
-        raise UserError(f"{runs}: no hierarchy cell has run yet; run `thoughtkv capacity-long` without --figure-only")
+        raise UserError(f"{runs}: no hierarchy cell has run yet; run `thoughtkv experiment capacity-long` without --figure-only")
     return save_figure(accuracy_vs_recall(frame), out / "figures", FIGURE_STEM)[0]
 
 

@@ -1,6 +1,6 @@
-"""`thoughtkv recall-design --out docs/`: the recall design space on the long workload, two tables and one figure.
+"""`thoughtkv experiment recall-design --out docs/`: the recall design space on the long workload, two tables and one figure.
 
-    thoughtkv recall-design --out docs/ [--runs build/recall_design] [--work build/recall_design_cells]
+    thoughtkv experiment recall-design --out docs/ [--runs build/recall_design] [--work build/recall_design_cells]
                             [--n-samples 200] [--figure-only] [--agreement] [--served-point]
 
 Which blocks a hierarchy recalls, against the ceiling, with reuse, with speculation and with prefetch. Cells
@@ -157,18 +157,18 @@ def trace_cells(runs: Path, n_samples: int, batch_size: int, threads: int | None
 # -- per cell ---------------------------------------------------------------------------------------------------
 def served_batches(out: Path) -> dict[str, int]:
     """Per profile, the batch the served frontier runs: the knee's mean concurrency of `SERVED_ROW` in
-    OUT/capacity_served.csv (`thoughtkv capacity-served`), rounded."""
+    OUT/capacity_served.csv (`thoughtkv experiment capacity-served`), rounded."""
     import csv
 
     path = out / SERVED_TABLE
     if not path.is_file():
-        raise UserError(f"{path}: not found; the latencies at the served batch read it (run `thoughtkv capacity-served "
+        raise UserError(f"{path}: not found; the latencies at the served batch read it (run `thoughtkv experiment capacity-served "
                         f"--out {out}` first, or give --out the folder that holds it)")
     rows = {r["profile"]: r for r in csv.DictReader(path.open()) if r.get("label") == SERVED_ROW}
     missing = [p for p in PROFILES if p not in rows or not rows[p].get("knee_mean_concurrency")]
     if missing:
         raise UserError(f"{path}: no {SERVED_ROW!r} row with a knee_mean_concurrency for {', '.join(missing)}; "
-                        "regenerate it with `thoughtkv capacity-served`")
+                        "regenerate it with `thoughtkv experiment capacity-served`")
     return {p: max(1, round(float(rows[p]["knee_mean_concurrency"]))) for p in PROFILES}
 
 
@@ -426,15 +426,15 @@ SERVED_REFINE = 1
 
 
 def served_point(results: list[dict], runs: Path, work: Path, workers: int | None = None, log=print) -> dict | None:
-    """`thoughtkv capacity` (docs/capacity_served.md's serving settings: thoughtkv.capacity_served) of the best
+    """`thoughtkv capacity` (docs/capacity_served.md's serving settings: thoughtkv.experiments.capacity_served) of the best
     prefetchable rule's run at 30% HBM with an LRU of `LATENCY_BUFFER` blocks and layer prefetch, on
     `SERVED_PROFILE` (rates `SERVED_RATES`, `SERVED_REFINE` refinement round); each rate a sweep cell cached under
     WORK/served, summarised in WORK/served_point.json. None when no prefetchable cell has run."""
     import dataclasses
 
     from simulator.options import Projection, ServingConfig, SimOptions
-    from thoughtkv import capacity_served as served
     from thoughtkv.capacity import capacity_sweep
+    from thoughtkv.experiments import capacity_served as served
     from traces.layout import write_atomic
     from traces.policy import recall_is_prefetchable
 
@@ -468,7 +468,7 @@ def served_point_lines(served: dict | None, capacity_csv: Path | None = None) ->
         return []
     import csv
 
-    from thoughtkv import capacity_served
+    from thoughtkv.experiments import capacity_served
     from traces.stats import bytes_text
 
     settings = capacity_served.SETTINGS
@@ -604,7 +604,7 @@ def write_table(out: Path, runs: Path, work: Path, log=print) -> list[dict]:
         "# The recall design space: ceiling, reuse, speculation and prefetch (`chains_long`, bundled `micro_long` "
         "model)",
         "",
-        "Regenerate: `thoughtkv recall-design --out docs/ [--runs DIR] [--work DIR]` (resumable: one `thoughtkv "
+        "Regenerate: `thoughtkv experiment recall-design --out docs/ [--runs DIR] [--work DIR]` (resumable: one `thoughtkv "
         "trace` run per cell under --runs, default `build/recall_design`, a run already there with the cell's "
         "settings and enough problems adopted as it is; each cell's results cached under --work; ~2-4 min of one "
         "core per traced cell at `--batch-size 16`, ~1-2 min per cell for its replays and projections; "
@@ -680,7 +680,7 @@ def draw(out: Path) -> Path:
 
     frame = pd.read_csv(out / f"{TABLE}.csv")
     if frame.empty or not (frame["policy"] == "hierarchy").any():
-        raise UserError(f"{out / TABLE}.csv: no hierarchy cell has run yet; run `thoughtkv recall-design` first")
+        raise UserError(f"{out / TABLE}.csv: no hierarchy cell has run yet; run `thoughtkv experiment recall-design` first")
     return save_figure(recall_design_space(frame, BUFFER_SIZES[0], AS_MODEL), out / "figures", TABLE)[0]
 
 

@@ -1,5 +1,5 @@
 """The served part of docs/real_model.md: the real LM's runs served at qwen2-7b's shapes, fidelity against the
-highest sustainable arrival rate (`thoughtkv real-model --part served`).
+highest sustainable arrival rate (`thoughtkv experiment real-model --part served`).
 
 A subset of the table's cells (the full cache, the best evictions and hierarchies at 30% and 50% HBM) is served
 by `thoughtkv capacity`'s sweep with docs/capacity_served.md's settings (thoughtkv/capacity_served.py: the one
@@ -19,11 +19,11 @@ FIGURE_STEM = "real_model_served_frontier"
 
 
 def serve(out: Path, runs: Path, cells, fidelity: dict, workers: int | None = None) -> Path | None:
-    """Serve `cells` (thoughtkv.real_model.Cell, those that have run under `runs`) and write the section;
-    `fidelity`: the table's rows by cell name (thoughtkv.real_model.result_rows). None when no cell has run."""
+    """Serve `cells` (thoughtkv.experiments.real_model.Cell, those that have run under `runs`) and write the section;
+    `fidelity`: the table's rows by cell name (thoughtkv.experiments.real_model.result_rows). None when no cell has run."""
     from simulator.options import Projection, ServingConfig, SimOptions
     from thoughtkv.capacity import capacity_sweep
-    from thoughtkv.capacity_served import AS_MODEL, OPTIONS, RATES, REFINE, SETTINGS
+    from thoughtkv.experiments.capacity_served import AS_MODEL, OPTIONS, RATES, REFINE, SETTINGS
 
     cells = [c for c in cells if (runs / c.name / "run.json").is_file()]
     if not cells:
@@ -56,7 +56,7 @@ def write(out: Path, capacity, config, fidelity: dict, labels: dict) -> Path:
              f"of Poisson arrivals per rate, at most {config.max_batch} requests per iteration, overheads "
              f"{config.options.overhead_mode}, transfers {config.options.transfer}; sustainable = {slo}, nothing "
              "rejected). The rate is a 7B's; the fidelity is the 135M model's under the same policy (the full "
-             "cache: the reference itself). Regenerate: `thoughtkv real-model --part served --out docs/`.", "",
+             "cache: the reference itself). Regenerate: `thoughtkv experiment real-model --part served --out docs/`.", "",
              f"![served frontier](figures/{FIGURE_STEM}.png)", "",
              "| profile | method | max rate (req/s) | limit beyond it | top-1 agreement % [95% CI] | KL nats/token | "
              "H2D/token (served) | link util. at knee | HBM occupancy at knee |",

@@ -1,6 +1,6 @@
-"""`thoughtkv real-model --out docs/`: the capacity-fidelity table of a real pretrained LM (docs/real_model.md).
+"""`thoughtkv experiment real-model --out docs/`: the capacity-fidelity table of a real pretrained LM (docs/real_model.md).
 
-    thoughtkv real-model --out docs/ [--runs build/real_model] [--n-samples 100] [--shard I/N] [--batch-size 48]
+    thoughtkv experiment real-model --out docs/ [--runs build/real_model] [--n-samples 100] [--shard I/N] [--batch-size 48]
 
 Model `smollm2-135m` (SmolLM2-135M-Instruct, tracer/packaged.py) on GSM8K. Its accuracy is at the floor, so every
 policy is graded by fidelity to the model's own full-cache output (tracer/fidelity.py): the full cache's greedy
@@ -177,7 +177,7 @@ def run_table(out: Path, runs: Path, n_samples: int, data_file: Path, batch_size
         _trace_when_free(trace_config(reference, runs, n_samples, data_file, batch_size, max_new_tokens), progress)
     index, count = shard
     if "profile" in parts and index == 0:
-        from thoughtkv import real_model_profile
+        from thoughtkv.experiments import real_model_profile
 
         profiles = {model: real_model_profile.profile_model(runs, model, n_samples, data_file, max(1, batch_size // 3),
                                                             progress)
@@ -206,7 +206,7 @@ SERVED_CELLS = (Cell("full"), Cell("evict", 0.3, "tova"), Cell("evict", 0.3, "h2
 
 def _serve(out: Path, runs: Path) -> None:
     """The served frontier of SERVED_CELLS (thoughtkv/real_model_served.py), then the document again."""
-    from thoughtkv import real_model_served
+    from thoughtkv.experiments import real_model_served
 
     real_model_served.serve(out, runs, SERVED_CELLS, {row["cell"]: row for row in result_rows(runs)})
     write(out, runs)
@@ -363,7 +363,7 @@ def write(out: Path, runs: Path) -> None:
     lines = [
         "# A real pretrained LM: capacity against fidelity to the full cache (SmolLM2-135M-Instruct, GSM8K)",
         "",
-        f"Regenerate (resumes; one `thoughtkv trace` run per cell under `{runs}`): `thoughtkv real-model --out docs/`",
+        f"Regenerate (resumes; one `thoughtkv trace` run per cell under `{runs}`): `thoughtkv experiment real-model --out docs/`",
         "(two processes side by side: `--shard 0/2` and `--shard 1/2`). Model: `smollm2-135m` (tracer/packaged.py),",
         f"{DTYPE} on this CPU, greedy, GSM8K test problems in file order with the chat template and DeepSeek's",
         f"reasoning instruction, up to {limit} new tokens. Its GSM8K accuracy is at the floor, so each policy",
