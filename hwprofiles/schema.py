@@ -1,11 +1,12 @@
-"""Hardware profile schema: the records the simulator uses (SI units) and the YAML form they are read from.
+"""Hardware profile schema: the YAML form of the records in `hwprofiles.records` (SI units), read and written.
 
 In YAML every number is a mapping `{value: ..., unit: ..., source: "..."}` with an explicit unit and a source
 (datasheet name, paper, or the assumption it rests on). In Python everything is SI: bytes, seconds, B/s,
 FLOP/s. `profile_from_dict` turns the YAML form into a `HardwareProfile`, checking on the way every field that
 can be wrong (missing, unknown/typo, wrong unit, missing source, non-positive or absurd value) and raising
 `ProfileError` with a one-line message naming the file and the field. `profile_to_yaml_dict` is the inverse,
-so that calibration can write a measured profile.
+so that calibration can write a measured profile. Both walk one table of fields per section (`GPU_FIELDS`,
+...): a field's YAML key, record attribute, dimension and limits are written once.
 """
 
 from __future__ import annotations
@@ -13,182 +14,28 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from hwprofiles.records import (  # noqa: F401  (re-exported: the records' public home is this module too)
+    COPY_CURVE_KEYS,
+    CopyCurve,
+    GPUSpec,
+    HardwareProfile,
+    HostModel,
+    HostSpec,
+    LinkSpec,
+    MeasuredRun,
+    ModeSpec,
+    OverheadSpec,
+    TierSpec,
+    TransferSpec,
+)
 from thoughtkv_base import UserError
 
 
 class ProfileError(UserError):
     """A hardware profile that is missing, unreadable or fails validation (one-line message, exit 2)."""
-
-
-# ---------------------------------------------------------------- records (SI units) -------------------------
-
-
-@dataclass(frozen=True)
-class GPUSpec:
-    name: str
-    hbm_capacity_bytes: int
-    hbm_peak_bytes_per_s: float
-    hbm_efficiency: float  # achievable / peak, in (0, 1]
-    matmul_peak_flops_per_s: float  # dense bf16/fp16 tensor-core peak
-    matmul_efficiency: float  # achievable / peak, in (0, 1]
-
-    @property
-    def hbm_bytes_per_s(self) -> float:
-        return self.hbm_peak_bytes_per_s * self.hbm_efficiency
-
-    @property
-    def matmul_flops_per_s(self) -> float:
-        return self.matmul_peak_flops_per_s * self.matmul_efficiency
-
-
-@dataclass(frozen=True)
-class HostSpec:
-    ddr_capacity_bytes: int
-    ddr_bytes_per_s: float  # achievable host-memory bandwidth
-
-
-@dataclass(frozen=True)
-class LinkSpec:
-    kind: str  # one of LINK_KINDS
-    h2d_peak_bytes_per_s: float  # per direction
-    d2h_peak_bytes_per_s: float
-    h2d_bytes_per_s: float  # achievable (pinned-memory copies)
-    d2h_bytes_per_s: float
-    transfer_overhead_s: float  # fixed cost of one copy (launch + DMA setup)
-    copy_engines: int
-    full_duplex: bool  # H2D and D2H can run at full speed at the same time
-
-
-@dataclass(frozen=True)
-class TierSpec:
-    """An extra memory tier beyond HBM and host DDR, e.g. a CXL memory expander."""
-
-    name: str
-    kind: str  # one of TIER_KINDS
-    capacity_bytes: int
-    bytes_per_s: float  # achievable, to/from the GPU
-    latency_s: float  # added access latency of one transfer
-
-
-@dataclass(frozen=True)
-class OverheadSpec:
-    """Framework/launch overheads: 0 in datasheet profiles, filled in by calibration on a real machine.
-
-    `step_overhead_s` / `layer_overhead_s` are the "streaming" set: measured while the decode streams a model's
-    weights from memory. A CPU profile may also carry the "cached" set (all three optional fields or none):
-    the same fixed costs measured with near-zero weights, which apply when the model's weights fit in the
-    last-level cache of `cache_bytes` (then nothing evicts the ops' code and data between steps);
-    `simulator.costs.overheads_for` chooses.
-
-    `placement_overhead_s` / `recall_overhead_s` (and their cached twins) are the extra cost of a layer-step in
-    which the tiered cache's placement moved blocks (offload, eviction, promotion) / recalled blocks: measured
-    per policy by `thoughtkv calibrate` and kept in `provenance.overheads_by_decoder`, from where
-    `simulator.costs.profile_for_policy` sets them for the policy being simulated (policy-specific, so no YAML
-    field of their own; 0 everywhere else). `token_overhead_s` (YAML `token_overhead`) is charged per token a
-    layer-step reads or writes KV of.
-    """
-
-    step_overhead_s: float = 0.0
-    layer_overhead_s: float = 0.0
-    step_overhead_cached_s: float | None = None
-    layer_overhead_cached_s: float | None = None
-    cache_bytes: int | None = None  # the working set that stays in the cache (the cached set applies below it)
-    placement_overhead_s: float = 0.0
-    placement_overhead_cached_s: float = 0.0
-    recall_overhead_s: float = 0.0  # per layer-step that recalls: the hierarchy's recall bookkeeping (likewise set)
-    recall_overhead_cached_s: float = 0.0
-    recall_block_overhead_s: float = 0.0  # per block a recalling layer-step recalls (likewise set)
-    recall_block_overhead_cached_s: float = 0.0
-    token_overhead_s: float = 0.0  # per token a layer-step reads or writes KV of (attention, scoring, bookkeeping)
-
-    def __post_init__(self):
-        given = [v is not None for v in (self.step_overhead_cached_s, self.layer_overhead_cached_s, self.cache_bytes)]
-        if any(given) and not all(given):
-            raise ValueError("OverheadSpec: step_overhead_cached_s, layer_overhead_cached_s and cache_bytes go "
-                             "together (all three or none)")
-
-    @property
-    def has_cached(self) -> bool:
-        return self.cache_bytes is not None
-
-
-@dataclass(frozen=True)
-class CopyCurve:
-    """Measured time of one copy against its size (one direction, pinned or pageable host memory).
-
-    Points are strictly increasing in bytes; `simulator.mechanisms.curve_time_s` interpolates linearly between
-    them and extends the first / last segment beyond them (so a curve that is a line is that line everywhere).
-    """
-
-    bytes: tuple[float, ...]
-    seconds: tuple[float, ...]
-
-
-COPY_CURVE_KEYS = ("h2d_pinned", "d2h_pinned", "h2d_pageable", "d2h_pageable")
-
-
-@dataclass(frozen=True)
-class TransferSpec:
-    """Parameters of the transfer mechanisms other than per-copy DMA (`simulator/mechanisms.py`); all optional.
-
-    A mechanism that needs a field the profile lacks is refused on that profile with a one-line error.
-    """
-
-    sm_copy_h2d_bytes_per_s: float | None = None  # a copy kernel on a few SMs, achievable
-    sm_copy_d2h_bytes_per_s: float | None = None
-    sm_copy_sm_share: float | None = None  # fraction of the GPU's SMs the copy kernel occupies while it runs
-    sm_copy_overhead_s: float | None = None  # launch cost of one copy kernel
-    zero_copy_bytes_per_s: float | None = None  # a kernel reading host memory over the link (no staging)
-    zero_copy_latency_s: float | None = None  # added once per kernel that reads host memory
-    host_attention_flops_per_s: float | None = None  # achievable CPU FLOP/s for attention over DDR blocks
-    copy_curves: tuple[tuple[str, CopyCurve], ...] = ()  # (key in COPY_CURVE_KEYS, curve)
-
-    def curve(self, key: str) -> CopyCurve | None:
-        return dict(self.copy_curves).get(key)
-
-
-@dataclass(frozen=True)
-class HostModel:
-    """The host's side of a decode step on a GPU: the framework's Python, dispatcher and launches that issue the
-    step's GPU work (`simulator/README.md`, "Host model"; the formulas are `simulator.costs.host_times`).
-
-    The host issues `ops_per_layer` ops per decoder layer and `ops_per_step` outside the layers at `op_s` each,
-    plus `step_s` once per step (a CUDA graph's launch, the decode loop's own Python). The GPU runs them as they
-    are issued, so a step costs about max(host, GPU); the GPU cannot start before the host has issued the step's
-    first `lead_ops` ops (and `step_s`), and the token is out no sooner than the host has issued every op (the
-    host waits for it: sampling, stop checks). All zero: no host model (kernel-only, or a measured CPU profile
-    whose calibrated overheads are host time already). `term` names the host cost per op that was used:
-    "cited" (the mode's measured sources) or the measured profile whose calibration timed this host.
-    """
-
-    ops_per_layer: float = 0.0
-    ops_per_step: float = 0.0
-    lead_ops: float = 0.0
-    op_s: float = 0.0
-    step_s: float = 0.0
-    term: str = "none"
-
-    @property
-    def active(self) -> bool:
-        return self.op_s > 0 or self.step_s > 0
-
-
-@dataclass(frozen=True)
-class HardwareProfile:
-    name: str
-    description: str
-    gpu: GPUSpec
-    host: HostSpec
-    link: LinkSpec
-    extra_tiers: tuple[TierSpec, ...] = ()
-    overheads: OverheadSpec = field(default_factory=OverheadSpec)
-    transfer: TransferSpec = field(default_factory=TransferSpec)
-    provenance: dict = field(default_factory=lambda: {"kind": "datasheet"})
-    path: str = ""
-    host_model: HostModel = field(default_factory=HostModel)  # set by an overhead mode (overhead_modes.apply_mode)
 
 
 # ---------------------------------------------------------------- units and limits ---------------------------
@@ -233,10 +80,9 @@ TIER_BYTES_PER_S = (0.1 * GB, 10 * TB)
 TIER_LATENCY_S = (0.0, 1.0)
 OVERHEAD_S = (0.0, 1.0)
 CACHE_BYTES = (16 * 2**10, 64 * GB)  # a last-level cache: 16 KiB (a tiny core's L2) .. 64 GB
-CACHED_OVERHEAD_FIELDS = ("step_overhead_cached", "layer_overhead_cached", "cache_bytes")
 
 
-# ---------------------------------------------------------------- YAML -> records ----------------------------
+# ---------------------------------------------------------------- the YAML reader ---------------------------
 
 
 class _Section:
@@ -356,6 +202,124 @@ def _show(si: float, dimension: str) -> str:
     return f"{si / UNITS[dimension][unit]:g} {unit}"
 
 
+# ---------------------------------------------------------------- the field tables ---------------------------
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a YAML section and the record attribute it fills: `_read_fields` parses it, `_dump_fields`
+    writes it back. `dimension` is a key of UNITS (a `{value, unit, source}` number; capacities are rounded to
+    whole bytes, counts must be whole), "text" (a bare string, one of `choices` if given) or "flag"
+    (`{value: true|false, source}`)."""
+
+    key: str
+    attr: str
+    dimension: str
+    limits: tuple[float, float] = (0.0, 0.0)  # SI, inclusive
+    positive: bool = True  # a number must be > 0 (else >= 0)
+    cpu_limits: tuple[float, float] | None = None  # the limits when the "GPU" is the CPU (link kind "host")
+    choices: tuple[str, ...] | None = None
+    required: bool = True  # False: an absent number reads as 0
+    unit: str | None = None  # the unit the dump writes (default: DISPLAY_UNIT of the dimension)
+    omit_zero: bool = False  # the dump leaves a 0 out (it reads back as 0)
+    group: str = ""  # fields that come together (all or none; absent: the record's default None)
+
+
+RATIO = (0.0, 1.0)  # an efficiency: achievable / peak, in (0, 1]
+GPU_FIELDS = (
+    Field("name", "name", "text"),
+    Field("hbm_capacity", "hbm_capacity_bytes", "capacity", HBM_CAPACITY_BYTES),
+    Field("hbm_peak_bandwidth", "hbm_peak_bytes_per_s", "bandwidth", HBM_BYTES_PER_S,
+          cpu_limits=CPU_DEVICE_BYTES_PER_S),
+    Field("hbm_efficiency", "hbm_efficiency", "ratio", RATIO),
+    Field("matmul_peak", "matmul_peak_flops_per_s", "flops", MATMUL_FLOPS_PER_S, cpu_limits=CPU_DEVICE_FLOPS_PER_S),
+    Field("matmul_efficiency", "matmul_efficiency", "ratio", RATIO),
+)
+HOST_FIELDS = (
+    Field("ddr_capacity", "ddr_capacity_bytes", "capacity", DDR_CAPACITY_BYTES),
+    Field("ddr_bandwidth", "ddr_bytes_per_s", "bandwidth", DDR_BYTES_PER_S),
+)
+LINK_FIELDS = (
+    Field("kind", "kind", "text", choices=LINK_KINDS),  # first: the GPU's limits depend on it
+    Field("h2d_peak_bandwidth", "h2d_peak_bytes_per_s", "bandwidth", LINK_BYTES_PER_S),
+    Field("d2h_peak_bandwidth", "d2h_peak_bytes_per_s", "bandwidth", LINK_BYTES_PER_S),
+    Field("h2d_bandwidth", "h2d_bytes_per_s", "bandwidth", LINK_BYTES_PER_S),
+    Field("d2h_bandwidth", "d2h_bytes_per_s", "bandwidth", LINK_BYTES_PER_S),
+    Field("transfer_overhead", "transfer_overhead_s", "time", TRANSFER_OVERHEAD_S, positive=False),
+    Field("copy_engines", "copy_engines", "count", COPY_ENGINES),
+    Field("full_duplex", "full_duplex", "flag"),
+)
+# The required sections, in the order the YAML form writes them: (key, record class, fields).
+SECTIONS = (("gpu", GPUSpec, GPU_FIELDS), ("host", HostSpec, HOST_FIELDS), ("link", LinkSpec, LINK_FIELDS))
+# The optional `overheads:` section; the "cached" group is the last-level-cache set (OverheadSpec).
+OVERHEAD_FIELDS = (
+    Field("step_overhead", "step_overhead_s", "time", OVERHEAD_S, positive=False, required=False),
+    Field("layer_overhead", "layer_overhead_s", "time", OVERHEAD_S, positive=False, required=False),
+    Field("token_overhead", "token_overhead_s", "time", OVERHEAD_S, positive=False, required=False, omit_zero=True),
+    Field("step_overhead_cached", "step_overhead_cached_s", "time", OVERHEAD_S, positive=False, group="cached"),
+    Field("layer_overhead_cached", "layer_overhead_cached_s", "time", OVERHEAD_S, positive=False, group="cached"),
+    Field("cache_bytes", "cache_bytes", "capacity", CACHE_BYTES, unit="MiB", group="cached"),
+)
+CACHED_OVERHEAD_FIELDS = tuple(f.key for f in OVERHEAD_FIELDS if f.group == "cached")
+# The optional `transfer:` section (every field optional; an absent one stays None).
+TRANSFER_FIELDS = (
+    Field("sm_copy_h2d_bandwidth", "sm_copy_h2d_bytes_per_s", "bandwidth", LINK_BYTES_PER_S),
+    Field("sm_copy_d2h_bandwidth", "sm_copy_d2h_bytes_per_s", "bandwidth", LINK_BYTES_PER_S),
+    Field("sm_copy_sm_share", "sm_copy_sm_share", "ratio", (0.0, 0.5)),
+    Field("sm_copy_overhead", "sm_copy_overhead_s", "time", TRANSFER_OVERHEAD_S, positive=False),
+    Field("zero_copy_bandwidth", "zero_copy_bytes_per_s", "bandwidth", LINK_BYTES_PER_S),
+    Field("zero_copy_latency", "zero_copy_latency_s", "time", TRANSFER_OVERHEAD_S, positive=False),
+    Field("host_attention_flops", "host_attention_flops_per_s", "flops", CPU_DEVICE_FLOPS_PER_S),
+)
+# One entry of the optional `extra_tiers:` list.
+TIER_FIELDS = (
+    Field("name", "name", "text"),
+    Field("kind", "kind", "text", choices=TIER_KINDS),
+    Field("capacity", "capacity_bytes", "capacity", TIER_CAPACITY_BYTES),
+    Field("bandwidth", "bytes_per_s", "bandwidth", TIER_BYTES_PER_S),
+    Field("latency", "latency_s", "time", TIER_LATENCY_S, positive=False),
+)
+
+
+def _read(s: _Section, f: Field, cpu_device: bool = False) -> Any:
+    if f.dimension == "text":
+        return s.text(f.key, f.choices)
+    if f.dimension == "flag":
+        return s.flag(f.key)
+    if f.dimension == "count":
+        return s.count(f.key, f.limits, positive=f.positive)
+    limits = f.cpu_limits if cpu_device and f.cpu_limits else f.limits
+    si = s.quantity(f.key, f.dimension, limits, positive=f.positive, required=f.required)
+    return round(si) if f.dimension == "capacity" else si
+
+
+def _read_fields(s: _Section, fields: tuple[Field, ...], cpu_device: bool = False,
+                 only_present: bool = False) -> dict[str, Any]:
+    """`fields` of section `s` -> {record attribute: value}, read in table order (so the first bad field is the
+    one reported). `only_present`: skip the keys `s` lacks (they are not "known fields" in a typo's hint)."""
+    return {f.attr: _read(s, f, cpu_device) for f in fields if not only_present or f.key in s.data}
+
+
+def _dump_fields(record: Any, fields: tuple[Field, ...], source, prefix: str) -> dict:
+    """The inverse of `_read_fields`: `record`'s fields in table order, each number with `source(prefix.key)`;
+    a None (an absent optional field) and an `omit_zero` 0 are left out."""
+    data = {}
+    for f in fields:
+        value = getattr(record, f.attr)
+        if value is None or f.omit_zero and not value:
+            continue
+        if f.dimension == "text":
+            data[f.key] = value
+        elif f.dimension == "flag":
+            data[f.key] = {"value": value, "source": source(f"{prefix}.{f.key}")}
+        else:
+            data[f.key] = _quantity_dict(value, f.dimension, source(f"{prefix}.{f.key}"), f.unit)
+    return data
+
+
+# ---------------------------------------------------------------- YAML -> records ----------------------------
+
+
 def profile_from_dict(data: Any, file: str) -> HardwareProfile:
     """The YAML form (already parsed by `yaml.safe_load`) -> a validated `HardwareProfile`."""
     top = _Section(data, "", file)
@@ -371,39 +335,13 @@ def profile_from_dict(data: Any, file: str) -> HardwareProfile:
         top.fail("provenance: keys must be strings")
 
     lk = top.section("link")
-    cpu_device = lk.text("kind", LINK_KINDS) == "host"
-
-    g = top.section("gpu")
-    gpu = GPUSpec(
-        name=g.text("name"),
-        hbm_capacity_bytes=round(g.quantity("hbm_capacity", "capacity", HBM_CAPACITY_BYTES)),
-        hbm_peak_bytes_per_s=g.quantity("hbm_peak_bandwidth", "bandwidth",
-                                        CPU_DEVICE_BYTES_PER_S if cpu_device else HBM_BYTES_PER_S),
-        hbm_efficiency=g.ratio("hbm_efficiency"),
-        matmul_peak_flops_per_s=g.quantity("matmul_peak", "flops",
-                                           CPU_DEVICE_FLOPS_PER_S if cpu_device else MATMUL_FLOPS_PER_S),
-        matmul_efficiency=g.ratio("matmul_efficiency"),
-    )
-    g.done()
-
-    h = top.section("host")
-    host = HostSpec(
-        ddr_capacity_bytes=round(h.quantity("ddr_capacity", "capacity", DDR_CAPACITY_BYTES)),
-        ddr_bytes_per_s=h.quantity("ddr_bandwidth", "bandwidth", DDR_BYTES_PER_S),
-    )
-    h.done()
-
-    link = LinkSpec(
-        kind=lk.text("kind", LINK_KINDS),
-        h2d_peak_bytes_per_s=lk.quantity("h2d_peak_bandwidth", "bandwidth", LINK_BYTES_PER_S),
-        d2h_peak_bytes_per_s=lk.quantity("d2h_peak_bandwidth", "bandwidth", LINK_BYTES_PER_S),
-        h2d_bytes_per_s=lk.quantity("h2d_bandwidth", "bandwidth", LINK_BYTES_PER_S),
-        d2h_bytes_per_s=lk.quantity("d2h_bandwidth", "bandwidth", LINK_BYTES_PER_S),
-        transfer_overhead_s=lk.quantity("transfer_overhead", "time", TRANSFER_OVERHEAD_S, positive=False),
-        copy_engines=lk.count("copy_engines", COPY_ENGINES),
-        full_duplex=lk.flag("full_duplex"),
-    )
-    lk.done()
+    cpu_device = _read(lk, LINK_FIELDS[0]) == "host"
+    records = {}
+    for key, record, fields in SECTIONS:
+        s = lk if key == "link" else top.section(key)
+        records[key] = record(**_read_fields(s, fields, cpu_device))
+        s.done()
+    gpu, host, link = records["gpu"], records["host"], records["link"]
     for direction in ("h2d", "d2h"):
         achievable = getattr(link, f"{direction}_bytes_per_s")
         peak = getattr(link, f"{direction}_peak_bytes_per_s")
@@ -419,24 +357,13 @@ def profile_from_dict(data: Any, file: str) -> HardwareProfile:
     o = top.section("overheads", required=False)
     overheads = OverheadSpec()
     if o is not None:
-        cached = {}
         present = [key for key in CACHED_OVERHEAD_FIELDS if key in o.data]
         if present and len(present) < len(CACHED_OVERHEAD_FIELDS):
             missing = [key for key in CACHED_OVERHEAD_FIELDS if key not in o.data]
             o.fail(f"{', '.join(present)} without {', '.join(missing)}: the cached overheads need all three of "
                    f"{', '.join(CACHED_OVERHEAD_FIELDS)}; add `{missing[0]}:` or remove {', '.join(present)}")
-        if present:
-            cached = dict(
-                step_overhead_cached_s=o.quantity("step_overhead_cached", "time", OVERHEAD_S, positive=False),
-                layer_overhead_cached_s=o.quantity("layer_overhead_cached", "time", OVERHEAD_S, positive=False),
-                cache_bytes=round(o.quantity("cache_bytes", "capacity", CACHE_BYTES)),
-            )
-        overheads = OverheadSpec(
-            step_overhead_s=o.quantity("step_overhead", "time", OVERHEAD_S, positive=False, required=False),
-            layer_overhead_s=o.quantity("layer_overhead", "time", OVERHEAD_S, positive=False, required=False),
-            token_overhead_s=o.quantity("token_overhead", "time", OVERHEAD_S, positive=False, required=False),
-            **cached,
-        )
+        cached = _read_fields(o, tuple(f for f in OVERHEAD_FIELDS if f.group)) if present else {}
+        overheads = OverheadSpec(**_read_fields(o, tuple(f for f in OVERHEAD_FIELDS if not f.group)), **cached)
         o.done()
     transfer = _parse_transfer(top.section("transfer", required=False), link, host)
     top.done()
@@ -445,16 +372,6 @@ def profile_from_dict(data: Any, file: str) -> HardwareProfile:
                            provenance=dict(provenance), path=file)
 
 
-# The optional `transfer:` section: (YAML key, TransferSpec field, dimension, limits).
-TRANSFER_FIELDS = (
-    ("sm_copy_h2d_bandwidth", "sm_copy_h2d_bytes_per_s", "bandwidth", LINK_BYTES_PER_S),
-    ("sm_copy_d2h_bandwidth", "sm_copy_d2h_bytes_per_s", "bandwidth", LINK_BYTES_PER_S),
-    ("sm_copy_sm_share", "sm_copy_sm_share", "ratio", (0.0, 0.5)),
-    ("sm_copy_overhead", "sm_copy_overhead_s", "time", TRANSFER_OVERHEAD_S),
-    ("zero_copy_bandwidth", "zero_copy_bytes_per_s", "bandwidth", LINK_BYTES_PER_S),
-    ("zero_copy_latency", "zero_copy_latency_s", "time", TRANSFER_OVERHEAD_S),
-    ("host_attention_flops", "host_attention_flops_per_s", "flops", CPU_DEVICE_FLOPS_PER_S),
-)
 COPY_CURVE_POINTS = (2, 256)
 COPY_CURVE_BYTES = (1.0, 1e12)
 
@@ -462,11 +379,7 @@ COPY_CURVE_BYTES = (1.0, 1e12)
 def _parse_transfer(t: _Section | None, link: LinkSpec, host: HostSpec) -> TransferSpec:
     if t is None:
         return TransferSpec()
-    values = {}
-    for key, attr, dimension, limits in TRANSFER_FIELDS:
-        if key in t.data:
-            positive = dimension not in ("time",)
-            values[attr] = t.quantity(key, dimension, limits, positive=positive)
+    values = _read_fields(t, TRANSFER_FIELDS, only_present=True)
     for direction in ("h2d", "d2h"):  # a kernel moves bytes over the same wire as the DMA engines
         rate = values.get(f"sm_copy_{direction}_bytes_per_s")
         peak = getattr(link, f"{direction}_peak_bytes_per_s")
@@ -530,13 +443,7 @@ def _parse_tiers(raw: Any, gpu: GPUSpec, file: str) -> tuple[TierSpec, ...]:
     tiers, names = [], set()
     for index, item in enumerate(raw):
         t = _Section(item, f"extra_tiers[{index}]", file)
-        tier = TierSpec(
-            name=t.text("name"),
-            kind=t.text("kind", TIER_KINDS),
-            capacity_bytes=round(t.quantity("capacity", "capacity", TIER_CAPACITY_BYTES)),
-            bytes_per_s=t.quantity("bandwidth", "bandwidth", TIER_BYTES_PER_S),
-            latency_s=t.quantity("latency", "time", TIER_LATENCY_S, positive=False),
-        )
+        tier = TierSpec(**_read_fields(t, TIER_FIELDS))
         t.done()
         if tier.name in names or tier.name in ("hbm", "ddr"):
             t.fail(f"name: {tier.name!r:.40} is used twice (hbm and ddr are taken); give each tier its own name")
@@ -548,43 +455,6 @@ def _parse_tiers(raw: Any, gpu: GPUSpec, file: str) -> tuple[TierSpec, ...]:
 
 
 # ---------------------------------------------------------------- overhead modes (YAML -> records) ----------
-
-
-@dataclass(frozen=True)
-class MeasuredRun:
-    """One measured decode the host's cost per op is derived from: time per token / ops the code issues per token."""
-
-    run: str
-    time_per_token_s: float
-    ops_per_token: int
-
-    @property
-    def op_s(self) -> float:
-        return self.time_per_token_s / self.ops_per_token
-
-
-@dataclass(frozen=True)
-class ModeSpec:
-    """An overhead mode's cited figures (`hwprofiles/overheads/<mode>.yaml`; `overhead_modes.apply_mode` uses them).
-
-    `op_s` is the geometric mean of `runs`' time per op (the one figure whose largest relative error over those
-    runs is smallest), 0 when the mode issues no eager op. `decode_hbm_fraction`: the share of a profile's
-    achievable HBM bandwidth a decode step's kernels reach (None: the mode takes another mode's, see there).
-    """
-
-    name: str
-    ops_per_layer: int
-    ops_per_step: int
-    lead_ops: int
-    step_s: float
-    runs: tuple[MeasuredRun, ...] = ()
-    decode_hbm_fraction: float | None = None
-
-    @property
-    def op_s(self) -> float:
-        if not self.runs:
-            return 0.0
-        return math.exp(sum(math.log(r.op_s) for r in self.runs) / len(self.runs))
 
 
 MODE_OPS = (0, 100_000)  # ops a decode step issues per layer / outside the layers
@@ -652,72 +522,22 @@ def profile_to_yaml_dict(profile: HardwareProfile, sources: dict[str, str]) -> d
             raise ProfileError(f"profile {profile.name}: no source for {key}; pass sources[{key!r}] or sources['*']")
         return text
 
-    g, h, lk, o = profile.gpu, profile.host, profile.link, profile.overheads
-    data = {
-        "name": profile.name,
-        "description": profile.description,
-        "provenance": dict(profile.provenance),
-        "gpu": {
-            "name": g.name,
-            "hbm_capacity": _quantity_dict(g.hbm_capacity_bytes, "capacity", source("gpu.hbm_capacity")),
-            "hbm_peak_bandwidth": _quantity_dict(g.hbm_peak_bytes_per_s, "bandwidth", source("gpu.hbm_peak_bandwidth")),
-            "hbm_efficiency": _quantity_dict(g.hbm_efficiency, "ratio", source("gpu.hbm_efficiency")),
-            "matmul_peak": _quantity_dict(g.matmul_peak_flops_per_s, "flops", source("gpu.matmul_peak")),
-            "matmul_efficiency": _quantity_dict(g.matmul_efficiency, "ratio", source("gpu.matmul_efficiency")),
-        },
-        "host": {
-            "ddr_capacity": _quantity_dict(h.ddr_capacity_bytes, "capacity", source("host.ddr_capacity")),
-            "ddr_bandwidth": _quantity_dict(h.ddr_bytes_per_s, "bandwidth", source("host.ddr_bandwidth")),
-        },
-        "link": {
-            "kind": lk.kind,
-            "h2d_peak_bandwidth": _quantity_dict(lk.h2d_peak_bytes_per_s, "bandwidth", source("link.h2d_peak_bandwidth")),
-            "d2h_peak_bandwidth": _quantity_dict(lk.d2h_peak_bytes_per_s, "bandwidth", source("link.d2h_peak_bandwidth")),
-            "h2d_bandwidth": _quantity_dict(lk.h2d_bytes_per_s, "bandwidth", source("link.h2d_bandwidth")),
-            "d2h_bandwidth": _quantity_dict(lk.d2h_bytes_per_s, "bandwidth", source("link.d2h_bandwidth")),
-            "transfer_overhead": _quantity_dict(lk.transfer_overhead_s, "time", source("link.transfer_overhead")),
-            "copy_engines": _quantity_dict(lk.copy_engines, "count", source("link.copy_engines")),
-            "full_duplex": {"value": lk.full_duplex, "source": source("link.full_duplex")},
-        },
-        "overheads": {
-            "step_overhead": _quantity_dict(o.step_overhead_s, "time", source("overheads.step_overhead")),
-            "layer_overhead": _quantity_dict(o.layer_overhead_s, "time", source("overheads.layer_overhead")),
-        },
-    }
-    if o.token_overhead_s:
-        data["overheads"]["token_overhead"] = _quantity_dict(o.token_overhead_s, "time", source("overheads.token_overhead"))
-    if o.has_cached:
-        data["overheads"].update({
-            "step_overhead_cached": _quantity_dict(o.step_overhead_cached_s, "time",
-                                                   source("overheads.step_overhead_cached")),
-            "layer_overhead_cached": _quantity_dict(o.layer_overhead_cached_s, "time",
-                                                    source("overheads.layer_overhead_cached")),
-            "cache_bytes": _quantity_dict(o.cache_bytes, "capacity", source("overheads.cache_bytes"), unit="MiB"),
-        })
+    data = {"name": profile.name, "description": profile.description, "provenance": dict(profile.provenance)}
+    for key, _record, fields in SECTIONS:
+        data[key] = _dump_fields(getattr(profile, key), fields, source, key)
+    data["overheads"] = _dump_fields(profile.overheads, OVERHEAD_FIELDS, source, "overheads")
     transfer = _transfer_dict(profile.transfer, source)
     if transfer:
         data["transfer"] = transfer
     if profile.extra_tiers:
-        data["extra_tiers"] = [
-            {
-                "name": t.name,
-                "kind": t.kind,
-                "capacity": _quantity_dict(t.capacity_bytes, "capacity", source(f"extra_tiers[{i}].capacity")),
-                "bandwidth": _quantity_dict(t.bytes_per_s, "bandwidth", source(f"extra_tiers[{i}].bandwidth")),
-                "latency": _quantity_dict(t.latency_s, "time", source(f"extra_tiers[{i}].latency")),
-            }
-            for i, t in enumerate(profile.extra_tiers)
-        ]
+        data["extra_tiers"] = [_dump_fields(t, TIER_FIELDS, source, f"extra_tiers[{i}]")
+                               for i, t in enumerate(profile.extra_tiers)]
     return data
 
 
 def _transfer_dict(spec: TransferSpec, source) -> dict:
     """The optional `transfer:` section (only the fields the profile has)."""
-    data = {}
-    for key, attr, dimension, _limits in TRANSFER_FIELDS:
-        value = getattr(spec, attr)
-        if value is not None:
-            data[key] = _quantity_dict(value, dimension, source(f"transfer.{key}"))
+    data = _dump_fields(spec, TRANSFER_FIELDS, source, "transfer")
     if spec.copy_curves:
         data["copy_curve"] = {
             key: {"bytes": [int(b) if float(b).is_integer() else b for b in curve.bytes],
