@@ -49,7 +49,7 @@ preemptions too); preemptions, recomputed tokens and swapped bytes; the GPU's bu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -141,7 +141,7 @@ class SampleWork:
 
 
 def sample_work(steps: pd.DataFrame, sample: pd.Series, shape: costs.ModelShape,
-                profile: HardwareProfile, tier: str = "ddr", transfer: str = DEFAULT_MECHANISM,
+                profile: HardwareProfile, *, tier: str = "ddr", transfer: str = DEFAULT_MECHANISM,
                 projection: Projection | None = None, lengths: tuple[int, int] | None = None,
                 recall_buffer_blocks: int | None = None, block_size: int | None = None) -> SampleWork:
     """Arrays of one sample from its steps rows: the cost model's FLOPs/KV bytes and the engine's transfers
@@ -162,16 +162,16 @@ def sample_work(steps: pd.DataFrame, sample: pd.Series, shape: costs.ModelShape,
         grid = project_arrays(grid, shape, target, projection.context_scale, projection.recalls, lengths=lengths)
         shape = target  # the block lists do not carry over: no moved_blocks / recalled_blocks, as in simulate_run
         prompt_tokens = int(lengths[0]) if lengths is not None else int(round(prompt_tokens * projection.context_scale))
-    query, attended = grid["query_tokens"], grid["hbm_tokens"] + grid["recalled_tokens"]
+    query, attended = grid.query_tokens, grid.attended_tokens
     n_steps, n_layers = query.shape
     flops, _ = costs.layer_flops_bytes(shape, query, attended, batch=1)
     attn_flops, attn_bytes = costs.attention_flops_bytes(shape, query, attended)
     mechanism = mechanism_for(transfer, profile)
     # sync offload and no overlap: the copies' durations only; a serving iteration stretches ops itself
-    work = mechanism_workload(mechanism, str(sample["sample_id"]), shape, profile, query, grid["hbm_tokens"],
-                              grid["recalled_tokens"], grid["bytes_h2d"], grid["bytes_d2h"], grid["hbm_kv_bytes"],
-                              grid["ddr_kv_bytes"], tier=tier, overlap="none", async_offload=False)
-    load = sequence_load(mechanism, shape, query, grid["hbm_tokens"], grid["recalled_tokens"], grid["bytes_h2d"]) \
+    work = mechanism_workload(mechanism, str(sample["sample_id"]), shape, profile,
+                              replace(grid, moved_blocks=None, recalled_blocks=None), tier=tier, overlap="none",
+                              async_offload=False)  # the blocks' bookkeeping: event_s, once per iteration
+    load = sequence_load(mechanism, shape, query, grid.hbm_tokens, grid.recalled_tokens, grid.bytes_h2d) \
         if custom_layers(mechanism) else None
     ops = (n_steps, n_layers + 1)
     return SampleWork(
@@ -180,14 +180,14 @@ def sample_work(steps: pd.DataFrame, sample: pd.Series, shape: costs.ModelShape,
         recall_bytes=work.recall_bytes.reshape(ops), recall_s=work.recall_s.reshape(ops),
         offload_bytes=work.offload_bytes.reshape(ops), offload_s=work.offload_s.reshape(ops),
         hbm_kv_bytes=work.step_hbm_kv_bytes, ddr_kv_bytes=work.step_ddr_kv_bytes, load=load,
-        event_s=costs.event_times(shape, profile, grid.get("moved_blocks"), grid["bytes_h2d"],
-                                  recalled_blocks=grid.get("recalled_blocks")),
+        event_s=costs.event_times(shape, profile, grid.moved_blocks, grid.bytes_h2d,
+                                  recalled_blocks=grid.recalled_blocks),
         query_tokens=np.asarray(query, dtype=np.float64), attn_flops=attn_flops,
         attended_tokens=np.asarray(attended, dtype=np.float64),
     )
 
 
-def load_run_work(run_dir: str | Path, profile: HardwareProfile, tier: str = "ddr",
+def load_run_work(run_dir: str | Path, profile: HardwareProfile, *, tier: str = "ddr",
                   transfer: str = DEFAULT_MECHANISM, projection: Projection | None = None,
                   lengths: str | None = None, seed: int = 0,
                   classes: list[tuple[int, int, int]] | None = None, recall_buffer_blocks: int | None = None
@@ -216,11 +216,13 @@ def load_run_work(run_dir: str | Path, profile: HardwareProfile, tier: str = "dd
         picks = np.random.default_rng([seed, 1]).integers(0, len(samples), size=len(sizes))
         classes = [(int(i), prompt, output) for i, (prompt, output) in zip(picks, sizes)]
     if classes is None:
-        works = [sample_work(by_sample[row.sample_id], row, shape, profile, tier, transfer, projection, **buffer)
+        works = [sample_work(by_sample[row.sample_id], row, shape, profile, tier=tier, transfer=transfer,
+                             projection=projection, **buffer)
                  for _, row in samples.iterrows()]
     else:
-        works = [sample_work(by_sample[samples.iloc[i]["sample_id"]], samples.iloc[i], shape, profile, tier, transfer,
-                             projection, lengths=(prompt, output), **buffer) for i, prompt, output in classes]
+        works = [sample_work(by_sample[samples.iloc[i]["sample_id"]], samples.iloc[i], shape, profile, tier=tier,
+                             transfer=transfer, projection=projection, lengths=(prompt, output), **buffer)
+                 for i, prompt, output in classes]
     return run.manifest, (projection.shape if projection is not None else shape), works
 
 
@@ -481,8 +483,8 @@ class ServingSim:
             op_s = costs.add_layer_events(op_s, np.sum(events, axis=0))
         self.gpu_busy_s += sum(op_s)
         yield from self.schedule.run(
-            op_s, recall_s, recall_bytes, offload_s, offload_bytes, entries, plan.rids.tolist(), following_s,
-            following_bytes, n_layers=n_layers)
+            op_s, recall_s, recall_bytes, offload_s, offload_bytes, entries, plan.rids.tolist(),
+            following_s=following_s, following_bytes=following_bytes, n_layers=n_layers)
 
     def refill_offloads(self, request: Request, step: int) -> tuple[np.ndarray, np.ndarray]:
         """A recompute's last chunk re-writes the request's offloaded KV of `step`: ddr_kv_bytes / L after each
@@ -671,8 +673,9 @@ def simulate_serving(run_dir: str | Path, profile: str | HardwareProfile, config
         requests = read_arrivals_csv(config.arrivals_csv)
         work_of["classes"], request_class = csv_classes(
             requests, run.samples()[["prompt_tokens", "generated_tokens"]].to_numpy())
-    manifest, shape, works = load_run_work(run_dir, profile, chain.primary, config.options.transfer, **work_of)
-    spill_works = load_run_work(run_dir, profile, chain.spill, config.options.transfer, **work_of)[2] \
+    manifest, shape, works = load_run_work(run_dir, profile, tier=chain.primary, transfer=config.options.transfer,
+                                           **work_of)
+    spill_works = load_run_work(run_dir, profile, tier=chain.spill, transfer=config.options.transfer, **work_of)[2] \
         if chain.spill else None
     if config.arrivals_csv:
         arrivals = csv_arrivals(requests, request_class)
