@@ -277,8 +277,7 @@ class CpuAttention(Mechanism):
         host read rate) + partial bytes / H2D runs beside the GPU's attention: op = t_gpu + max(0, t_host - t_attn)."""
         base = Mechanism.layer_times(self, ctx, load)
         profile = ctx.profile
-        attn_s = np.maximum(np.asarray(load.attn_flops) / profile.gpu.matmul_flops_per_s,
-                            np.asarray(load.kv_bytes) / profile.gpu.hbm_bytes_per_s)
+        attn_s = costs.roofline(load.attn_flops, load.kv_bytes, profile, 0.0).total_s
         host_s = np.maximum(np.asarray(load.host_flops) / profile.transfer.host_attention_flops_per_s,
                             np.asarray(load.remote_bytes) / ctx.host_read_bytes_per_s)
         o = profile.link.transfer_overhead_s
