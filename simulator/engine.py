@@ -323,8 +323,8 @@ def sequence(env: simpy.Environment, hw: Hardware, work: Workload, overlap: str,
         else:
             yield from schedule.run(
                 compute2[s].tolist(), per_member(recall2[s]), per_member(recall_bytes2[s]), per_member(offload2[s]),
-                per_member(offload_bytes2[s]), members, members, per_member(following2[s]),
-                per_member(following_bytes2[s]), op_offset=s * per_step, track=track, step=s, n_layers=work.n_layers)
+                per_member(offload_bytes2[s]), members, members, following_s=per_member(following2[s]),
+                following_bytes=per_member(following_bytes2[s]), op_offset=s * per_step, track=track, step=s, n_layers=work.n_layers)
         if host_s and env.now < host_start_s + host_s:  # the token is out once the host has issued every op
             yield timeout(host_start_s + host_s - env.now)
         hw.gpu.release(gpu)

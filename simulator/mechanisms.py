@@ -27,12 +27,16 @@ Interface (both engines, the fast paths and serving use only this):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hwprofiles import HardwareProfile
 from simulator import costs
 from thoughtkv_base import UserError
+
+if TYPE_CHECKING:
+    from simulator.workload import StepArrays
 
 DEFAULT_MECHANISM = "dma-per-block"
 PARTIAL_STATS_BYTES = 8  # per query and head: the running max and sum of the partial softmax, fp32 each
@@ -273,8 +277,7 @@ class CpuAttention(Mechanism):
         host read rate) + partial bytes / H2D runs beside the GPU's attention: op = t_gpu + max(0, t_host - t_attn)."""
         base = Mechanism.layer_times(self, ctx, load)
         profile = ctx.profile
-        attn_s = np.maximum(np.asarray(load.attn_flops) / profile.gpu.matmul_flops_per_s,
-                            np.asarray(load.kv_bytes) / profile.gpu.hbm_bytes_per_s)
+        attn_s = costs.roofline(load.attn_flops, load.kv_bytes, profile, 0.0).total_s
         host_s = np.maximum(np.asarray(load.host_flops) / profile.transfer.host_attention_flops_per_s,
                             np.asarray(load.remote_bytes) / ctx.host_read_bytes_per_s)
         o = profile.link.transfer_overhead_s
@@ -318,10 +321,9 @@ def overlapping_copy_s(recall_s: np.ndarray, offload_s: np.ndarray, overlap: str
 
 
 def build_workload(mechanism: Mechanism, sample_id: str, shape: costs.ModelShape, profile: HardwareProfile,
-                   query_tokens, hbm_tokens, recalled_tokens, bytes_h2d, bytes_d2h, hbm_kv_bytes, ddr_kv_bytes,
-                   batch: int = 1, tier: str = "ddr", overlap: str = "none", async_offload: bool = True,
-                   moved_blocks=None, recalled_blocks=None):
-    """`workload.build_workload` under a transfer mechanism (arrays [steps, layers] of one sample).
+                   steps: StepArrays, *, batch: int = 1, tier: str = "ddr", overlap: str = "none",
+                   async_offload: bool = True):
+    """`workload.build_workload` under a transfer mechanism (one sample's StepArrays).
 
     `dma-per-block` without a copy curve is exactly `workload.build_workload`. The others replace the copy
     durations (`copy_s`), drop recall copies that do not happen (zero-copy, cpu-attention: their bytes are read
@@ -332,10 +334,11 @@ def build_workload(mechanism: Mechanism, sample_id: str, shape: costs.ModelShape
     from simulator.workload import build_workload as base_workload
 
     mechanism.check(profile)
-    hbm = np.asarray(hbm_tokens, dtype=np.float64)
-    rec = np.asarray(recalled_tokens, dtype=np.float64)
-    work = base_workload(sample_id, shape, profile, query_tokens, hbm + rec, bytes_h2d, bytes_d2h, hbm_kv_bytes,
-                         ddr_kv_bytes, batch, tier, moved_blocks, recalled_blocks)
+    hbm = np.asarray(steps.hbm_tokens, dtype=np.float64)
+    rec = np.asarray(steps.recalled_tokens, dtype=np.float64)
+    query_tokens, bytes_h2d = steps.query_tokens, steps.bytes_h2d
+    moved_blocks, recalled_blocks = steps.moved_blocks, steps.recalled_blocks
+    work = base_workload(sample_id, shape, profile, steps, batch=batch, tier=tier)
     ctx = context(profile, shape, tier)
     n_steps, n_layers = hbm.shape
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from simulator.costs import ModelShape
 from simulator.errors import ProjectionError
+from simulator.workload import StepArrays
 
 # The option itself (options.Projection: flags, grid keys, checks) imports this module for the arithmetic.
 __all__ = ["layer_map", "project_arrays", "step_map", "target_shape"]
@@ -74,9 +75,9 @@ def step_map(source_steps: int, target_steps: int) -> np.ndarray:
     return rows
 
 
-def project_arrays(arrays: dict[str, np.ndarray], source: ModelShape, target: ModelShape,
+def project_arrays(arrays: StepArrays, source: ModelShape, target: ModelShape,
                    context_scale: float = 1.0, recalls: str = "share",
-                   lengths: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+                   lengths: tuple[int, int] | None = None) -> StepArrays:
     """One sample's step arrays [steps, source layers] -> the same access pattern on `target` [steps, target
     layers] (see the module docstring). Columns other than the ones the cost model reads are dropped.
 
@@ -88,10 +89,10 @@ def project_arrays(arrays: dict[str, np.ndarray], source: ModelShape, target: Mo
     simulator/lengths.py): T steps, step j replaying source step `step_map(N, T)[j]`'s tier shares at logical
     length P + j (the prefill: P query tokens), instead of the traced lengths scaled by `context_scale`."""
     columns = layer_map(source.n_layers, target.n_layers)
-    rows = slice(None) if lengths is None else step_map(len(arrays["logical_len"]), int(lengths[1]))
+    rows = slice(None) if lengths is None else step_map(len(arrays.logical_len), int(lengths[1]))
 
     def source_column(name: str) -> np.ndarray:
-        return np.asarray(arrays[name], dtype=np.float64)[rows][:, columns]
+        return np.asarray(getattr(arrays, name), dtype=np.float64)[rows][:, columns]
 
     length = source_column("logical_len")
     query = source_column("query_tokens")
@@ -109,8 +110,6 @@ def project_arrays(arrays: dict[str, np.ndarray], source: ModelShape, target: Mo
     for name in BYTE_FIELDS:  # bytes -> tokens of the source -> shares
         share[name] = source_column(name) / source.kv_bytes_per_token_layer / length
     out = {
-        "step": np.broadcast_to(np.arange(length.shape[0], dtype=np.float64)[:, None], length.shape).copy(),
-        "layer": np.broadcast_to(np.arange(target.n_layers, dtype=np.float64), length.shape).copy(),
         "logical_len": target_length,
         "query_tokens": target_query,
     }
@@ -127,4 +126,4 @@ def project_arrays(arrays: dict[str, np.ndarray], source: ModelShape, target: Mo
         out["hbm_kv_bytes"] = out["hbm_kv_bytes"] - (out["recalled_tokens"] - recalled) * kvpl
         out["recalled_tokens"] = recalled
         out["bytes_h2d"] = moved * kvpl
-    return out
+    return StepArrays(**out)

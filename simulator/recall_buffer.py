@@ -13,10 +13,11 @@ the buffer's HBM counts against capacity.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from simulator.workload import StepArrays
 from traces.recall_buffer import hbm_blocks, replay
 
 
@@ -53,18 +54,19 @@ def replay_buffer(steps, capacity: int, block_bytes: int, block_hbm_bytes: int) 
     return BufferReplay(capacity, recalled, hits, misses, misses * block_bytes,
                         hbm_blocks(held, recalled) * block_hbm_bytes)
 
-def block_copy_bytes(frame, arrays: dict, default_bytes: float) -> float:
+def block_copy_bytes(frame, arrays: StepArrays, default_bytes: float) -> float:
     """Bytes one miss copies (a DDR block as stored) in one sample's steps: its copied bytes over its copied blocks
     (the misses where the trace had a buffer, `recall_misses`, else every recalled block); `default_bytes` where
     the sample copied nothing."""
-    recalled = float(arrays["recalled_blocks"].sum())
+    recalled = float(arrays.recalled_blocks.sum())
     misses = frame["recall_misses"] if "recall_misses" in frame else None
     copied = float(misses.fillna(0).sum()) if misses is not None and misses.notna().any() else recalled
-    n_bytes = float(arrays["bytes_h2d"].sum())
+    n_bytes = float(arrays.bytes_h2d.sum())
     return n_bytes / copied if copied > 0 and n_bytes > 0 else float(default_bytes)
 
 
-def with_recall_buffer(arrays: dict, frame, capacity: int, block_size: int, kv_bytes_per_token_layer: float) -> dict:
+def with_recall_buffer(arrays: StepArrays, frame, capacity: int, block_size: int,
+                       kv_bytes_per_token_layer: float) -> StepArrays:
     """One sample's step arrays ([steps, layers], `simulator.workload.step_arrays`) with the recorded recalls
     replayed through a buffer of `capacity` blocks (`replay_buffer`; 0: none, every recalled block copied):
     `bytes_h2d` the misses' bytes, `hbm_kv_bytes` the resident and recalled tokens plus what the buffer holds
@@ -73,11 +75,9 @@ def with_recall_buffer(arrays: dict, frame, capacity: int, block_size: int, kv_b
     recall_misses where the trace had a buffer)."""
     block_hbm_bytes = block_size * kv_bytes_per_token_layer
     played = replay_buffer(frame, capacity, block_copy_bytes(frame, arrays, block_hbm_bytes), block_hbm_bytes)
-    if played.recalled_blocks.shape != arrays["recalled_blocks"].shape or \
-            (played.recalled_blocks != arrays["recalled_blocks"]).any():
+    if played.recalled_blocks.shape != arrays.recalled_blocks.shape or \
+            (played.recalled_blocks != arrays.recalled_blocks).any():
         raise ValueError("the recalled ids and the step arrays are of different steps")
-    out = dict(arrays)
-    out["bytes_h2d"] = played.bytes_h2d.astype(np.float64)
     held_beyond = played.recall_hbm_bytes - played.recalled_blocks * block_hbm_bytes
-    out["hbm_kv_bytes"] = (arrays["hbm_tokens"] + arrays["recalled_tokens"]) * kv_bytes_per_token_layer + held_beyond
-    return out
+    return replace(arrays, bytes_h2d=played.bytes_h2d.astype(np.float64),
+                   hbm_kv_bytes=arrays.attended_tokens * kv_bytes_per_token_layer + held_beyond)

@@ -49,7 +49,7 @@ class StepSchedule:
         self.pending: dict = {}
 
     def run(self, op_s: Sequence[float], recall_s: np.ndarray, recall_bytes: np.ndarray, offload_s: np.ndarray,
-            offload_bytes: np.ndarray, members: Sequence, keys: Sequence, following_s: np.ndarray | None = None,
+            offload_bytes: np.ndarray, members: Sequence, keys: Sequence, *, following_s: np.ndarray | None = None,
             following_bytes: np.ndarray | None = None, op_offset: int = 0, track: str | None = None,
             step: int = 0, n_layers: int | None = None):
         """A SimPy process body: one step. Arrays are [member, operation]; `op_offset` numbers the operations

@@ -204,7 +204,7 @@ def estimate_serving(run_dirs, profiles, config) -> ServingEstimate:
             tokens, span_s = n_requests * float(np.mean(outputs)), config.duration_s
         per_request = tokens / max(n_requests, 1)
         for profile in profiles:
-            step_s = shape.weight_bytes / profile.gpu.hbm_bytes_per_s
+            step_s = float(costs.roofline(0.0, shape.weight_bytes, profile, 0.0).total_s)  # the weights' read
             batch = min(max(1.0, n_requests / span_s * per_request * step_s), config.max_batch, max(n_requests, 1))
             iteration_s = SECONDS_PER_ITERATION + SECONDS_PER_ITERATION_OP * (shape.n_layers + 1)
             total.requests += n_requests

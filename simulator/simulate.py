@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +35,7 @@ from simulator.errors import SimulationError
 from simulator.options import KEY_FIELDS, Projection, SimOptions
 from simulator.recall_buffer import with_recall_buffer
 from simulator.whatif import parse_what_if, replay, replays_own_recalls, traced_config, what_if_config
-from simulator.workload import STEP_COLUMNS, Timing, Workload, step_arrays
+from simulator.workload import STEP_COLUMNS, StepArrays, Timing, Workload, step_arrays
 from traces.host import provenance_warning, same_host
 from traces.policy import PREFETCHABLE_RECALL_RULES, PolicySpec, recall_is_prefetchable
 from traces.reader import TraceRun, open_run
@@ -106,11 +106,11 @@ def simulate_run(
         mass_evicted = mass_not_recalled = None
         if projected:
             recorded = recorded_recalls(run, sample_id, shape.n_layers) if replays_own_recalls(policy, config) else None
-            played = replay(run.access(sample_id), arrays["logical_len"][:, 0], shape.n_layers,
+            played = replay(run.access(sample_id), arrays.logical_len[:, 0], shape.n_layers,
                             int(policy["block_size"]), config, shape.kv_bytes_per_token_layer, recorded)
             kvpl = shape.kv_bytes_per_token_layer
-            arrays.update(
-                hbm_tokens=played.hbm_tokens, recalled_tokens=played.recalled_tokens,
+            arrays = replace(
+                arrays, hbm_tokens=played.hbm_tokens, recalled_tokens=played.recalled_tokens,
                 bytes_h2d=played.bytes_h2d, bytes_d2h=played.bytes_d2h, moved_blocks=played.moved_blocks,
                 recalled_blocks=played.recalled_blocks,
                 hbm_kv_bytes=(played.hbm_tokens + played.recalled_tokens) * kvpl,
@@ -123,12 +123,9 @@ def simulate_run(
         if projection is not None:
             arrays = projection.apply(arrays, shape)
         work = mechanisms.build_workload(  # --transfer: how blocks cross the link (dma-per-block: as before)
-            mechanism, sample_id, cost_shape, profile, arrays["query_tokens"], arrays["hbm_tokens"],
-            arrays["recalled_tokens"], arrays["bytes_h2d"], arrays["bytes_d2h"], arrays["hbm_kv_bytes"],
-            arrays["ddr_kv_bytes"], options.batch,
-            tiers.tier_for(profile, chain, options.batch * float(arrays["ddr_kv_bytes"].sum(1).max())), overlap,
-            async_offload, moved_blocks=arrays.get("moved_blocks"),  # None once projected: another model's costs
-            recalled_blocks=arrays.get("recalled_blocks"),
+            mechanism, sample_id, cost_shape, profile, arrays, batch=options.batch,
+            tier=tiers.tier_for(profile, chain, options.batch * float(arrays.ddr_kv_bytes.sum(1).max())),
+            overlap=overlap, async_offload=async_offload,  # moved/recalled blocks: None once projected
         )
         record = timeline if index == 0 else None  # a timeline shows the first sample (the DES records it)
         use_fast = engine == "fast" or (engine == "auto" and record is None
@@ -144,8 +141,9 @@ def simulate_run(
                 record.begin_process(f"{profile.name} {sample_id}")
             timing = run_des(work, profile, overlap, async_offload, record)
         row = _sample_row(run, cost_shape, profile, config, options, work, timing, arrays,
-                          "fast" if use_fast else "des", projected, overrides, mass_evicted, mass_not_recalled,
-                          overhead_source)
+                          engine_used="fast" if use_fast else "des", projected=projected, overrides=overrides,
+                          mass_evicted=mass_evicted, mass_not_recalled=mass_not_recalled,
+                          overhead_source=overhead_source)
         if projection is not None:  # labelled "projected", the source run named
             row.update(result_kind="projected", run_label=projection.label(row["run_label"]))
         row["overhead_mode"] = mode_of(profile)  # the mode charged (the option may leave it to the profile)
@@ -184,8 +182,9 @@ def check_prefetch(run: TraceRun, config: PolicySpec, projected: bool) -> None:
     )
 
 
-def _sample_row(run, shape, profile, config: PolicySpec, options: SimOptions, work: Workload, timing: Timing, arrays,
-                engine_used, projected, overrides, mass_evicted, mass_not_recalled, overhead_source) -> dict:
+def _sample_row(run, shape, profile, config: PolicySpec, options: SimOptions, work: Workload, timing: Timing,
+                arrays: StepArrays, *, engine_used, projected, overrides, mass_evicted, mass_not_recalled,
+                overhead_source) -> dict:
     """One results row, in the order and with the names of columns.RESULT_COLUMNS."""
     batch = work.batch
     total_s = timing.total_s
@@ -202,7 +201,7 @@ def _sample_row(run, shape, profile, config: PolicySpec, options: SimOptions, wo
     decode_rows = slice(1, None) if work.n_steps > 1 else slice(None)
     kv_hbm_per_seq = float(work.step_hbm_kv_bytes[decode_rows].max())
     kv_ddr_per_seq = float(work.step_ddr_kv_bytes[decode_rows].max())
-    kv_full_per_seq = float(arrays["logical_len"][-1, 0] * shape.kv_bytes_per_token)
+    kv_full_per_seq = float(arrays.logical_len[-1, 0] * shape.kv_bytes_per_token)
     free_hbm = profile.gpu.hbm_capacity_bytes - shape.weight_bytes
     chain = tiers.tier_chain(profile, options.offload_tier)
     ddr_capacity = tiers.capacity_bytes(profile, chain)  # the offload tier, with its spill tier (ddr+TIER)
@@ -229,7 +228,7 @@ def _sample_row(run, shape, profile, config: PolicySpec, options: SimOptions, wo
         "overhead_source": overhead_source,
         "sample_id": work.sample_id,
         "steps": work.n_steps,
-        "prompt_tokens": int(arrays["query_tokens"][0, 0]),
+        "prompt_tokens": int(arrays.query_tokens[0, 0]),
         "total_s": total_s,
         "prefill_s": prefill_s,
         "decode_s": decode_s,

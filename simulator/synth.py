@@ -130,8 +130,8 @@ def synth_run(
     writer = TraceWriter(out, manifest, resume=True)
     todo = [(i, s) for i, s in enumerate(sample_ids) if s not in writer.done_sample_ids()]
     for index, sample_id in tqdm(todo, desc="synth", unit="sample", disable=not progress):
-        rows = synth_sample(sample_id, index, arch, config, prompt_tokens, decode_steps, dtype, seed,
-                            access_params or {})
+        rows = synth_sample(sample_id, index, arch, config, prompt_tokens, decode_steps, dtype, seed=seed,
+                            access_params=access_params or {})
         writer.write_sample(rows["sample"], rows["steps"], rows["tokens"], rows["access"] if access else None)
     return Path(out)
 
@@ -216,7 +216,7 @@ def duration_text(seconds: float) -> str:
     return f"{seconds:.2g} s"
 
 
-def synth_sample(sample_id: str, index: int, arch, config, prompt_tokens: int, decode_steps: int, dtype: str,
+def synth_sample(sample_id: str, index: int, arch, config, prompt_tokens: int, decode_steps: int, dtype: str, *,
                  seed: int, access_params: dict) -> dict:
     """One sample's rows: {"sample", "steps", "tokens", "access"} (access with float `block_mass`)."""
     import numpy as np

@@ -32,8 +32,34 @@ MOVE_COLUMNS = ("promoted_block_ids", "offloaded_block_ids", "evicted_block_ids"
 STEP_COLUMNS = NUMERIC_STEP_COLUMNS + MOVE_COLUMNS + ("recalled_block_ids", "recall_misses")
 
 
-def step_arrays(frame, n_layers: int, where: str = "steps table") -> dict[str, np.ndarray]:
-    """One sample's steps rows (any order) -> {column: float64 array [n_steps, n_layers]} for NUMERIC_STEP_COLUMNS
+@dataclass(frozen=True)
+class StepArrays:
+    """One sample's steps as float64 arrays [n_steps, n_layers]: what the cost model and the engines read.
+
+    `logical_len` and `ddr_tokens` are the tracer's (the replays and projections read them); `moved_blocks`
+    and `recalled_blocks` count the blocks each layer-step moved or recalled (placement and recall
+    bookkeeping; None where they are not known, e.g. once projected onto another model)."""
+
+    query_tokens: np.ndarray
+    hbm_tokens: np.ndarray
+    recalled_tokens: np.ndarray
+    bytes_h2d: np.ndarray
+    bytes_d2h: np.ndarray
+    hbm_kv_bytes: np.ndarray
+    ddr_kv_bytes: np.ndarray
+    logical_len: np.ndarray | None = None
+    ddr_tokens: np.ndarray | None = None
+    moved_blocks: np.ndarray | None = None
+    recalled_blocks: np.ndarray | None = None
+
+    @property
+    def attended_tokens(self) -> np.ndarray:
+        """Tokens attention reads per layer-step: those resident in HBM and those recalled into it."""
+        return np.asarray(self.hbm_tokens, dtype=np.float64) + np.asarray(self.recalled_tokens, dtype=np.float64)
+
+
+def step_arrays(frame, n_layers: int, where: str = "steps table") -> StepArrays:
+    """One sample's steps rows (any order) -> StepArrays: NUMERIC_STEP_COLUMNS as float64 [n_steps, n_layers]
     and `moved_blocks` (the lengths of the MOVE_COLUMNS lists present, summed; 0 where none are).
 
     Refuses rows that are not exactly one per (step, layer) for steps 0..n-1: the arrays would mix up layers."""
@@ -45,16 +71,16 @@ def step_arrays(frame, n_layers: int, where: str = "steps table") -> dict[str, n
             or (layer != np.tile(np.arange(n_layers), n_steps)).any()):
         raise TraceFormatError(f"{where}: {len(frame)} rows that are not one per (step, layer) for {n_layers} layers; "
                                "run `thoughtkv traces validate`")
-    arrays = {c: frame[c].to_numpy(dtype=np.float64).reshape(n_steps, n_layers) for c in NUMERIC_STEP_COLUMNS}
+    arrays = {c: frame[c].to_numpy(dtype=np.float64).reshape(n_steps, n_layers)
+              for c in NUMERIC_STEP_COLUMNS if c not in ("step", "layer")}
     moved = np.zeros(len(frame), dtype=np.float64)
     for column in MOVE_COLUMNS:
         if column in frame:
             moved += frame[column].map(lambda ids: 0 if ids is None else len(ids)).to_numpy(dtype=np.float64)
-    arrays["moved_blocks"] = moved.reshape(n_steps, n_layers)
     recalled = (frame["recalled_block_ids"].map(lambda ids: 0 if ids is None else len(ids)).to_numpy(dtype=np.float64)
                 if "recalled_block_ids" in frame else np.zeros(len(frame)))
-    arrays["recalled_blocks"] = recalled.reshape(n_steps, n_layers)
-    return arrays
+    return StepArrays(**arrays, moved_blocks=moved.reshape(n_steps, n_layers),
+                      recalled_blocks=recalled.reshape(n_steps, n_layers))
 
 
 @dataclass
@@ -86,19 +112,17 @@ def build_workload(
     sample_id: str,
     shape: costs.ModelShape,
     profile: HardwareProfile,
-    query_tokens: np.ndarray,
-    attended_tokens: np.ndarray,
-    bytes_h2d: np.ndarray,
-    bytes_d2h: np.ndarray,
-    hbm_kv_bytes: np.ndarray,
-    ddr_kv_bytes: np.ndarray,
+    steps: StepArrays,
+    *,
     batch: int = 1,
     tier: str = "ddr",
-    moved_blocks: np.ndarray | None = None,
-    recalled_blocks: np.ndarray | None = None,
 ) -> Workload:
-    """Arrays [n_steps, n_layers] of one sample (trace rows or a what-if replay) -> a Workload. `moved_blocks`
-    (blocks the placement moved per layer-step; None: none known) adds the placement overhead where > 0."""
+    """One sample's StepArrays (trace rows or a what-if replay) -> a Workload. `steps.moved_blocks` (blocks the
+    placement moved per layer-step; None: none known) adds the placement overhead where > 0."""
+    query_tokens = np.asarray(steps.query_tokens, dtype=np.float64)
+    attended_tokens = steps.attended_tokens
+    bytes_h2d, bytes_d2h = steps.bytes_h2d, steps.bytes_d2h
+    moved_blocks, recalled_blocks = steps.moved_blocks, steps.recalled_blocks
     n_steps, n_layers = query_tokens.shape
     layer = costs.layer_times(shape, profile, query_tokens, attended_tokens, batch)
     layer = costs.with_events(layer, shape, profile, moved_blocks, bytes_h2d, batch, recalled_blocks)  # bookkeeping
@@ -129,8 +153,8 @@ def build_workload(
         offload_s=costs.transfer_s(offload_bytes, d2h_rate, overhead),
         recall_overhead_s=overhead,
         offload_overhead_s=overhead,
-        step_hbm_kv_bytes=np.asarray(hbm_kv_bytes, dtype=np.float64).sum(1),
-        step_ddr_kv_bytes=np.asarray(ddr_kv_bytes, dtype=np.float64).sum(1),
+        step_hbm_kv_bytes=np.asarray(steps.hbm_kv_bytes, dtype=np.float64).sum(1),
+        step_ddr_kv_bytes=np.asarray(steps.ddr_kv_bytes, dtype=np.float64).sum(1),
         host=costs.host_times(shape, profile),
     )
 

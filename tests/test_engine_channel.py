@@ -16,7 +16,7 @@ from simulator import serving
 from simulator.costs import ModelShape
 from simulator.engine import Channel, Hardware, ResourceChannel, Timeline, run_des
 from simulator.options import SimOptions
-from simulator.workload import Timing, Workload, build_workload
+from simulator.workload import StepArrays, Timing, Workload, build_workload
 from traces.manifest import model_manifest
 
 REL = 1e-12
@@ -260,7 +260,9 @@ def random_workload(rng, profile, batch: int) -> Workload:
     d2h = np.where(rng.random((n_steps, n_layers)) < offload_p, rng.integers(1, 200, (n_steps, n_layers)) * block, 0)
     if rng.random() < 0.5:
         h2d[0] = 0
-    return build_workload("s", SHAPE, profile, query, attended, h2d, d2h, attended, attended, batch)
+    steps = StepArrays(query_tokens=query, hbm_tokens=attended, recalled_tokens=0 * attended, bytes_h2d=h2d,
+                       bytes_d2h=d2h, hbm_kv_bytes=attended, ddr_kv_bytes=attended)
+    return build_workload("s", SHAPE, profile, steps, batch=batch)
 
 
 def gpu_and_copy_slices(timeline: Timeline) -> list[tuple]:

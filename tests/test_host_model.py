@@ -16,7 +16,7 @@ from simulator import SimOptions, simulate_run
 from simulator.costs import NO_HOST, ModelShape, host_times
 from simulator.engine import run_des
 from simulator.fastpath import run_fast
-from simulator.workload import build_workload
+from simulator.workload import StepArrays, build_workload
 from traces.manifest import model_manifest
 
 
@@ -50,7 +50,9 @@ def test_a_step_without_copies_costs_max_of_lead_plus_gpu_and_host(op_s):
     query[0] = 40
     attended = 40 + np.arange(steps)[:, None] * np.ones((1, layers))
     zeros = np.zeros((steps, layers))
-    work = build_workload("s", shape, profile, query, attended, zeros, zeros, attended * 1.0, zeros)
+    work = build_workload("s", shape, profile, StepArrays(query_tokens=query, hbm_tokens=attended, recalled_tokens=zeros,
+                                                          bytes_h2d=zeros, bytes_d2h=zeros,
+                                                          hbm_kv_bytes=attended * 1.0, ddr_kv_bytes=zeros))
     gpu = work.compute_s.reshape(steps, -1).sum(1)
     host = host_times(shape, profile)
     expected = np.maximum(host.lead_s + gpu, host.step_s)

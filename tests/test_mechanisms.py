@@ -15,6 +15,7 @@ from hwprofiles.schema import CopyCurve
 from simulator import costs, fastpath, mechanisms
 from simulator.engine import run_des
 from simulator.mechanisms import MECHANISMS, MechanismError, build_workload, get_mechanism
+from simulator.workload import StepArrays
 from simulator.workload import build_workload as base_workload
 from traces.manifest import model_manifest
 
@@ -38,10 +39,8 @@ def sample(n_steps=6, n_layers=SHAPE.n_layers, seed=0, recall_every=1):
 
 
 def work_for(name, arrays, profile=PROFILE, batch=1, overlap="none", async_offload=True, tier="ddr"):
-    return build_workload(get_mechanism(name), "s", SHAPE, profile, arrays["query_tokens"], arrays["hbm_tokens"],
-                          arrays["recalled_tokens"], arrays["bytes_h2d"], arrays["bytes_d2h"], arrays["hbm_kv_bytes"],
-                          arrays["ddr_kv_bytes"], batch=batch, tier=tier, overlap=overlap,
-                          async_offload=async_offload)
+    return build_workload(get_mechanism(name), "s", SHAPE, profile, StepArrays(**arrays), batch=batch, tier=tier,
+                          overlap=overlap, async_offload=async_offload)
 
 
 def one_op(query=1.0, hbm=1000.0, rec=0.0, off=0.0):
@@ -60,9 +59,8 @@ def shape_1layer():
 
 def run_one(name, arrays, profile=PROFILE, shape=None, **kw):
     shape = shape or shape_1layer()
-    work = build_workload(get_mechanism(name), "s", shape, profile, arrays["query_tokens"], arrays["hbm_tokens"],
-                          arrays["recalled_tokens"], arrays["bytes_h2d"] * shape.kv_bytes_per_token_layer / KVPL,
-                          arrays["bytes_d2h"], arrays["hbm_kv_bytes"], arrays["ddr_kv_bytes"], **kw)
+    steps = StepArrays(**{**arrays, "bytes_h2d": arrays["bytes_h2d"] * shape.kv_bytes_per_token_layer / KVPL})
+    work = build_workload(get_mechanism(name), "s", shape, profile, steps, **kw)
     return work, run_des(work, profile, kw.get("overlap", "none"), kw.get("async_offload", True))
 
 
@@ -105,8 +103,7 @@ def test_unknown_mechanism_and_missing_parameter_are_one_line_errors():
 def test_dma_per_block_is_exactly_the_old_rule():
     arrays = sample(seed=3)
     new = work_for("dma-per-block", arrays)
-    old = base_workload("s", SHAPE, PROFILE, arrays["query_tokens"], arrays["hbm_tokens"] + arrays["recalled_tokens"],
-                        arrays["bytes_h2d"], arrays["bytes_d2h"], arrays["hbm_kv_bytes"], arrays["ddr_kv_bytes"])
+    old = base_workload("s", SHAPE, PROFILE, StepArrays(**arrays))
     for field in ("compute_s", "recall_s", "offload_s", "recall_bytes", "offload_bytes", "step_hbm_kv_bytes"):
         assert np.array_equal(getattr(new, field), getattr(old, field)), field
 

@@ -154,14 +154,14 @@ def test_recalls_by_count_keep_the_traced_recall_volume(runs):
     share = project_arrays(arrays, source, target, 8.0, "share")
     count = project_arrays(arrays, source, target, 8.0, "count")
     columns = layer_map(source.n_layers, target.n_layers)
-    traced = arrays["recalled_tokens"][:, columns]
-    np.testing.assert_allclose(share["recalled_tokens"], 8.0 * traced, rtol=1e-12)
-    np.testing.assert_allclose(count["recalled_tokens"], np.minimum(traced, count["ddr_tokens"]), rtol=1e-12)
-    staged_less = (share["recalled_tokens"] - count["recalled_tokens"]) * target.kv_bytes_per_token_layer
-    np.testing.assert_allclose(count["hbm_kv_bytes"], share["hbm_kv_bytes"] - staged_less, rtol=1e-9)
+    traced = arrays.recalled_tokens[:, columns]
+    np.testing.assert_allclose(share.recalled_tokens, 8.0 * traced, rtol=1e-12)
+    np.testing.assert_allclose(count.recalled_tokens, np.minimum(traced, count.ddr_tokens), rtol=1e-12)
+    staged_less = (share.recalled_tokens - count.recalled_tokens) * target.kv_bytes_per_token_layer
+    np.testing.assert_allclose(count.hbm_kv_bytes, share.hbm_kv_bytes - staged_less, rtol=1e-9)
     same = project_arrays(arrays, source, target, 1.0, "count")
-    for name, values in project_arrays(arrays, source, target, 1.0, "share").items():
-        np.testing.assert_array_equal(same[name], values)
+    for name, values in vars(project_arrays(arrays, source, target, 1.0, "share")).items():
+        np.testing.assert_array_equal(getattr(same, name), values)
     by_count = simulate_run(micro, "h100-pcie", projection=Projection("qwen2-7b", context_scale=8, recalls="count"))
     by_share = simulate_run(micro, "h100-pcie", projection=Projection("qwen2-7b", context_scale=8))
     assert by_count.summary["bytes_h2d"] < by_share.summary["bytes_h2d"]

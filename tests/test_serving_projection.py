@@ -157,9 +157,9 @@ def test_resampling_to_the_traced_lengths_is_the_identity():
     grid = step_arrays(run.steps(sample["sample_id"], columns=list(STEP_COLUMNS)), shape.n_layers)
     target = Projection("qwen2-7b").shape
     plain = project_arrays(grid, shape, target)
-    resampled = project_arrays(grid, shape, target, lengths=(int(sample["prompt_tokens"]), len(grid["step"])))
-    for key, value in plain.items():
-        np.testing.assert_array_equal(resampled[key], value, err_msg=key)
+    resampled = project_arrays(grid, shape, target, lengths=(int(sample["prompt_tokens"]), len(grid.query_tokens)))
+    for key, value in vars(plain).items():
+        np.testing.assert_array_equal(getattr(resampled, key), value, err_msg=key)
 
 
 @pytest.mark.parametrize("source,target", [(165, 165), (165, 40), (12, 700), (1, 5), (5, 1), (2, 2)])
@@ -186,8 +186,8 @@ def test_length_scaled_bytes_grow_with_the_length():
     target = Projection("qwen2-7b").shape
     short = project_arrays(grid, shape, target, lengths=(100, 400))
     long = project_arrays(grid, shape, target, lengths=(200, 800))
-    assert long["logical_len"][-1, 0] == 999 and short["logical_len"][-1, 0] == 499
-    assert long["hbm_kv_bytes"][-1].sum() == pytest.approx(999 / 499 * short["hbm_kv_bytes"][-1].sum(), rel=1e-12)
+    assert long.logical_len[-1, 0] == 999 and short.logical_len[-1, 0] == 499
+    assert long.hbm_kv_bytes[-1].sum() == pytest.approx(999 / 499 * short.hbm_kv_bytes[-1].sum(), rel=1e-12)
 
 
 # ---------------------------------------------------------------- refusals -----------------------------------

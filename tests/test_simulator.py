@@ -16,7 +16,7 @@ from simulator.costs import ModelShape
 from simulator.engine import Channel, Hardware, run_des
 from simulator.fastpath import run_fast
 from simulator.synth import synth_run
-from simulator.workload import build_workload
+from simulator.workload import StepArrays, build_workload
 from traces.architectures import get_architecture
 from traces.manifest import model_manifest
 from traces.reader import open_run
@@ -196,7 +196,9 @@ def _random_workload(rng, profile, n_steps=12, n_layers=4, batch=1):
     h2d = np.where(moves, rng.integers(1, 64, (n_steps, n_layers)) * 2**16, 0)
     d2h = np.where(rng.random((n_steps, n_layers)) < 0.4, rng.integers(1, 64, (n_steps, n_layers)) * 2**16, 0)
     h2d[0] = 0
-    return build_workload("s", shape, profile, q, attended, h2d, d2h, attended * 1e3, attended * 1e3, batch)
+    steps = StepArrays(query_tokens=q, hbm_tokens=attended, recalled_tokens=0 * attended, bytes_h2d=h2d,
+                       bytes_d2h=d2h, hbm_kv_bytes=attended * 1e3, ddr_kv_bytes=attended * 1e3)
+    return build_workload("s", shape, profile, steps, batch=batch)
 
 
 @pytest.mark.parametrize("overlap", ["none", "layer-prefetch"])
@@ -235,7 +237,9 @@ def test_offload_tier_sets_copy_cost_and_capacity(hierarchy_run):
     shape = ModelShape.from_manifest(model_manifest("tiny"))
     one = np.ones((1, 1))
     n_bytes = 2**20
-    work = build_workload("s", shape, profile, one, one, one * n_bytes, one * 0, one, one, tier="cxl-expander")
+    steps = StepArrays(query_tokens=one, hbm_tokens=one, recalled_tokens=one * 0, bytes_h2d=one * n_bytes,
+                       bytes_d2h=one * 0, hbm_kv_bytes=one, ddr_kv_bytes=one)
+    work = build_workload("s", shape, profile, steps, tier="cxl-expander")
     assert work.recall_s[0] == pytest.approx(7e-6 + 0.3e-6 + n_bytes / 40e9, rel=1e-12)
     ddr = simulate_run(hierarchy_run, profile).summary
     cxl = simulate_run(hierarchy_run, profile, SimOptions(offload_tier="cxl-expander")).summary

@@ -150,7 +150,7 @@ def test_one_request_equals_simulate_on_a_measured_profile_with_per_policy_overh
 def random_case(rng):
     """A random link (duplex, engines, rates, overhead) and a random workload with sparse copies."""
     from simulator.costs import ModelShape
-    from simulator.workload import build_workload
+    from simulator.workload import StepArrays, build_workload
     from traces.manifest import model_manifest
 
     base = load_profile("h100-pcie")
@@ -166,8 +166,9 @@ def random_case(rng):
     block = 16 * shape.kv_bytes_per_token // shape.n_layers
     copies = [np.where(rng.random((n_steps, n_layers)) < rng.random(),
                        rng.integers(1, 200, (n_steps, n_layers)) * block, 0) for _ in range(2)]
-    work = build_workload("s", shape, profile, query, attended, copies[0], copies[1], attended, attended,
-                          int(rng.choice([1, 1, 2])))
+    steps = StepArrays(query_tokens=query, hbm_tokens=attended, recalled_tokens=0 * attended, bytes_h2d=copies[0],
+                       bytes_d2h=copies[1], hbm_kv_bytes=attended, ddr_kv_bytes=attended)
+    work = build_workload("s", shape, profile, steps, batch=int(rng.choice([1, 1, 2])))
     return profile, work
 
 
@@ -228,7 +229,7 @@ def test_step_arrays_refuse_rows_that_are_not_one_per_step_and_layer(hierarchy_r
     n_layers = run.manifest["model"]["n_layers"]
     steps = run.steps(run.sample_ids()[0])
     arrays = step_arrays(steps.sample(frac=1.0, random_state=0), n_layers)  # any row order
-    assert arrays["query_tokens"].shape == (31, n_layers) and arrays["query_tokens"][0, 0] == 64
+    assert arrays.query_tokens.shape == (31, n_layers) and arrays.query_tokens[0, 0] == 64
     for broken in (steps.iloc[1:], steps.assign(layer=steps["layer"].where(steps.index != 3, 0)),
                    steps.assign(step=steps["step"] + 1)):
         with pytest.raises(TraceFormatError, match="one per \\(step, layer\\)"):

@@ -171,10 +171,10 @@ def test_step_arrays_count_the_blocks_each_row_moved():
                        promoted_block_ids=[5] if layer == 1 else [])
             rows.append(row)
     arrays = step_arrays(pd.DataFrame(rows), 2)
-    assert arrays["moved_blocks"].tolist() == [[0, 2], [1, 3]]
+    assert arrays.moved_blocks.tolist() == [[0, 2], [1, 3]]
     no_ids = step_arrays(pd.DataFrame(rows).drop(columns=["offloaded_block_ids", "evicted_block_ids",
                                                           "promoted_block_ids"]), 2)
-    assert no_ids["moved_blocks"].tolist() == [[0, 0], [0, 0]]
+    assert no_ids.moved_blocks.tolist() == [[0, 0], [0, 0]]
 
 
 def test_a_recall_costs_its_fixed_part_plus_a_part_per_recalled_block(tmp_path):

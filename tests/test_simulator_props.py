@@ -15,7 +15,7 @@ from hwprofiles.schema import HostModel
 from simulator.costs import ModelShape
 from simulator.engine import run_des
 from simulator.fastpath import applies, run_fast
-from simulator.workload import build_workload
+from simulator.workload import StepArrays, build_workload
 from traces.manifest import model_manifest
 
 BASE = load_profile("h100-pcie")
@@ -48,6 +48,13 @@ def random_trace(draw, max_steps=16, max_layers=5):
     return query, attended, h2d, d2h, hbm
 
 
+def steps_of(trace) -> StepArrays:
+    """A `random_trace` as StepArrays: every attended token resident, the KV in HBM and DDR both `hbm`."""
+    query, attended, h2d, d2h, hbm = trace
+    return StepArrays(query_tokens=query, hbm_tokens=attended, recalled_tokens=0 * attended, bytes_h2d=h2d,
+                      bytes_d2h=d2h, hbm_kv_bytes=hbm, ddr_kv_bytes=hbm)
+
+
 def link_variant(rng_draw, full_duplex: bool, copy_engines: int):
     h2d, d2h, overhead = rng_draw
     link = dataclasses.replace(BASE.link, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, transfer_overhead_s=overhead,
@@ -75,7 +82,7 @@ def test_fast_path_equals_des(trace, numbers, case, host):
     """Under every overhead mode (the host model included), as well as without one."""
     overlap, async_offload, full_duplex, engines = case
     profile = with_host(link_variant(numbers, full_duplex, engines), host)
-    work = build_workload("s", SHAPE, profile, *trace, trace[4])
+    work = build_workload("s", SHAPE, profile, steps_of(trace))
     assert applies(work, profile, overlap, async_offload)
     des = run_des(work, profile, overlap, async_offload)
     fast = run_fast(work, profile, overlap, async_offload)
@@ -103,9 +110,8 @@ def test_fast_path_equals_des_for_a_lockstep_batch(trace, numbers, case, host, b
 
     overlap, async_offload, full_duplex, engines = case
     profile = with_host(link_variant(numbers, full_duplex, engines), host)
-    work = mechanism_workload(get_mechanism(mechanism), "s", SHAPE, profile, trace[0], trace[1], 0 * trace[1],
-                              trace[2], trace[3], trace[4], trace[4], batch=batch, overlap=overlap,
-                              async_offload=async_offload)
+    work = mechanism_workload(get_mechanism(mechanism), "s", SHAPE, profile, steps_of(trace), batch=batch,
+                              overlap=overlap, async_offload=async_offload)
     assert applies(work, profile, overlap, async_offload)
     des = run_des(work, profile, overlap, async_offload)
     fast = run_fast(work, profile, overlap, async_offload)
@@ -116,9 +122,8 @@ def test_fast_path_equals_des_for_a_lockstep_batch(trace, numbers, case, host, b
     assert fast.h2d_bytes == pytest.approx(des.h2d_bytes, rel=1e-12)
     assert fast.d2h_bytes == pytest.approx(des.d2h_bytes, rel=1e-12)
     wide = link_variant(numbers, True, 4)  # two engines per direction: their setups overlap, not a sum
-    assert not applies(mechanism_workload(get_mechanism("dma-per-block"), "s", SHAPE, wide, trace[0], trace[1],
-                                          0 * trace[1], *trace[2:], trace[4], batch=batch), wide, overlap,
-                       async_offload)
+    assert not applies(mechanism_workload(get_mechanism("dma-per-block"), "s", SHAPE, wide, steps_of(trace),
+                                          batch=batch), wide, overlap, async_offload)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -137,8 +142,8 @@ def test_faster_link_never_makes_a_run_slower(trace, numbers, speedup, overlap, 
     h2d, d2h, overhead = numbers
     slow = link_variant(numbers, full_duplex, engines)
     fast = link_variant((h2d * speedup, d2h * speedup, overhead / speedup), full_duplex, engines)
-    slow_work = build_workload("s", SHAPE, slow, *trace, trace[4], batch)
-    fast_work = build_workload("s", SHAPE, fast, *trace, trace[4], batch)
+    slow_work = build_workload("s", SHAPE, slow, steps_of(trace), batch=batch)
+    fast_work = build_workload("s", SHAPE, fast, steps_of(trace), batch=batch)
     slow_s = run_des(slow_work, slow, overlap, async_offload).total_s
     fast_s = run_des(fast_work, fast, overlap, async_offload).total_s
     assert fast_s <= slow_s * (1 + 1e-12)

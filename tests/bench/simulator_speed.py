@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import simpy
@@ -52,8 +53,7 @@ def workloads(run_dir: Path, profile):
     out = []
     for sample_id in run.sample_ids():
         a = step_arrays(run.steps(sample_id, columns=list(STEP_COLUMNS)), shape.n_layers)
-        out.append(build_workload(sample_id, shape, profile, a["query_tokens"], a["hbm_tokens"] + a["recalled_tokens"],
-                                  a["bytes_h2d"], a["bytes_d2h"], a["hbm_kv_bytes"], a["ddr_kv_bytes"]))
+        out.append(build_workload(sample_id, shape, profile, replace(a, moved_blocks=None, recalled_blocks=None)))
     return out
 
 
