@@ -470,7 +470,7 @@ def test_the_headline_compares_the_best_prefetchable_rule_at_equal_traffic_and_s
 
 
 def test_the_served_point_is_set_beside_capacity_serveds_row_at_the_same_budgets(tmp_path):
-    from thoughtkv.experiments.recall_design import served_point_lines
+    from thoughtkv.experiments.recall_design_served import served_point_lines
 
     (tmp_path / "capacity_served.csv").write_text("profile,label,max_rate_per_s,limit,accuracy\n"
                                                   "h100-pcie,\"hierarchy 30%, recall ≤ 20%\",8.724,link bandwidth,0.295\n")

@@ -22,8 +22,8 @@ it is traced or resumed. Per cell, computed once and cached under --work (keyed 
   OUT/capacity_served.csv), each without and, for a rule known before the layer runs
   (traces.policy.recall_is_prefetchable), with layer prefetch.
 
-`--agreement` measures why a speculated query misses (`speculation_agreement`), `--served-point` serves the best
-prefetchable rule with `thoughtkv capacity` (`served_point`). Writes OUT/recall_design_space.md,
+`--agreement` measures why a speculated query misses (recall_design_agreement.py), `--served-point` serves the best
+prefetchable rule with `thoughtkv capacity` (recall_design_served.py). Writes OUT/recall_design_space.md,
 OUT/recall_design_space.csv and OUT/figures/recall_design_space.png|pdf.
 """
 
@@ -57,6 +57,8 @@ TABLE = "recall_design_space"
 CACHE_VERSION = 3  # bump when what a cell's cached result holds changes
 # The served frontier's batch: the mean concurrency at the knee of this row of docs/capacity_served.csv, per profile
 # (a lockstep `--batch` of that many sequences prices a step at the load the frontier runs).
+AGREEMENT_CELL = (0.3, 0.2)  # (HBM, recall budget) the agreement is measured at
+AGREEMENT_N = 32
 SERVED_ROW = "hierarchy 30%, recall ≤ 20%"
 SERVED_TABLE = "capacity_served.csv"
 
@@ -340,7 +342,7 @@ def latency_row(r: dict) -> list[str]:
                           for p in PROFILES for b, n in (("1", 0), ("1", LATENCY_BUFFER), ("served", LATENCY_BUFFER)))]
 
 
-def _best(rows: list[dict]) -> dict:
+def best_row(rows: list[dict]) -> dict:
     """The most accurate row (ties: the fewer H2D bytes per token)."""
     return max(rows, key=lambda r: (r["accuracy"], -r["buffers"]["0"]["h2d_bytes_per_token_ref"]))
 
@@ -358,7 +360,7 @@ def headline(results: list[dict], budget: float = 0.3) -> str:
     prefetched = [r for (rule, _), r in at.items() if recall_is_prefetchable(rule)]
     if not prefetched:
         return "In one sentence: not yet — no prefetchable rule's cell has run."
-    best = _best(prefetched)
+    best = best_row(prefetched)
     recall = best["recall_budget"]
     per_head, oracle, quest = (at.get((rule, recall)) for rule in ("quest-per-head", "oracle", "quest"))
     if per_head is None or oracle is None or quest is None:
@@ -392,199 +394,8 @@ def headline(results: list[dict], budget: float = 0.3) -> str:
     return text
 
 
-def agreement_lines(agreement: dict | None) -> list[str]:
-    """The per-layer agreement of the speculated queries' picks with the current query's (`speculation_agreement`)."""
-    if not agreement:
-        return []
-    layers = sorted(agreement["layers"], key=int)
-    header = ("query the picks are made under", *(f"layer {layer}" for layer in layers))
-    rows = [(label, *(f"{100 * agreement['layers'][layer][key]:.1f}%" for layer in layers))
-            for key, label in (("current", "the current query (quest-per-head)"),
-                               ("prev-layer", "prev-layer's (layer i's from layer i-1's input)"),
-                               ("prev-step", "prev-step's (the layer's previous step's)"))]
-    return [
-        f"Why (measured: `speculation_agreement`, {agreement['n']} problems decoded under prev-layer-per-head at "
-        f"{agreement['hbm_budget']:.0%} HBM, recall ≤ {agreement['recall_budget']:.0%}, "
-        f"{agreement['requests']} batched recall requests per layer): of the attention the current query puts on the DDR blocks "
-        "(an exact softmax, as the oracle's), the share quest-per-head's picks hold when made under each query, per "
-        "layer, at the same step over the same blocks. A pick follows the look-up the current step makes: the "
-        "previous step's query made the previous look-up, and on this 3-layer model prev-layer speculates layer 0 "
-        "from the previous step and layer 1 from the token embedding alone (layer 0's input), so only layer 2's "
-        "speculation starts from a hidden state that has attended; a deep model has one such layer in its first "
-        "two, not two in three.",
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(row) + " |" for row in rows),
-    ]
-
-
-# -- the served frontier point ---------------------------------------------------------------------------------
-SERVED_PROFILE = "h100-pcie"  # where the hierarchy's served rate is link-bound (docs/capacity_served.md)
-SERVED_RATES = (4.0, 8.0, 16.0, 32.0)
-SERVED_REFINE = 1
-
-
-def served_point(results: list[dict], runs: Path, work: Path, workers: int | None = None, log=print) -> dict | None:
-    """`thoughtkv capacity` (docs/capacity_served.md's serving settings: thoughtkv.experiments.capacity_served) of the best
-    prefetchable rule's run at 30% HBM with an LRU of `LATENCY_BUFFER` blocks and layer prefetch, on
-    `SERVED_PROFILE` (rates `SERVED_RATES`, `SERVED_REFINE` refinement round); each rate a sweep cell cached under
-    WORK/served, summarised in WORK/served_point.json. None when no prefetchable cell has run."""
-    import dataclasses
-
-    from simulator.options import Projection, ServingConfig, SimOptions
-    from thoughtkv.capacity import capacity_sweep
-    from thoughtkv.experiments import capacity_served as served
-    from traces.layout import write_atomic
-    from traces.policy import recall_is_prefetchable
-
-    prefetched = [r for r in results if r["policy"] == "hierarchy" and r["hbm_budget"] == 0.3
-                  and recall_is_prefetchable(r["recall_rule"])]
-    if not prefetched:
-        return None
-    best = _best(prefetched)
-    config = ServingConfig(**served.SETTINGS, projection=Projection(served.AS_MODEL),
-                           options=SimOptions(**served.OPTIONS, recall_buffer_blocks=LATENCY_BUFFER,
-                                              overlap="layer-prefetch"))
-    log(f"recall-design: serving {best['cell']} (layer prefetch, LRU {LATENCY_BUFFER}) on {SERVED_PROFILE}")
-    _, capacity = capacity_sweep([runs / best["cell"]], [SERVED_PROFILE], config, list(SERVED_RATES), SERVED_REFINE,
-                                 work / "served" / "layer-prefetch", workers=workers, progress=False, log=log)
-    row = capacity.iloc[0]
-    point = {key: (None if row[key] != row[key] else float(row[key])) if key != "limit" else row[key]
-             for key in ("max_rate_per_s", "first_failing_rate_per_s", "limit", "knee_mean_concurrency",
-                         "knee_link_util_h2d", "knee_tbt_p99_s", "h2d_bytes_per_token_served")}
-    result = {"buffer": LATENCY_BUFFER, "profile": SERVED_PROFILE, "cell": best["cell"],
-              "recall_rule": best["recall_rule"], "recall_budget": best["recall_budget"], "n": best["n"],
-              "accuracy": best["accuracy"], "ci_low": best["ci_low"], "ci_high": best["ci_high"],
-              "settings": dataclasses.asdict(config), **point}
-    write_atomic(work / "served_point.json", lambda temp: temp.write_text(json.dumps(result, indent=1, default=str)))
-    return result
-
-
-def served_point_lines(served: dict | None, capacity_csv: Path | None = None) -> list[str]:
-    """The served frontier point, beside docs/capacity_served.md's hierarchy row at the same HBM and recall budget
-    on the same profile (quest, no buffer, no prefetch) when `capacity_csv` holds it."""
-    if not served:
-        return []
-    import csv
-
-    from thoughtkv.experiments import capacity_served
-    from traces.stats import bytes_text
-
-    settings = capacity_served.SETTINGS
-    rate = "—" if served["max_rate_per_s"] is None else f"{served['max_rate_per_s']:.3g}"
-    text = (f"Served frontier point (`thoughtkv capacity` at docs/capacity_served.md's settings: "
-            f"{capacity_served.AS_MODEL}, {settings['lengths']} request lengths, p99 TBT ≤ "
-            f"{1e3 * settings['tbt_slo_s']:g} ms and p99 TTFT ≤ {settings['ttft_slo_s']:g} s, "
-            f"{settings['duration_s']:g} s of arrivals per rate, at most {settings['max_batch']} requests per "
-            f"iteration; rates {', '.join(f'{r:g}' for r in SERVED_RATES)} req/s, {SERVED_REFINE} refinement round): "
-            f"the best prefetchable rule at 30% HBM, {served['recall_rule']} recalling ≤ {served['recall_budget']:.0%} "
-            f"({100 * served['accuracy']:.1f} [{100 * served['ci_low']:.1f}, {100 * served['ci_high']:.1f}]%, "
-            f"n = {served['n']}), with `--recall-buffer-blocks {served['buffer']} --overlap layer-prefetch`, sustains "
-            f"{rate} req/s on {served['profile']} ({served['limit']} beyond it; at the knee H2D "
-            f"{bytes_text(served['h2d_bytes_per_token_served'])}/token, link {100 * served['knee_link_util_h2d']:.0f}% "
-            f"busy, {served['knee_mean_concurrency']:.0f} requests per iteration)")
-    rows = {} if capacity_csv is None or not capacity_csv.is_file() else {
-        (r["profile"], r["label"]): r for r in csv.DictReader(capacity_csv.open())}
-    quest = rows.get((served["profile"], f"hierarchy 30%, recall ≤ {served['recall_budget']:.0%}"))
-    if quest is not None:
-        text += (f", where quest at the same HBM and recall budget, without buffer or prefetch, sustains "
-                 f"{float(quest['max_rate_per_s']):.3g} req/s ({quest['limit']}; "
-                 f"{100 * float(quest['accuracy']):.1f}% accurate; docs/capacity_served.md)")
-    return [text + "."]
-
-
-# -- why: how often a speculated query picks what the current one picks -------------------------------------
-AGREEMENT_CELL = (0.3, 0.2)  # (HBM, recall budget) the agreement is measured at
-AGREEMENT_N = 32
-
-
-def _ddr_mass(request) -> list:
-    """Per recalling row: [Hkv, n_blocks] the current query's true attention mass (mean over each KV head's query
-    group, an exact softmax over the row's resident and DDR keys, as the oracle rule computes it) on each block
-    in DDR (0 elsewhere)."""
-    import torch
-
-    layer, rows = request.layer, request.rows
-    row_ids = list(range(rows.start, rows.stop)) if isinstance(rows, slice) else rows.tolist()
-    in_ddr = layer.ddr.bounds.in_ddr(rows, request.n_blocks)
-    scaling = request.scaling if request.scaling is not None else layer.head_dim ** -0.5
-    out = []
-    for i, row in enumerate(row_ids):
-        ddr_ids = in_ddr[i].nonzero().squeeze(1)
-        stored = layer.slot_pos[row, layer.main_slots] >= 0
-        resident = layer.keys[row][:, layer.main_slots][:, stored]
-        ddr_keys = layer.ddr.get(torch.full_like(ddr_ids, row), ddr_ids, row=row)[0]
-        ddr_keys = ddr_keys.permute(1, 0, 2, 3).flatten(1, 2).to(resident.dtype)
-        keys = torch.cat([resident, ddr_keys], 1).float()
-        weights = torch.softmax(torch.einsum("hgd,hkd->hgk", request.query[i].float(), keys) * scaling, -1)
-        mass = torch.zeros(keys.shape[0], request.n_blocks)
-        mass[:, ddr_ids] = weights[..., resident.shape[1]:].mean(1).view(keys.shape[0], len(ddr_ids), -1).sum(2)
-        out.append(mass)
-    return out
-
-
-def _captured(choice, masses) -> list[float]:
-    """Per row: the DDR attention mass each KV head's own picks hold, averaged over the KV heads."""
-    out = []
-    for i, (n, mass) in enumerate(zip(choice.per_row, masses, strict=True)):
-        ids, picks = choice.ids[i, :n], choice.head_picks[i, :n].t()  # [Hkv, n]
-        out.append(float((mass[:, ids] * picks).sum(1).mean()))
-    return out
-
-
-def speculation_agreement(work: Path, n_samples: int = AGREEMENT_N, log=print) -> dict:
-    """Per layer, the current query's attention mass on the DDR blocks (`_ddr_mass`: what a recall can bring back)
-    that quest-per-head's picks hold under the current query and under each speculated query (prev-layer's,
-    prev-step's), at the same step over the same blocks, as a share of all of it: `n_samples` problems of the
-    table's workload decoded under prev-layer-per-head at `AGREEMENT_CELL` (the trajectory is a speculative
-    rule's), every recall request scored three ways. Cached as WORK/speculation_agreement.json."""
-    import dataclasses
-    import shutil
-    from collections import defaultdict
-
-    from tracer.cache import recall_rules
-    from tracer.micro.table_long import HIERARCHY_SCORER, trace_config
-    from tracer.micro.table_long import Cell as LongCell
-    from tracer.run import run_trace
-    from traces.layout import write_atomic
-
-    totals: dict = defaultdict(lambda: defaultdict(float))
-    rules = {"current": recall_rules.QuestPerHead(), "prev-layer": recall_rules.PrevLayerPerHead(),
-             "prev-step": recall_rules.PrevStepPerHead()}
-    requests = defaultdict(int)
-
-    class Measured(recall_rules.PrevLayerPerHead):
-        def select(self, request):
-            masses, layer = _ddr_mass(request), str(request.layer.layer_idx)
-            choices = {key: rule.select(request) for key, rule in rules.items()}
-            for key, choice in choices.items():
-                totals[layer][key] += sum(_captured(choice, masses))
-            totals[layer]["all"] += sum(float(m.sum(1).mean()) for m in masses)
-            requests[layer] += 1
-            return choices["prev-layer"]
-
-    registry, name = recall_rules.RECALL_RULES, "prev-layer-per-head"
-    kept = registry[name]
-    hbm, recall = AGREEMENT_CELL
-    shutil.rmtree(work / "agreement", ignore_errors=True)  # (a run resumed would decode nothing)
-    config = trace_config(LongCell("hierarchy", hbm, HIERARCHY_SCORER, 0.0, recall, name), work / "agreement",
-                          n_samples, batch_size=16)
-    registry[name] = Measured()  # (this measurement's decode only; restored below)
-    try:
-        log(f"recall-design: measuring the speculation agreement on {n_samples} problems")
-        run_trace(dataclasses.replace(config, out=str(work / "agreement" / "run"), threads=1), progress=False)
-    finally:
-        registry[name] = kept
-    result = {"n": n_samples, "hbm_budget": hbm, "recall_budget": recall,
-              "requests": min(requests.values()) if requests else 0,
-              "layers": {layer: {k: v / max(t["all"], 1e-30) for k, v in t.items() if k != "all"}
-                         for layer, t in totals.items()}}
-    write_atomic(work / "speculation_agreement.json", lambda temp: temp.write_text(json.dumps(result, indent=1)))
-    return result
-
-
 def write_table(out: Path, runs: Path, work: Path, log=print) -> list[dict]:
+    from thoughtkv.experiments import recall_design_agreement, recall_design_served
     from tracer.micro.table_long import BLOCK_SIZE, SINK_TOKENS, WINDOW_TOKENS
     from traces.layout import write_atomic, write_csv_atomic
 
@@ -659,9 +470,9 @@ def write_table(out: Path, runs: Path, work: Path, log=print) -> list[dict]:
         "|" + "---|" * len(latency_header(batches)),
         *("| " + " | ".join(latency_row(r)) + " |" for r in results),
         "",
-        *served_point_lines(served, out / SERVED_TABLE),
+        *recall_design_served.served_point_lines(served, out / SERVED_TABLE),
         *([""] if served else []),
-        *agreement_lines(agreement),
+        *recall_design_agreement.agreement_lines(agreement),
         *([""] if agreement else []),
         f"Cells not run yet: {', '.join(missing)}." if missing else "All cells have run.",
     ]
@@ -687,6 +498,8 @@ def draw(out: Path) -> Path:
 def run(args: argparse.Namespace) -> int:
     import sys
 
+    from thoughtkv.experiments import recall_design_agreement, recall_design_served
+
     if args.n_samples < 1 or args.batch_size < 1:
         raise UserError(f"--n-samples and --batch-size must be >= 1 (got {args.n_samples}, {args.batch_size})")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -694,9 +507,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.figure_only:
         trace_cells(args.runs, args.n_samples, args.batch_size, args.threads, log)
     if args.agreement and not (args.work / "speculation_agreement.json").is_file():
-        speculation_agreement(args.work, log=log)
+        recall_design_agreement.speculation_agreement(args.work, log=log)
     results = write_table(args.out, args.runs, args.work, log)
-    if args.served_point and served_point(results, args.runs, args.work, args.workers, log) is not None:
+    if args.served_point and recall_design_served.served_point(results, args.runs, args.work, args.workers, log) is not None:
         results = write_table(args.out, args.runs, args.work, log)
     print(headline(results))
     print(f"wrote {args.out / (TABLE + '.md')}, {draw(args.out)}")
