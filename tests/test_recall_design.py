@@ -472,8 +472,11 @@ def test_the_headline_compares_the_best_prefetchable_rule_at_equal_traffic_and_s
 def test_the_served_point_is_set_beside_capacity_serveds_row_at_the_same_budgets(tmp_path):
     from thoughtkv.experiments.recall_design_served import served_point_lines
 
-    (tmp_path / "capacity_served.csv").write_text("profile,label,max_rate_per_s,limit,accuracy\n"
-                                                  "h100-pcie,\"hierarchy 30%, recall ≤ 20%\",8.724,link bandwidth,0.295\n")
+    (tmp_path / "capacity_served.csv").write_text("run_dir,profile,label,max_rate_per_s,limit,accuracy\n"
+                                                  "runs/hier-e0-r20-b30,h100-pcie,\"hierarchy, evict 0%, recall ≤ 20% @ 30%\","
+                                                  "8.724,link bandwidth,0.295\n"
+                                                  "runs/hier-e0-r10-b30,h100-pcie,\"hierarchy, evict 0%, recall ≤ 10% @ 30%\","
+                                                  "12.9,link bandwidth,0.035\n")
     served = {"buffer": 32, "profile": "h100-pcie", "recall_rule": "prev-step", "recall_budget": 0.2, "n": 200,
               "accuracy": 0.105, "ci_low": 0.07, "ci_high": 0.15, "max_rate_per_s": 12.5, "limit": "HBM capacity",
               "h2d_bytes_per_token_served": 2.0e6, "knee_link_util_h2d": 0.4, "knee_mean_concurrency": 400.0}

@@ -59,7 +59,23 @@ CACHE_VERSION = 3  # bump when what a cell's cached result holds changes
 # (a lockstep `--batch` of that many sequences prices a step at the load the frontier runs).
 AGREEMENT_CELL = (0.3, 0.2)  # (HBM, recall budget) the agreement is measured at
 AGREEMENT_N = 32
-SERVED_ROW = "hierarchy 30%, recall ≤ 20%"
+SERVED_RECALL = 0.2  # the capacity_served.csv row whose knee batch the latencies use: the hierarchy at 30%, this recall
+
+
+def served_run_name(recall_budget: float) -> str:
+    """The trace run (its directory name, capacity_served.csv's run_dir) of capacity-served's hierarchy row at 30%
+    HBM and this recall budget: rows are matched by run, not by their display label."""
+    from tracer.micro.table_long import HIERARCHY_SCORER, KEY_BUDGET, Cell
+
+    return Cell("hierarchy", KEY_BUDGET, HIERARCHY_SCORER, 0.0, recall_budget).name
+
+
+def served_rows(path: Path, recall_budget: float) -> dict[str, dict]:
+    """Per profile, capacity_served.csv's row for `served_run_name(recall_budget)`."""
+    import csv
+
+    name = served_run_name(recall_budget)
+    return {r["profile"]: r for r in csv.DictReader(path.open()) if Path(r.get("run_dir") or "").name == name}
 SERVED_TABLE = "capacity_served.csv"
 
 
@@ -158,19 +174,18 @@ def trace_cells(runs: Path, n_samples: int, batch_size: int, threads: int | None
 
 # -- per cell ---------------------------------------------------------------------------------------------------
 def served_batches(out: Path) -> dict[str, int]:
-    """Per profile, the batch the served frontier runs: the knee's mean concurrency of `SERVED_ROW` in
-    OUT/capacity_served.csv (`thoughtkv experiment capacity-served`), rounded."""
-    import csv
-
+    """Per profile, the batch the served frontier runs: the knee's mean concurrency of capacity-served's hierarchy
+    row at 30% HBM and recall ≤ `SERVED_RECALL` in OUT/capacity_served.csv (`thoughtkv experiment capacity-served`),
+    rounded."""
     path = out / SERVED_TABLE
     if not path.is_file():
-        raise UserError(f"{path}: not found; the latencies at the served batch read it (run `thoughtkv experiment capacity-served "
-                        f"--out {out}` first, or give --out the folder that holds it)")
-    rows = {r["profile"]: r for r in csv.DictReader(path.open()) if r.get("label") == SERVED_ROW}
+        raise UserError(f"{path}: not found; the latencies at the served batch read it (run `thoughtkv experiment "
+                        f"capacity-served --out {out}` first, or give --out the folder that holds it)")
+    rows = served_rows(path, SERVED_RECALL)
     missing = [p for p in PROFILES if p not in rows or not rows[p].get("knee_mean_concurrency")]
     if missing:
-        raise UserError(f"{path}: no {SERVED_ROW!r} row with a knee_mean_concurrency for {', '.join(missing)}; "
-                        "regenerate it with `thoughtkv experiment capacity-served`")
+        raise UserError(f"{path}: no {served_run_name(SERVED_RECALL)} row with a knee_mean_concurrency for "
+                        f"{', '.join(missing)}; regenerate it with `thoughtkv experiment capacity-served`")
     return {p: max(1, round(float(rows[p]["knee_mean_concurrency"]))) for p in PROFILES}
 
 
@@ -463,7 +478,7 @@ def write_table(out: Path, runs: Path, work: Path, log=print) -> list[dict]:
         f"{AS_MODEL} --overhead-mode cuda-graphs --transfer dma-batched`): at batch 1, with no buffer and with "
         f"`--recall-buffer-blocks {LATENCY_BUFFER}` (hits cost no copy; the buffer's HBM is counted), and at the "
         f"batch the served frontier runs (`--batch`: the knee's mean concurrency of docs/capacity_served.md's "
-        f"`{SERVED_ROW}` row, {batch_text}) with the buffer; each without / with `--overlap layer-prefetch` (`—` "
+        f"hierarchy 30% HBM, recall ≤ {SERVED_RECALL:.0%} row, {batch_text}) with the buffer; each without / with `--overlap layer-prefetch` (`—` "
         "where the rule needs the layer's own query: prefetch is refused).",
         "",
         "| " + " | ".join(latency_header(batches)) + " |",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from thoughtkv.experiments.recall_design import LATENCY_BUFFER, best_row
+from thoughtkv.experiments.recall_design import LATENCY_BUFFER, best_row, served_rows
 
 SERVED_PROFILE = "h100-pcie"  # where the hierarchy's served rate is link-bound (docs/capacity_served.md)
 SERVED_RATES = (4.0, 8.0, 16.0, 32.0)
@@ -55,7 +55,6 @@ def served_point_lines(served: dict | None, capacity_csv: Path | None = None) ->
     on the same profile (quest, no buffer, no prefetch) when `capacity_csv` holds it."""
     if not served:
         return []
-    import csv
 
     from thoughtkv.experiments import capacity_served
     from traces.stats import bytes_text
@@ -73,9 +72,9 @@ def served_point_lines(served: dict | None, capacity_csv: Path | None = None) ->
             f"{rate} req/s on {served['profile']} ({served['limit']} beyond it; at the knee H2D "
             f"{bytes_text(served['h2d_bytes_per_token_served'])}/token, link {100 * served['knee_link_util_h2d']:.0f}% "
             f"busy, {served['knee_mean_concurrency']:.0f} requests per iteration)")
-    rows = {} if capacity_csv is None or not capacity_csv.is_file() else {
-        (r["profile"], r["label"]): r for r in csv.DictReader(capacity_csv.open())}
-    quest = rows.get((served["profile"], f"hierarchy 30%, recall ≤ {served['recall_budget']:.0%}"))
+    rows = {} if capacity_csv is None or not capacity_csv.is_file() else served_rows(capacity_csv,
+                                                                                   served["recall_budget"])
+    quest = rows.get(served["profile"])
     if quest is not None:
         text += (f", where quest at the same HBM and recall budget, without buffer or prefetch, sustains "
                  f"{float(quest['max_rate_per_s']):.3g} req/s ({quest['limit']}; "
