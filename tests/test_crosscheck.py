@@ -197,3 +197,13 @@ def test_crosscheck_bad_arguments_are_one_line_errors(tmp_path, capsys, extra, m
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
     assert not (tmp_path / "cc" / "runs").exists()
+
+
+def test_a_packaged_model_is_crosschecked_with_its_real_weights():
+    """`--model tiny` is the random-weight architecture; `--model smollm2-135m` (an architecture too, for synth
+    and calibration) is the packaged pretrained model, never random weights of its shape."""
+    from thoughtkv.crosscheck import normalise_model
+
+    assert normalise_model("tiny") == "random:tiny"
+    assert normalise_model("smollm2-135m") == "smollm2-135m"
+    assert normalise_model("micro") == "micro"

@@ -143,9 +143,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def normalise_model(spec: str) -> str:
+    """A known architecture's name means its random-weight model (`tiny` -> `random:tiny`), except a packaged
+    pretrained model's (`smollm2-135m`), which means its real weights."""
+    from tracer.packaged import PACKAGED_MODELS
     from traces.architectures import ARCHITECTURES
 
-    return f"random:{spec}" if spec in ARCHITECTURES else spec
+    return f"random:{spec}" if spec in ARCHITECTURES and spec not in PACKAGED_MODELS else spec
 
 
 def check_args(args: argparse.Namespace) -> None:

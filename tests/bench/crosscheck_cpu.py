@@ -4,13 +4,13 @@
    with the model's shapes, GEMM, attention, framework overhead on near-zero-work models) -> a profile in a
    temporary directory;
 2. `thoughtkv crosscheck --model M --device cpu` for M = tiny (the ~20M-parameter random Qwen2, weights beyond
-   the last-level cache) and micro (the bundled 1.45M model, weights in cache): full, evict and hierarchy at
+   the last-level cache), micro (the bundled 1.45M model, weights in cache) and smollm2-135m (the real 30-layer LM): full, evict and hierarchy at
    budgets 0.5 and 0.25, 128 decode steps, 3 identical repeats per configuration (per-step median); the
    simulator replays each trace on its model's profile of step 1, calibrated a minute before in the same run.
 
 Prints, per configuration and overall, the median simulated/measured step-time ratio and the per-step error
 |sim - measured| / measured (median, p95). Goals (the issue's): median <= 10 %, p95 <= 25 %. Usage:
-    .venv/bin/python tests/bench/crosscheck_cpu.py [--steps N] [--statistic median|min] [--models tiny micro] [--keep DIR]
+    .venv/bin/python tests/bench/crosscheck_cpu.py [--steps N] [--statistic median|min] [--models tiny micro smollm2-135m] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ if __name__ == "__main__":
     parser.add_argument("--statistic", choices=("median", "min"), default="median",
                         help="how repeated timings are reduced, in calibration and measurement alike")
     parser.add_argument("--keep", default=None, help="write here instead of a temporary directory")
-    parser.add_argument("--models", nargs="+", default=["tiny", "micro"])
+    parser.add_argument("--models", nargs="+", default=["tiny", "micro", "smollm2-135m"])
     args = parser.parse_args()
     if args.keep:
         raise SystemExit(bench(Path(args.keep), args.steps, args.statistic, args.models))
