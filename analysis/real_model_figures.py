@@ -87,14 +87,16 @@ def fidelity_vs_traffic(cells: pd.DataFrame) -> Figure:
     for i, budget in enumerate(b for b in budgets if b < 1):
         style = series_style(i)
         rows = cells[cells["hbm_budget"] == budget]
-        for j, rule in enumerate(("quest", "quest-per-head", "oracle")):
+        for j, rule in enumerate(("quest", "quest-per-head", "oracle", "prev-layer", "prev-step")):
             group = rows[(rows["policy"] == "hierarchy") & (rows["recall_rule"] == rule)].sort_values("h2d_bytes_per_token_ref")
             if group.empty:
                 continue
             yerr = np.vstack([group["kl"] - group["kl_low"], group["kl_high"] - group["kl"]])
             ax.errorbar(group["h2d_bytes_per_token_ref"], group["kl"], yerr=yerr, color=style["color"],
-                        marker=style["marker"], linestyle=["-", "--", "none"][j], capsize=1.5, elinewidth=0.6,
-                        label=f"HBM {budget:.0%}, {rule}" + (" (ceiling)" if rule == "oracle" else ""))
+                        marker=style["marker"], linestyle=["-", "--", "none", ":", "-."][j], capsize=1.5, elinewidth=0.6,
+                        alpha=1.0 if j < 3 else 0.6,
+                        label=f"HBM {budget:.0%}, {rule}" + {"oracle": " (ceiling)", "prev-layer": " (prefetchable)",
+                                                              "prev-step": " (prefetchable)"}.get(rule, ""))
         evict = rows[rows["policy"] == "evict"]
         if not evict.empty:
             best = evict.loc[evict["kl"].idxmin()]

@@ -99,3 +99,26 @@ def test_breakdown_bars_are_shares_that_add_up_with_the_total_written_out():
     assert widths[0] == pytest.approx([0.5, 0.25, 0.05, 0.2])  # p: parts / 2 ms, in stacking order
     assert widths[1] == pytest.approx([0.2, 0.4, 0.02, 0.38])
     assert [t.get_text() for t in ax.texts] == ["2 ms", "5 ms"]
+
+
+def test_the_real_model_fidelity_figure_draws_one_series_per_budget_and_rule():
+    """One error-bar series per (HBM budget, recall rule) that has rows, one hollow marker per budget's best
+    eviction, the floor as a line; the legend names each."""
+    import pandas as pd
+
+    from analysis.real_model_figures import fidelity_vs_traffic
+
+    def row(policy, budget, rule=None, kl=0.1, h2d=1e6, scorer="h2o"):
+        return {"policy": policy, "hbm_budget": budget, "recall_rule": rule, "scorer": scorer, "kl": kl,
+                "kl_low": kl * 0.9, "kl_high": kl * 1.1, "h2d_bytes_per_token_ref": h2d}
+
+    rows = pd.DataFrame([row("full-again", 1.0, kl=1e-8, h2d=0), row("evict", 0.3, kl=0.4, h2d=0),
+                         row("evict", 0.3, kl=0.3, h2d=0, scorer="tova"),
+                         row("hierarchy", 0.3, "quest", 0.1), row("hierarchy", 0.3, "quest", 0.05, 2e6),
+                         row("hierarchy", 0.3, "prev-step", 0.12), row("hierarchy", 0.5, "quest-per-head", 0.02),
+                         row("hierarchy", 0.5, "oracle", 0.01)])
+    figure = fidelity_vs_traffic(rows)
+    labels = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
+    assert len(figure.axes[0].containers) == 4  # quest@30, prev-step@30, qph@50, oracle@50
+    assert "HBM 30%, evict tova (best)" in labels and "HBM 30%, prev-step (prefetchable)" in labels
+    assert "HBM 50%, oracle (ceiling)" in labels and "full cache decoded again (floor)" in labels

@@ -348,11 +348,25 @@ def headline(rows: list[dict]) -> str:
     return "In one sentence: " + "; ".join(parts) + "."
 
 
+FIGURE_STEM = "real_model_fidelity"
+FIGURE_CAPTION = ("teacher-forced KL(full ‖ policy) per token (log scale, 95% bootstrap CI, n per cell in the "
+                  "table) against H2D bytes per generated token priced at qwen2-7b, one series per HBM budget and "
+                  "recall rule (the oracle a ceiling, prev-layer / prev-step prefetchable); hollow: the best "
+                  "eviction at that budget (no traffic); dotted: the full cache decoded again (the floor).")
+
+
 def write(out: Path, runs: Path) -> None:
     from traces.layout import write_atomic, write_csv_atomic
 
     rows = result_rows(runs)
     write_csv_atomic(out / CSV_NAME, rows)
+    if rows:
+        import pandas as pd
+
+        from analysis.real_model_figures import fidelity_vs_traffic
+        from analysis.style import save_figure
+
+        save_figure(fidelity_vs_traffic(pd.DataFrame(rows)), out / "figures", FIGURE_STEM)
     reference = cell_result(Cell("full"), runs)
     limit = MAX_NEW_TOKENS
     if reference is not None:
@@ -391,6 +405,9 @@ def write(out: Path, runs: Path) -> None:
                   "reuse a phrase such as \"the total cost of the donuts is\") and "
                   f"{rows[0]['verbatim_repeat_chains']} repeat a whole 32-token span (a sentence repeated verbatim: "
                   "a degenerate loop). The second and third tables leave those out.", ""]
+    if rows:
+        lines += [f"![KL against H2D traffic per token](figures/{FIGURE_STEM}.png)", "",
+                  f"figures/{FIGURE_STEM}.png: {FIGURE_CAPTION}", ""]
     lines += ["## Teacher-forced on the full cache's chains (all problems)", "", *chain_table(rows), "",
               "## The same, chains that repeat no 8-gram", "", *chain_table(rows, "nonloop_"), "",
               "## The same, chains that repeat no 32-token span", "", *chain_table(rows, "noverb_"), "",
