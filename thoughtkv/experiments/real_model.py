@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from thoughtkv_base import UserError
+from tracer.packaged import ASSETS_DIR as PACKAGED_ASSETS_DIR
 
 MODEL = "smollm2-135m"
 TASK = "gsm8k"
@@ -466,7 +467,7 @@ def run(args: argparse.Namespace) -> int:
 
 # The first GSM8K test problems ship with thoughtkv (MIT, tracer/assets/smollm2-135m/gsm8k_LICENSE) so that the
 # demo and the tests need no data set.
-SHIPPED_PROBLEMS = Path(__file__).resolve().parent.parent / "tracer" / "assets" / MODEL / "gsm8k_test_head.jsonl"
+SHIPPED_PROBLEMS = PACKAGED_ASSETS_DIR / MODEL / "gsm8k_test_head.jsonl"  # the model's shipped assets (tracer/assets)
 DEMO_CELLS = (Cell("evict", KEY_BUDGET, "h2o"), Cell("hierarchy", KEY_BUDGET, HIERARCHY_SCORER, 0.1, "quest"))
 
 
