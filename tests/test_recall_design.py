@@ -484,3 +484,49 @@ def test_the_served_point_is_set_beside_capacity_serveds_row_at_the_same_budgets
     assert "sustains 12.5 req/s on h100-pcie (HBM capacity beyond it" in text
     assert "quest at the same HBM and recall budget, without buffer or prefetch, sustains 8.72 req/s" in text
     assert served_point_lines(None) == []
+
+
+def test_the_goal_is_not_met_by_two_rules_that_both_keep_nothing():
+    """Within 10 points of quest-per-head where quest-per-head itself keeps 3% is no answer: the goal is judged
+    at quest-per-head's best recall budget."""
+    from thoughtkv.experiments.recall_design import LATENCY_BUFFER, PROFILES, headline, latency_key
+
+    def cell(rule, accuracy, recall, ms_prefetch=None):
+        ms = {latency_key(p, b, n, o): None for p in PROFILES for b in ("1", "served") for n in (0, LATENCY_BUFFER)
+              for o in ("none", "layer-prefetch")}
+        ms[latency_key("h100-pcie", "1", LATENCY_BUFFER, "none")] = 11.0
+        ms[latency_key("h100-pcie", "1", LATENCY_BUFFER, "layer-prefetch")] = ms_prefetch
+        return {"policy": "hierarchy", "hbm_budget": 0.3, "recall_budget": recall, "recall_rule": rule, "n": 200,
+                "accuracy": accuracy, "ci_low": accuracy - 0.02, "ci_high": accuracy + 0.02, "cell": rule,
+                "buffers": {"0": {"h2d_bytes_per_token_ref": 1e6}}, "ms_per_token": ms}
+
+    results = [cell(rule, accuracy, recall, 10.9 if rule.startswith("prev") else None)
+               for rule, accuracy, recall in (("quest", 0.01, 0.05), ("quest-per-head", 0.03, 0.05),
+                                              ("oracle", 0.9, 0.05), ("prev-layer", 0.06, 0.05),
+                                              ("quest", 0.3, 0.2), ("quest-per-head", 0.685, 0.2),
+                                              ("oracle", 1.0, 0.2), ("prev-step", 0.105, 0.2))]
+    text = headline(results)
+    assert "not reached" in text and "judged at quest-per-head's best recall budget, ≤ 20%" in text
+    assert "prev-step at recall ≤ 20%, is 58.0 points below" in text
+
+
+def test_the_real_lm_rows_come_from_real_model_csv_at_30_percent_and_10_percent_recall(tmp_path):
+    import csv
+
+    from thoughtkv.experiments.recall_design import real_model_lines
+
+    assert real_model_lines(tmp_path / "real_model.csv") == []
+    keys = ("policy", "hbm_budget", "recall_budget", "recall_rule", "n", "kl", "kl_low", "kl_high", "top1",
+            "top1_low", "top1_high", "attended_frac", "recalled_frac", "h2d_bytes_per_token_ref")
+    rows = [("hierarchy", 0.3, 0.1, "prev-layer", 100, 0.078, 0.073, 0.083, 0.913, 0.907, 0.919, 0.399, 0.094, 1.16e6),
+            ("hierarchy", 0.3, 0.1, "quest", 100, 0.067, 0.063, 0.071, 0.919, 0.913, 0.924, 0.399, 0.094, 1.16e6),
+            ("hierarchy", 0.3, 0.2, "quest", 100, 0.025, 0.02, 0.03, 0.95, 0.94, 0.96, 0.5, 0.19, 2.4e6),
+            ("evict", 0.3, "", "", 100, 0.4, 0.38, 0.43, 0.82, 0.81, 0.83, 0.3, 0.0, 0.0)]
+    with (tmp_path / "real_model.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(keys)
+        writer.writerows(rows)
+    table = [line for line in real_model_lines(tmp_path / "real_model.csv") if line.startswith("| ") and "KL" not in line]
+    assert len(table) == 2  # the 10% recall rows only, quest first (the rule order), prev-layer marked
+    assert table[0].startswith("| quest | 100 | 0.067 [0.063, 0.071] | 91.9")
+    assert table[1].startswith("| prev-layer (prefetchable) | 100 | 0.078")

@@ -397,16 +397,59 @@ def headline(results: list[dict], budget: float = 0.3) -> str:
                  f"against quest's {ms(quest, 'none', 'served'):.2f} (quest-per-head's "
                  f"{ms(per_head, 'none', 'served'):.2f})")
     text += "."
-    gaps = [(at[("quest-per-head", r["recall_budget"])]["accuracy"] - r["accuracy"], r) for r in prefetched
-            if ("quest-per-head", r["recall_budget"]) in at]
-    gap, closest = min(gaps, key=lambda g: g[0])
-    reached = gap <= 0.10 and ms(closest, "layer-prefetch") < ms(at[("quest-per-head", closest["recall_budget"])], "none")
-    text += (f" Goal (a prefetchable rule within 10 points of quest-per-head at equal traffic, faster per token): "
+    # Judged where quest-per-head keeps the most at this HBM (its operating point): at a recall budget where it
+    # keeps almost nothing, being within 10 points of it says nothing.
+    per_head_rows = [r for (rule, _), r in at.items() if rule == "quest-per-head"]
+    target = max(per_head_rows, key=lambda r: r["accuracy"])
+    candidates = [r for r in prefetched if r["recall_budget"] == target["recall_budget"]]
+    if not candidates:
+        return text + (f" Goal: not judged yet — no prefetchable rule at quest-per-head's best recall budget "
+                       f"(≤ {target['recall_budget']:.0%}) has run.")
+    closest = max(candidates, key=lambda r: r["accuracy"])
+    gap = target["accuracy"] - closest["accuracy"]
+    reached = gap <= 0.10 and ms(closest, "layer-prefetch") < ms(target, "none")
+    text += (f" Goal (a prefetchable rule within 10 points of quest-per-head at equal traffic, faster per token; "
+             f"judged at quest-per-head's best recall budget, ≤ {target['recall_budget']:.0%}): "
              f"{'reached' if reached else 'not reached'} — the closest, {closest['recall_rule']} at recall ≤ "
-             f"{closest['recall_budget']:.0%}, is {100 * gap:.1f} points "
+             f"{closest['recall_budget']:.0%}, is {100 * abs(gap):.1f} points "
              f"{'below' if gap >= 0 else 'above'} quest-per-head"
              + ("." if reached else f", {100 * max(gap - 0.10, 0):.1f} points short of the goal."))
     return text
+
+
+REAL_MODEL_RULES = ("quest", "quest-per-head", "prev-layer", "prev-step", "oracle")
+
+
+def real_model_lines(real_model_csv: Path) -> list[str]:
+    """The same rules on the real LM (smollm2-135m), graded by fidelity to its full cache: the rows of
+    docs/real_model.csv (`thoughtkv experiment real-model`) at 30% HBM, recall ≤ 10%, when it has them."""
+    import csv
+
+    if not real_model_csv.is_file():
+        return []
+    rows = [r for r in csv.DictReader(real_model_csv.open()) if r["policy"] == "hierarchy"
+            and float(r["hbm_budget"]) == 0.3 and r["recall_budget"] and float(r["recall_budget"]) == 0.1
+            and r["recall_rule"] in REAL_MODEL_RULES]
+    if not rows:
+        return []
+    from traces.policy import recall_is_prefetchable
+    from traces.stats import bytes_text
+
+    rows.sort(key=lambda r: REAL_MODEL_RULES.index(r["recall_rule"]))
+    lines = ["On the real LM (smollm2-135m, n per row, 256 new tokens; docs/real_model.md), graded by fidelity to "
+             "its own full cache since its accuracy is at the floor, at 30% HBM and recall ≤ 10%: teacher-forced "
+             "KL(full ‖ policy) per token and top-1 agreement, 95% bootstrap CIs.", "",
+             "| rule | n | KL nats/token [95% CI] | top-1 % [95% CI] | attended % | recalled % | H2D/token @qwen2-7b |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        f = {k: float(r[k]) for k in ("kl", "kl_low", "kl_high", "top1", "top1_low", "top1_high", "attended_frac",
+                                      "recalled_frac", "h2d_bytes_per_token_ref")}
+        prefetch = " (prefetchable)" if recall_is_prefetchable(r["recall_rule"]) else ""
+        lines.append(f"| {r['recall_rule']}{prefetch} | {r['n']} | {f['kl']:.3f} [{f['kl_low']:.3f}, {f['kl_high']:.3f}] | "
+                     f"{100 * f['top1']:.1f} [{100 * f['top1_low']:.1f}, {100 * f['top1_high']:.1f}] | "
+                     f"{100 * f['attended_frac']:.1f} | {100 * f['recalled_frac']:.1f} | "
+                     f"{bytes_text(f['h2d_bytes_per_token_ref'])} |")
+    return [*lines, ""]
 
 
 def write_table(out: Path, runs: Path, work: Path, log=print) -> list[dict]:
@@ -489,6 +532,7 @@ def write_table(out: Path, runs: Path, work: Path, log=print) -> list[dict]:
         *([""] if served else []),
         *recall_design_agreement.agreement_lines(agreement),
         *([""] if agreement else []),
+        *real_model_lines(out / "real_model.csv"),
         f"Cells not run yet: {', '.join(missing)}." if missing else "All cells have run.",
     ]
     if short:
