@@ -244,8 +244,8 @@ def run_row(run: TraceRun) -> dict:
         "ci_low": ci_low,
         "ci_high": ci_high,
         "evicted_frac": evicted_fraction(run),
-        **run_traffic(run),  # issue 14: what the run moved over the link (traces.stats.traffic_summary)
-        **completion_summary(samples),  # issue 18: samples stopped by the token limit, accuracy of finished ones
+        **run_traffic(run),  # what the run moved over the link (traces.stats.traffic_summary)
+        **completion_summary(samples),  # samples stopped by the token limit, accuracy of finished ones
     }
 
 

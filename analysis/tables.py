@@ -49,7 +49,7 @@ CAPACITY_COLUMNS = ["method", "hbm_budget", "evicted_frac", "accuracy", "ci_low"
 
 def capacity_accuracy_table(accuracy: pd.DataFrame) -> pd.DataFrame:
     """The seed's shape: method, HBM budget, evicted share, accuracy with 95% Wilson CI, n — and what each
-    method moved to get there (issue 14): attended share of the context, recalled tokens per layer-step,
+    method moved to get there: attended share of the context, recalled tokens per layer-step,
     H2D / D2H bytes per generated token for the run's model and priced at `REFERENCE_ARCHITECTURE`.
 
     `accuracy` is `frames.accuracy_frame(runs)`. Runs of the same method and budget are pooled; the evicted
@@ -71,7 +71,7 @@ def capacity_accuracy_table(accuracy: pd.DataFrame) -> pd.DataFrame:
 
 
 def display_completion(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per run (issue 18, long generations): the share of samples stopped by the token limit, and accuracy
+    """Per run (long generations): the share of samples stopped by the token limit, and accuracy
     over all scored samples and over the finished ones (EOS), each as `p% [low–high] (k/n)`, 95% Wilson CI.
     `runs` is `analysis.load.run_table` (columns from traces.stats.completion_summary)."""
     def cell(k, n) -> str:

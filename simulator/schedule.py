@@ -18,7 +18,7 @@ process could see it: before it issues copies (channels queue copies at env.now,
 processes) and at the end of the step. A channel's `issue` returns the copy's end time (engine.Channel: known
 at issue, no event) or an event that fires at its end (engine.ResourceChannel, the reference); both work here.
 
-Hook points for other transfer mechanisms (issue 17): `_issue` is where a group of copies becomes channel
+Hook points for other transfer mechanisms: `_issue` is where a group of copies becomes channel
 copies (per member, or one `coalesce`d copy for the whole group); `op_s` is where a mechanism that competes
 with compute would add to an operation's time.
 """

@@ -1,4 +1,4 @@
-"""The long bundled workload `chains_long` (issue 14, part 3): long enough for a KV budget to bind, in the
+"""The long bundled workload `chains_long`: long enough for a KV budget to bind, in the
 bundled vocabulary, with its own held-out split; `chains` itself unchanged."""
 
 from __future__ import annotations

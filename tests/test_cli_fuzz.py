@@ -114,7 +114,7 @@ def junk_paths(root: Path) -> list[str]:
                          "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: [*c, *c, *c, *c, *c, *c, *c, *c, *c]\n")
     csv = root / "header_only.csv"
     csv.write_text("arrival_s,prompt_tokens,output_tokens\n")
-    # Data files a new user handed to --data-file (issue 43): not UTF-8, empty, blank lines only.
+    # Data files a new user handed to --data-file: not UTF-8, empty, blank lines only.
     latin1, empty, blank = root / "latin1.jsonl", root / "empty.jsonl", root / "blank.jsonl"
     latin1.write_bytes(b'{"question": "caf\xe9", "answer": "#### 1"}\n')
     empty.write_bytes(b"")

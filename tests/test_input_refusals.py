@@ -1,4 +1,4 @@
-"""Inputs a new user tried that slipped through (issue 43): each is now one line on stderr, exit 2, and nothing
+"""Inputs a new user tried that slipped through: each is now one line on stderr, exit 2, and nothing
 written or lost; the signals say what they say on Ctrl-C.
 
 Each test runs the real command (in-process through `thoughtkv.cli.main`, or as a subprocess where a second

@@ -1,4 +1,4 @@
-"""What the outputs tell a reader (issue 43): which model shapes a projection priced, synthetic runs labelled as
+"""What the outputs tell a reader: which model shapes a projection priced, synthetic runs labelled as
 such, times in units that fit, readable log ticks, a Pareto frontier that skips 0% points, re-plots that leave
 no stale figure, and contended calibrations left out of `--all-profiles`.
 """

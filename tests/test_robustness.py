@@ -1,4 +1,4 @@
-"""Issue 19 (outside the simulator) and issue 16 items 3 and 5: what a new user hit, each reproduced.
+"""What a new user hit outside the simulator (devices, threads, inputs, Ctrl-C), each reproduced.
 
 Each test runs the real command (in-process through `thoughtkv.cli.main`, or as a subprocess where a signal
 or a fresh environment is the point) and checks the behaviour against an independent reference: the file
@@ -49,7 +49,7 @@ def trace_args(out: Path, *flags: str) -> list[str]:
             "--window-tokens", "8", "--out", str(out), "--quiet", *flags]
 
 
-# -- devices and threads (issue 16 items 3 and 5) ----------------------------------------------------------
+# -- devices and threads ----------------------------------------------------------
 
 
 @cpu_torch

@@ -1,5 +1,5 @@
 """`traces synth` and `sweep` estimate size, memory and time before they start, print it, and refuse what the
-machine cannot hold (issue 43): the estimates are checked against what a small real run writes and allocates,
+machine cannot hold: the estimates are checked against what a small real run writes and allocates,
 and the 10,000-cell sweep opens each run once before its first line.
 """
 

@@ -1,4 +1,4 @@
-"""Traffic as a first-class result (issue 14, part 1): `traces.stats.traffic_summary` against what the steps
+"""Traffic as a first-class result: `traces.stats.traffic_summary` against what the steps
 table of a real traced run of the bundled micro model implies, recomputed here row by row."""
 
 from __future__ import annotations

@@ -460,7 +460,7 @@ def mechanisms_figure(cells: list[Cell], run_dirs: dict[str, Path], report_dir: 
 
 # -- 3b. capacity as served --------------------------------------------------------------------------------------
 
-# A small projected serving sweep (issue 39): every run at qwen2-7b's shapes with R1-7B GSM8K-like request lengths,
+# A small projected serving sweep: every run at qwen2-7b's shapes with R1-7B GSM8K-like request lengths,
 # on one PCIe and one NVLink-C2C GPU, at four arrival rates doubled up to once; 20 s of arrivals per rate keeps it
 # near 40 s here (`thoughtkv experiment capacity-served`, docs/capacity_served.md: 120 s, refined rates, n = 200).
 SERVING_PROFILES = ("h100-pcie", "gh200-96gb")

@@ -428,7 +428,7 @@ def _trace_locked(config: TraceConfig, task, samples, loaded, threads: int, prog
     todo = [s for s in samples if s.sample_id not in writer.done_sample_ids()]
     if len(todo) < len(samples) and progress:
         print(f"resuming {config.out}: {len(samples) - len(todo)} of {len(samples)} samples already done")
-    # Threads and load at start and end of each invocation: timings mean little without them (issue 16).
+    # Threads and load at start and end of each invocation: timings mean little without them.
     writer.begin_session({"threads": threads, "cpus": usable_cpus(), "load_avg_1m_start": load_average(),
                           "samples_already_done": len(samples) - len(todo)})
     bar = tqdm(samples, desc=f"trace {config.policy}", unit="sample", disable=not progress,

@@ -94,7 +94,7 @@ def info_lines(trace) -> list[str]:
         ),
         f"samples     {len(samples)} committed",
     ]
-    # Token-limit share, accuracy over all and over finished samples (issue 18: long generations).
+    # Token-limit share, accuracy over all and over finished samples (long generations).
     lines += [f"{label:<11} {text}" for label, text in completion_lines(samples)]
     if len(samples):
         steps = trace.steps(columns=["step", "bytes_h2d", "bytes_d2h"])

@@ -43,7 +43,7 @@ SAMPLES = pa.schema(
         pa.field("wall_s", pa.float64(), nullable=False),  # prefill + decode wall time of this sample
         pa.field("nonfinite", pa.bool_(), nullable=False),  # NaN/inf logits seen (sample stopped there)
         pa.field("generated_text", pa.string()),
-        # Added with issue 18; parts written before lack them and read as null (LATER_COLUMNS):
+        # Added later; parts written before lack them and read as null (LATER_COLUMNS):
         pa.field("grader", pa.string()),  # what scored `correct`, with its version, e.g. "math-verify 0.9.0"
         pa.field("answered_after_think", pa.bool_()),  # `predicted` came from the text after the last </think>
         # Fidelity to the full cache (`thoughtkv trace --fidelity-reference RUN`, tracer/fidelity.py); null in

@@ -35,7 +35,7 @@ def accuracy_line(correct: int, n: int) -> str:
     return share_line(correct, n)
 
 
-# -- long generations: samples the token limit stopped (issue 18) ---------------------------------------------
+# -- long generations: samples the token limit stopped ---------------------------------------------
 
 TOKEN_LIMIT_STOP, FINISHED_STOP = "max_new_tokens", "eos"  # samples.stop_reason values
 
@@ -76,7 +76,7 @@ def share_line(k: int, n: int) -> str:
     return f"{k}/{n} = {k / n:.1%} [{low:.1%}, {high:.1%}] (95% Wilson CI, n={n})"
 
 
-# -- traffic: what a policy moved over the link to reach its accuracy (issue 14) -----------------------------
+# -- traffic: what a policy moved over the link to reach its accuracy -----------------------------
 
 REFERENCE_ARCHITECTURE = "qwen2-7b"  # every run's traffic is also priced at this model's KV bytes per token (bf16)
 TRAFFIC_COLUMNS = ["sample_id", "step", "logical_len", "hbm_tokens", "recalled_tokens", "bytes_h2d", "bytes_d2h"]

@@ -1,4 +1,4 @@
-"""Batched = sequential on the bundled micro model, at scale (issue 15): `thoughtkv trace` on N `chains`
+"""Batched = sequential on the bundled micro model, at scale: `thoughtkv trace` on N `chains`
 samples at B = 1 and at B = 16 for full, evict 30% and hierarchy 30% (evict 0), in one process. Prints, per
 policy, whether every sample's generated text is identical, each accuracy with its 95% Wilson CI, the
 traffic (attended fraction, recalled tokens per layer-step, H2D bytes per generated token at the micro model's

@@ -21,7 +21,7 @@ counts them (the launch-bound regime of an eager GPU step, where time follows la
 `--recall-rule score|oracle` and `--recall-buffer-blocks N` time the other rules and the recall buffer (the
 defaults, quest and no buffer, are the figures to compare across checkouts).
 
-The tracer before issue 15's v2 (per-row, compacting) against this one at B = 1: tests/bench/tracer_v1_v2.py
+The per-row, compacting tracer (v1) against this one at B = 1: tests/bench/tracer_v1_v2.py
 (run from another checkout, a script would import this checkout's `tracer`, the venv's editable install).
 """
 

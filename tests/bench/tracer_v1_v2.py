@@ -1,4 +1,4 @@
-"""The tracer before issue 15 (v1: one compacting cache per row) against this one (v2: paged, batched), at batch 1,
+"""The per-row tracer (v1: one compacting cache per row) against this one (v2: paged, batched), at batch 1,
 side by side: tokens/s of `thoughtkv trace`'s decode loop (tracer.decode.decode_batch, B = 1) with hierarchy 30%,
 recall_k 4, block 16 and recording on, on `random:tiny` and the bundled micro model, the two versions run
 alternately (v1, v2, v1, v2, ...) as subprocesses, v1 from a temporary git worktree of `--rev` (the last commit

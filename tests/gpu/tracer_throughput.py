@@ -18,7 +18,7 @@ tier's recalls and offloads per layer on either way of moving blocks.
   step; ~1: launch-bound, where CUDA graphs would help; well below: the GPU's work bounds the step);
 - the DDR pool: whether kernels use the mapped pinned pool (tracer.transfer.probe_mapping, once, on known
   bytes) and whether a put/get round-trips exactly either way (`ddr_mapped_view` in throughput.json).
-Goals (issue 15): traced/untraced >= 0.9 at B = 1 and >= 0.95 at B = 16.
+Goals: traced/untraced >= 0.9 at B = 1 and >= 0.95 at B = 16.
 
 Run on the lent machine through tests/gpu/on_device.sh (tests/gpu/README.md has the command). Writes under
 $OUT: throughput.json (every figure, rewritten after each stage, so a timeout keeps what finished),

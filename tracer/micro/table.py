@@ -47,7 +47,7 @@ METHODS = (
     Method("hierarchy e=0", "hierarchy", "h2o", 0.0),
     Method("hierarchy e=0.1", "hierarchy", "h2o", 0.1),
 )
-# Quantized DDR tier (issue 9): hierarchy e=0 with int8 / int4 blocks in DDR, at the key budget only.
+# Quantized DDR tier: hierarchy e=0 with int8 / int4 blocks in DDR, at the key budget only.
 QUANT_METHODS = (
     Method("hierarchy e=0 int8", "hierarchy", "h2o", 0.0, "int8"),
     Method("hierarchy e=0 int4", "hierarchy", "h2o", 0.0, "int4"),

@@ -1,4 +1,4 @@
-"""The capacity–accuracy–traffic table on the long workload (issue 14, part 4), through the tracer's Python API:
+"""The capacity–accuracy–traffic table on the long workload, through the tracer's Python API:
 
     thoughtkv experiment capacity-long --out docs/ [--runs build/micro_long_table] [--n-samples 200]
                                       [--cells key|all] [--shard I/N]

@@ -55,7 +55,7 @@ STAGES = (
     Stage(ChainsConfig(5, 10, 3, 8), recall_share=0.3),
     Stage(replace(EVAL_CONFIG, old_result_share=0.5), recall_share=0.15),  # old results are learnt last
 )
-# `chains_long` (issue 14): fine-tuned from the shipped `chains` model, which already does every look-up; what is
+# `chains_long`: fine-tuned from the shipped `chains` model, which already does every look-up; what is
 # new is the ten-phrase filler cycle after each step (and when it ends) and look-ups ~500 tokens back. Stage 0
 # teaches the cycle on short programs (cheap batches), stage 1 stretches the programs, stage 2 is the held-out
 # distribution with old-result look-ups raised as in `chains`. The recall side tasks stay at 10% so that the

@@ -1,4 +1,4 @@
-"""Task `chains_long`: the `chains` reasoning trace stretched so that a KV budget binds (issue 14, part 3).
+"""Task `chains_long`: the `chains` reasoning trace stretched so that a KV budget binds.
 
 Same generator, words and vocabulary as `chains` (the bundled word-level tokenizer encodes it unchanged); three
 knobs differ:
