@@ -35,6 +35,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from thoughtkv.experiments.recall_design_settings import (
+    AGREEMENT_N,
+    LATENCY_BUFFER,
+    SERVED_RECALL,
+    best_row,
+    served_rows,
+    served_run_name,
+)
 from thoughtkv_base import UserError
 
 HBM_BUDGETS = (0.3, 0.5)
@@ -48,7 +56,6 @@ RULE_LABELS = {"quest": "quest", "quest-per-head": "quest-per-head", "score": "s
 SHORT_NAMES = {"quest-per-head": "qph", "prev-layer": "pl", "prev-layer-per-head": "plph", "prev-step": "ps",
                "prev-step-per-head": "psph"}  # (run directory names)
 BUFFER_SIZES = (16, 32)
-LATENCY_BUFFER = 32  # the recall buffer (blocks per layer and sequence) of the "with the buffer" latencies
 PROFILES = ("h100-pcie", "gh200-96gb")
 AS_MODEL = "qwen2-7b"
 OPTIONS = dict(overhead_mode="cuda-graphs", transfer="dma-batched")  # capacity-served's (docs/capacity_served.md)
@@ -57,25 +64,8 @@ TABLE = "recall_design_space"
 CACHE_VERSION = 3  # bump when what a cell's cached result holds changes
 # The served frontier's batch: the mean concurrency at the knee of this row of docs/capacity_served.csv, per profile
 # (a lockstep `--batch` of that many sequences prices a step at the load the frontier runs).
-AGREEMENT_CELL = (0.3, 0.2)  # (HBM, recall budget) the agreement is measured at
-AGREEMENT_N = 32
-SERVED_RECALL = 0.2  # the capacity_served.csv row whose knee batch the latencies use: the hierarchy at 30%, this recall
 
 
-def served_run_name(recall_budget: float) -> str:
-    """The trace run (its directory name, capacity_served.csv's run_dir) of capacity-served's hierarchy row at 30%
-    HBM and this recall budget: rows are matched by run, not by their display label."""
-    from tracer.micro.table_long import HIERARCHY_SCORER, KEY_BUDGET, Cell
-
-    return Cell("hierarchy", KEY_BUDGET, HIERARCHY_SCORER, 0.0, recall_budget).name
-
-
-def served_rows(path: Path, recall_budget: float) -> dict[str, dict]:
-    """Per profile, capacity_served.csv's row for `served_run_name(recall_budget)`."""
-    import csv
-
-    name = served_run_name(recall_budget)
-    return {r["profile"]: r for r in csv.DictReader(path.open()) if Path(r.get("run_dir") or "").name == name}
 SERVED_TABLE = "capacity_served.csv"
 
 
@@ -355,11 +345,6 @@ def latency_row(r: dict) -> list[str]:
     ms = r["ms_per_token"]
     return [*_where(r), *(f"{_ms(ms[latency_key(p, b, n, 'none')])} / {_ms(ms[latency_key(p, b, n, 'layer-prefetch')])}"
                           for p in PROFILES for b, n in (("1", 0), ("1", LATENCY_BUFFER), ("served", LATENCY_BUFFER)))]
-
-
-def best_row(rows: list[dict]) -> dict:
-    """The most accurate row (ties: the fewer H2D bytes per token)."""
-    return max(rows, key=lambda r: (r["accuracy"], -r["buffers"]["0"]["h2d_bytes_per_token_ref"]))
 
 
 def headline(results: list[dict], budget: float = 0.3) -> str:

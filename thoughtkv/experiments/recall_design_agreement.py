@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from thoughtkv.experiments.recall_design import AGREEMENT_CELL, AGREEMENT_N
+from thoughtkv.experiments.recall_design_settings import AGREEMENT_CELL, AGREEMENT_N
 
 
 def agreement_lines(agreement: dict | None) -> list[str]:

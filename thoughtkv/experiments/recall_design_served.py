@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from thoughtkv.experiments.recall_design import LATENCY_BUFFER, best_row, served_rows
+from thoughtkv.experiments.recall_design_settings import LATENCY_BUFFER, best_row, served_rows
 
 SERVED_PROFILE = "h100-pcie"  # where the hierarchy's served rate is link-bound (docs/capacity_served.md)
 SERVED_RATES = (4.0, 8.0, 16.0, 32.0)
