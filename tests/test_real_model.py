@@ -236,21 +236,25 @@ def test_trace_order_is_a_permutation_of_the_table_led_by_the_reference():
     assert order[0] == "full" and order[1:1 + len(TRACE_FIRST)] == list(TRACE_FIRST)
 
 
-def test_a_locked_cell_is_deferred_not_waited_on(tmp_path, monkeypatch):
-    """Two processes over the same cells: a cell another holds is retried after the free ones."""
-    import tracer.run
+def test_a_locked_cell_is_deferred_not_waited_on(tmp_path):
+    """Two processes over the same cells: a cell another holds (its run's real lock, taken here) is retried after
+    the free ones, and traced once the holder lets go."""
+    from contextlib import ExitStack
+
     from thoughtkv.experiments import real_model
+    from tracer.run import TraceConfig, out_lock
+    from traces import open_run
 
-    held = {"b"}
-    calls = []
+    configs = [TraceConfig(model="random:tiny", task="chains", n_samples=1, max_new_tokens=2, out=str(tmp_path / n),
+                           seed=0, threads=1) for n in "abc"]
+    done, holder = [], ExitStack()
+    holder.enter_context(out_lock(tmp_path / "b"))  # "another process" tracing b
 
-    def fake_run_trace(config, progress):
-        calls.append(config)
-        if config in held:
-            held.discard(config)  # the other process finishes it meanwhile
-            raise tracer.run.TraceLockedError("held")
+    def after_each():  # which runs exist after each traced cell
+        done.append("".join(n for n in "abc" if (tmp_path / n / "run.json").is_file()))
+        if len(done) == 2:  # a and c are traced: the holder finishes b's run
+            holder.close()
 
-    monkeypatch.setattr(tracer.run, "run_trace", fake_run_trace)
-    done = []
-    real_model._trace_cells(["a", "b", "c"], False, lambda: done.append(calls[-1]))
-    assert calls == ["a", "b", "c", "b"] and done == ["a", "c", "b"]
+    real_model._trace_cells(configs, False, after_each)
+    assert done == ["a", "ac", "abc"]  # b deferred behind c, then traced
+    assert all(len(open_run(tmp_path / n).samples()) == 1 for n in "abc")
