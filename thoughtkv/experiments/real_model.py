@@ -110,7 +110,12 @@ def cells() -> list[Cell]:
 # prefetchable rules there, then eviction's cliff and the hierarchy across budgets; every other cell after.
 TRACE_FIRST = ("hier-quest-per-head-r5-b30", "hier-quest-per-head-r20-b30", "hier-oracle-r10-b30", "full-again",
                "hier-prev-step-r10-b30", "hier-prev-layer-r10-b30", "evict-tova-b10", "hier-quest-per-head-r10-b10",
-               "evict-tova-b50", "hier-quest-per-head-r10-b50", "evict-tova-b20", "hier-quest-per-head-r10-b20")
+               "evict-tova-b50", "hier-quest-per-head-r10-b50", "evict-tova-b20", "hier-quest-per-head-r10-b20",
+               # the served frontier's two hierarchy points, then the oracle ceiling of every column
+               "hier-quest-r10-b50", "hier-quest-per-head-r20-b50",
+               "hier-oracle-r10-b10", "hier-oracle-r10-b20", "hier-oracle-r10-b50",
+               "hier-quest-per-head-r20-b10", "hier-quest-per-head-r20-b20", "hier-quest-r10-b20",
+               "evict-h2o-b20", "evict-snapkv-b20", "evict-h2o-b50", "evict-snapkv-b50")
 
 
 def trace_order() -> list[Cell]:
