@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 from simulator.errors import OptionError
 from thoughtkv_base import UserError, check_seed
+from thoughtkv_base.options import add_flags, dataclass_flags
 
 OVERLAP_MODES = ("none", "layer-prefetch")
 # Far beyond any study here (a 7B hierarchy at 20 req/s for 600 s is 12,000 requests), far below a hang.
@@ -318,33 +319,18 @@ def field_metadata(cls, name: str):
     return next(f.metadata for f in fields(cls) if f.name == name)
 
 
-def flag_name(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 # ---------------------------------------------------------------- command-line flags -------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls=SimOptions, only: tuple[str, ...] | None = None,
                   exclude: tuple[str, ...] = (), default_note: dict[str, str] | None = None) -> None:
-    """One flag per field of the options dataclass `cls` (those in `only`, less `exclude`). Flags default to
-    None, meaning "not given": `from_args` then takes the dataclass's own default, which the help shows (or
-    `default_note[name]` where the caller decides it, e.g. crosscheck's async offload)."""
-    for f in fields(cls):
-        if "help" not in f.metadata or (only is not None and f.name not in only) or f.name in exclude:
-            continue
-        default = f.default if f.default is not MISSING else f.default_factory()
-        note = (default_note or {}).get(f.name, f.metadata.get("default_text", _shown(default)))
-        kwargs = {"dest": f.name, "default": None, "help": f"{f.metadata['help']} (default: {note})"}
-        if isinstance(default, bool):
-            kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            kwargs["type"] = f.metadata.get("type") or type(default)
-            kwargs["metavar"] = f.metadata.get("metavar", f.name.upper())
-            if "choices" in f.metadata:
-                kwargs["choices"] = f.metadata["choices"]
-                kwargs.pop("metavar")
-        parser.add_argument(flag_name(f.name), **kwargs)
+    """One flag per field of the options dataclass `cls` (those in `only`, less `exclude`), made by the options
+    layer (thoughtkv_base.options.field_flag). Flags default to None, meaning "not given": `from_args` then takes
+    the dataclass's own default, which the help shows (or `default_note[name]` where the caller decides it, e.g.
+    crosscheck's async offload)."""
+    notes = default_note or {}
+    add_flags(parser, *(flag.use(default_text=notes[flag.key]) if flag.key in notes else flag
+                        for flag in dataclass_flags(cls, only, exclude)))
 
 
 def from_args(args: argparse.Namespace, cls=SimOptions, **given):
@@ -352,15 +338,6 @@ def from_args(args: argparse.Namespace, cls=SimOptions, **given):
     `given` (e.g. options=SimOptions(...)) sets fields that have no flag or a caller-decided value."""
     values = {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None}
     return cls(**{**values, **given})
-
-
-def _shown(default) -> str:
-    """A default as the help shows it: on / off for switches, unset for None."""
-    if default is None:
-        return "unset"
-    if isinstance(default, bool):
-        return "on" if default else "off"
-    return str(default)
 
 
 def grid_keys(cls=SimOptions, exclude: tuple[str, ...] = ()) -> dict[str, str]:

@@ -3,8 +3,8 @@
 A subcommand module exposes `add_arguments(parser)` and `run(args) -> int`; it must not import torch at
 module level, so that `thoughtkv --help` and the torch-free subcommands start fast.
 
-Every refusal looks the same: one line on stderr, exit 2 — a `UserError` from the code, a usage error from
-argparse (`OneLineParser`), a group named without its action (the line lists the actions). Ctrl-C ends any
+Every refusal looks the same: one line on stderr, exit 2 — a `UserError` from the code or from a flag's value
+check (thoughtkv_base.options, as the flag is parsed), a usage error from argparse (`OneLineParser`), a group named without its action (the line lists the actions). Ctrl-C ends any
 command within `HARD_INTERRUPT_GRACE_S`, even inside one long torch op (`hard_interrupt`); SIGTERM takes the same
 path and says the same (work kept, rerun to resume), exiting 143; a subcommand module whose stop keeps nothing
 says so in its `STOPPED_NOTE` (serve-sim writes its tables at the end), printed instead.
@@ -195,7 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     own_command_line = argv is None  # the process's own (console script, python -m thoughtkv), not a caller's
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UserError as exc:  # a flag's value out of its kind's range (thoughtkv_base.options): before any work
+        command = " ".join(_chosen(argv)) or "thoughtkv"
+        print(f"thoughtkv {command}: error: {_one_line(exc)}", file=sys.stderr)
+        return exc.exit_code
     group = getattr(args, "_group_parser", None)
     if group is not None and getattr(args, args._group_dest, None) is None:
         # Naming a group without its action is bad input like any other: one line, the choices, exit 2.

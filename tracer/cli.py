@@ -8,52 +8,47 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tracer.preflight import DEVICE_HELP, THREADS_HELP
-from traces.policy import add_policy_arguments
+from thoughtkv_base.options import INT, POSITIVE_INT, SHARED, TEXT, Flag, add_flags
+from traces.policy import PolicySpec, add_policy_arguments
+
+# Defaults that come from the model's trace_defaults.json when the flag is not given (tracer/model_defaults.py).
+FROM_MODEL = "the model's trace_defaults.json, else {}"
+
+OWN = (
+    Flag("--allow-past-context", "trace a prompt longer than the model's context anyway: positions past it were "
+         "never trained (timings only; default: refuse)", None, action="store_true", default=False),
+    Flag("--prefill-chunk-tokens", "prefill a longer prompt in chunks of this many tokens: bounds the prefill's "
+         "attention scores; the prompt is placed after the last chunk, as one unchunked prefill", POSITIVE_INT,
+         default=2048),
+    Flag("--also-score", "scorers computed alongside (not placing); recorded for `thoughtkv analyze correlation`",
+         TEXT, metavar="A,B"),
+    Flag("--grad-window", "gradient scorer: next-token losses of the last N positions", INT, default=1),
+    Flag("--grad-interval", "gradient scorer: a backward pass every N decode steps", INT, default=1),
+    Flag("--fidelity-reference", "a full-cache run of the same model and task: also decode each sample "
+         "teacher-forced on RUN's chain and on the task's human-written solution, and record KL, top-1 agreement, "
+         "NLL, first divergence and answer match against the full cache (tracer/fidelity.py; default: none)",
+         TEXT, metavar="RUN"),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="HF id or local path, `micro`, or `random:NAME` (traces.architectures)")
-    parser.add_argument("--task", required=True, help="task name (gsm8k, math500, chains, ...)")
-    parser.add_argument("--data-file", default=None, help="local dataset file for the task (no downloads at run time)")
-    parser.add_argument("--n-samples", type=int, default=1, help="samples of the task to trace (default: 1)")
+    from tracer.model_defaults import KEYS
+
+    add_flags(parser, SHARED["model"].use(required=True), SHARED["task"].use(required=True), "data_file",
+              SHARED["n_samples"].use(help="samples of the task to trace"))
     # --policy, --hbm-budget, --evict-ratio, --block-size, --sink-tokens, --window-tokens, --recall-k,
     # --recall-budget, --recall-rule, --scorer, --promote, --ddr-dtype: generated from the policy contract
     # (traces/policy.py), whose defaults they show; the spec validates them once. The cache geometry, the decode
     # limit and the recall setting left unset come from the model's trace_defaults.json (tracer/model_defaults.py).
-    add_policy_arguments(parser)
-    from tracer.model_defaults import KEYS
-
-    for action in parser._actions:  # their help says where the default comes from
-        if action.dest in KEYS and action.help and "(default: " in action.help:
-            action.help = action.help.replace("(default: ", "(default: the model's trace_defaults.json, else ")
-    parser.add_argument("--batch-size", type=int, default=1,
-                        help="samples decoded per step, freed rows refilled at once; per-sample results as at 1 (default: 1)")
-    parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help="decode limit per sample (default: the model's trace_defaults.json, else 256)")
-    parser.add_argument("--allow-past-context", action="store_true",
-                        help="trace a prompt longer than the model's context anyway: positions past it were never "
-                             "trained (timings only; default: refuse)")
-    parser.add_argument("--prefill-chunk-tokens", type=int, default=2048,
-                        help="prefill a longer prompt in chunks of this many tokens: bounds the prefill's attention "
-                             "scores; the prompt is placed after the last chunk, as one unchunked prefill (default: 2048)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seeds random weights, the random scorer and generated tasks (default: 0)")
-    parser.add_argument("--device", default=None, help=DEVICE_HELP)
-    parser.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
-    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
-    parser.add_argument("--no-access", action="store_true", help="do not record per-block masses (access table)")
-    parser.add_argument("--also-score", default=None, metavar="A,B",
-                        help="scorers computed alongside (not placing); recorded for `thoughtkv analyze correlation`")
-    parser.add_argument("--grad-window", type=int, default=1, help="gradient scorer: next-token losses of the last N positions (default: 1)")
-    parser.add_argument("--grad-interval", type=int, default=1, help="gradient scorer: a backward pass every N decode steps (default: 1)")
-    parser.add_argument("--fidelity-reference", default=None, metavar="RUN",
-                        help="a full-cache run of the same model and task: also decode each sample teacher-forced on "
-                             "RUN's chain and on the task's human-written solution, and record KL, top-1 agreement, "
-                             "NLL, first divergence and answer match against the full cache (tracer/fidelity.py; "
-                             "default: none)")
-    parser.add_argument("--out", required=True, help="run directory (created; rerun to resume)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars (the weights-loading bar included)")
+    add_policy_arguments(parser, default_text={key: FROM_MODEL.format(getattr(PolicySpec(), key))
+                                               for key in KEYS if hasattr(PolicySpec, key)})
+    add_flags(parser, SHARED["batch_size"].use(help="samples decoded per step, freed rows refilled at once; "
+                                                    "per-sample results as at 1"),
+              SHARED["max_new_tokens"].use(default_text=FROM_MODEL.format(256)),
+              SHARED["seed"].use(help="seeds random weights, the random scorer and generated tasks"),
+              "device", "threads", SHARED["dtype"].use(default_text="bf16 on CUDA, fp32 on CPU"), "no_access", *OWN,
+              SHARED["out"].use(help="run directory (created; rerun to resume)", required=True),
+              SHARED["quiet"].use(help="no progress bars (the weights-loading bar included)"))
     parser.set_defaults(_trace_parser=parser)
 
 
@@ -84,7 +79,8 @@ def config_from_args(args: argparse.Namespace):
     # Only the flags given: the others come from the model's trace_defaults.json or the tool's defaults.
     given = {name: getattr(spec, name) for name in given_flags(args)}
     return TraceConfig(
-        model=args.model, task=args.task, out=args.out, n_samples=args.n_samples, data_file=args.data_file,
+        model=args.model, task=args.task, out=str(args.out), n_samples=args.n_samples,
+        data_file=None if args.data_file is None else str(args.data_file),
         **given, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         seed=args.seed, device=args.device, dtype=args.dtype, access=not args.no_access,

@@ -19,8 +19,6 @@ from traces.host import usable_cpus
 
 # The README's install line for a CUDA build (`make` installs the CPU build on a fresh machine).
 CUDA_INSTALL = ".venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cu128"
-DEVICE_HELP = "cpu | cuda | cuda:N (default: cuda when torch sees a GPU, else cpu)"
-THREADS_HELP = "torch intra-op threads (default: 1 on cpu, as calibrate measures; torch's default on cuda); recorded"
 # Weights are not all a run holds: activations, the KV cache, the allocator's slack and (on CUDA) the CPU
 # copy made before `.to(device)`. 10% over the weights plus 512 MiB keeps a run that passes from swapping.
 MEMORY_MARGIN_FRACTION, MEMORY_MARGIN_BYTES = 0.10, 512 * 2**20

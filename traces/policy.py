@@ -25,6 +25,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 
 from thoughtkv_base import UserError
+from thoughtkv_base.options import SHARED, TEXT, Flag, add_flags, flag_name
 
 POLICIES = ("full", "evict", "hierarchy")
 DDR_DTYPES = ("same", "int8", "int4")
@@ -413,19 +414,25 @@ FLAG_HELP = {
 }
 
 
-def add_policy_arguments(parser, skip: tuple[str, ...] = ()) -> None:
-    """Add `--policy`, `--hbm-budget`, ... (one per PolicySpec field, defaults shown from the spec)."""
-    defaults = PolicySpec()
-    for f in fields(PolicySpec):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        if f.name == "promote":
-            parser.add_argument(flag, action="store_true", default=None, help=FLAG_HELP[f.name])
-        else:
-            parser.add_argument(flag, default=None, metavar=f.name.upper(),
-                                help=f"{FLAG_HELP[f.name]} (default: {default})")
+@functools.cache
+def policy_flag(name: str) -> Flag:
+    """The flag of one PolicySpec field, made once: `--policy`, `--hbm-budget`, ... take text, which the spec
+    parses and checks (its messages name the flag); the help shows the spec's default."""
+    default = getattr(PolicySpec(), name)
+    if name in SHARED:  # also a simulator option (--recall-buffer-blocks): one definition
+        return SHARED[name].use(help=FLAG_HELP[name], default_text=str(default))
+    if name == "promote":
+        return Flag("--promote", FLAG_HELP[name], None, action="store_true", default=None, group="policy")
+    return Flag(flag_name(name), FLAG_HELP[name], TEXT, metavar=name.upper(), default_text=str(default),
+                group="policy")
+
+
+def add_policy_arguments(parser, skip: tuple[str, ...] = (), default_text: dict[str, str] | None = None) -> None:
+    """Add `--policy`, `--hbm-budget`, ... (one per PolicySpec field; `default_text[name]` where the caller
+    decides a default, e.g. a model's trace_defaults.json)."""
+    notes = default_text or {}
+    add_flags(parser, *(policy_flag(f.name).use(default_text=notes[f.name]) if f.name in notes
+                        else policy_flag(f.name) for f in fields(PolicySpec) if f.name not in skip))
 
 
 # Flags that only act under the hierarchy: given with another policy they would be silently dropped
