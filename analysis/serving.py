@@ -32,6 +32,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from analysis.style import DOUBLE_COLUMN_IN, HATCHES, new_figure, save_figure, series_style, styled
+from thoughtkv_base.markdown import markdown_table
 from traces.stats import bytes_text
 
 SECTION_TITLE = "Capacity as served"
@@ -448,17 +449,17 @@ def capacity_markdown(capacity: pd.DataFrame) -> str:
     header = ["profile", "policy", "max rate (req/s)", *(["peak reservation (req/s)"] if peak else []),
               "limit beyond it", "link / HBM / GPU at first failing rate", "accuracy % [95% CI]", "n", "attended %",
               "H2D/token (served)", "link util. at knee", "HBM occupancy at knee", "TBT p99 at knee (ms)"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for _, r in capacity.iterrows():
         peak_cell = [max_rate_text({"max_rate_per_s": r["max_rate_peak_per_s"],
                                     "first_failing_rate_per_s": r["first_failing_rate_peak_per_s"]})] if peak else []
-        lines.append("| " + " | ".join([
+        rows.append([
             r["profile"], r["label"], max_rate_text(r), *peak_cell, r["limit"], utilisation_text(r),
             f"{100 * r['accuracy']:.1f} [{100 * r['ci_low']:.1f}, {100 * r['ci_high']:.1f}]", str(int(r["n_scored"])),
             f"{100 * r['attended_frac']:.1f}", bytes_text(r["h2d_bytes_per_token_served"] or 0),
             f"{100 * r['knee_link_util_h2d']:.0f}%", f"{100 * r['knee_hbm_occupancy']:.0f}%",
-            f"{1e3 * r['knee_tbt_p99_s']:.1f}"]) + " |")
-    return "\n".join(lines)
+            f"{1e3 * r['knee_tbt_p99_s']:.1f}"])
+    return "\n".join(markdown_table(header, rows))
 
 
 def admission_text(table: pd.DataFrame) -> str:

@@ -15,23 +15,17 @@ import argparse
 from pathlib import Path
 
 from thoughtkv_base import UserError
+from thoughtkv_base.options import SHARED, add_flags
 
 FIGURE_STEM = "accuracy_vs_recall_long"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=Path("docs"),
-                        help="folder for the table, its CSV and figures/ (default: docs)")
-    parser.add_argument("--runs", type=Path, default=Path("build/micro_long_table"),
-                        help="one trace run per cell, resumed (default: build/micro_long_table)")
-    parser.add_argument("--n-samples", type=int, default=200, help="problems per cell (default: 200)")
-    parser.add_argument("--cells", choices=["key", "all"], default="all",
-                        help="key: full and the 30%% column only (default: all)")
-    parser.add_argument("--figure-only", action="store_true", help="draw from the runs there are; trace nothing")
-    parser.add_argument("--shard", default="0/1",
-                        help="I/N: trace every N-th cell from the I-th, for N processes side by side (default: 0/1)")
-    parser.add_argument("--batch-size", type=int, default=1,
-                        help="samples decoded per step: the same results, faster (default: 1)")
+    add_flags(parser, SHARED["out"].use(help="folder for the table, its CSV and figures/", default=Path("docs")),
+              SHARED["runs"].use(default=Path("build/micro_long_table")),
+              SHARED["n_samples"].use(help="problems per cell", default=200),
+              SHARED["cells"].use(choices=("key", "all"), help="key: full and the 30%% column only"),
+              SHARED["figure_only"].use(help="draw from the runs there are; trace nothing"), "shard", "batch_size")
 
 
 def draw(out: Path, runs: Path) -> Path:
@@ -51,13 +45,10 @@ def draw(out: Path, runs: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.n_samples < 1 or args.batch_size < 1:
-        raise UserError(f"--n-samples and --batch-size must be >= 1 (got {args.n_samples}, {args.batch_size})")
-    from tracer.micro.table_long import parse_shard, run_table
+    from tracer.micro.table_long import run_table
 
-    shard = parse_shard(args.shard)
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.figure_only:
-        run_table(args.out, args.runs, args.n_samples, args.cells, shard=shard, batch_size=args.batch_size)
+        run_table(args.out, args.runs, args.n_samples, args.cells, shard=args.shard, batch_size=args.batch_size)
     print(f"wrote {draw(args.out, args.runs)}")
     return 0

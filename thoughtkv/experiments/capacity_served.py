@@ -18,6 +18,8 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from thoughtkv_base.options import SHARED, add_flags
+
 PROFILES = ("h100-pcie", "h200-sxm", "gh200-96gb")
 N_SAMPLES = 200
 # The serving settings of the table (one ServingConfig; documented in the table's header).
@@ -41,14 +43,14 @@ def cells():
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=Path("docs"), help="folder for the table (default: docs)")
-    parser.add_argument("--runs", type=Path, default=Path("build/micro_long_table"),
-                        help="the micro_long runs, one directory per cell, traced where missing (default: "
-                             "build/micro_long_table, capacity-long's)")
-    parser.add_argument("--work", type=Path, default=Path("build/capacity_served"),
-                        help="the serving sweep's cached cells and its full report (default: build/capacity_served)")
-    parser.add_argument("--batch-size", type=int, default=16, help="samples decoded per step when tracing (default: 16)")
-    parser.add_argument("--workers", type=int, default=None, help="parallel serving cells (default: CPU count)")
+    add_flags(parser, SHARED["out"].use(help="folder for the table", default=Path("docs")),
+              SHARED["runs"].use(help="the micro_long runs, one directory per cell, traced where missing",
+                                 default=Path("build/micro_long_table"), default_text="build/micro_long_table, "
+                                 "capacity-long's"),
+              SHARED["work"].use(help="the serving sweep's cached cells and its full report",
+                                 default=Path("build/capacity_served")),
+              SHARED["batch_size"].use(help="samples decoded per step when tracing", default=16),
+              SHARED["workers"].use(help="parallel serving cells"))
 
 
 def trace_missing(runs: Path, batch_size: int) -> list[Path]:
@@ -75,10 +77,8 @@ def trace_missing(runs: Path, batch_size: int) -> list[Path]:
 def run(args: argparse.Namespace) -> int:
     from analysis.serving import write_serving_section
     from simulator.options import Projection, ServingConfig, SimOptions
-    from thoughtkv.capacity import CapacityError, capacity_sweep
+    from thoughtkv.capacity import capacity_sweep
 
-    if args.batch_size < 1 or (args.workers is not None and args.workers < 1):
-        raise CapacityError(f"--batch-size and --workers must be >= 1 (got {args.batch_size}, {args.workers})")
     run_dirs = trace_missing(args.runs, args.batch_size)
     config = ServingConfig(**SETTINGS, projection=Projection(AS_MODEL), options=SimOptions(**OPTIONS))
     table, capacity = capacity_sweep(run_dirs, list(PROFILES), config, list(RATES), REFINE, args.work / "sweep",

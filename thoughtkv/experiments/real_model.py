@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from thoughtkv_base import UserError
+from thoughtkv_base.markdown import markdown_table
+from thoughtkv_base.options import SHARED, TEXT, Flag, add_flags
 from tracer.packaged import ASSETS_DIR as PACKAGED_ASSETS_DIR
 
 MODEL = "smollm2-135m"
@@ -299,30 +301,25 @@ HUMAN_HEADER = ("HBM", "method", "n", "NLL gap nats/token [95% CI]", "KL nats/to
 
 
 def chain_table(rows: list[dict], prefix: str = "") -> list[str]:
-    lines = ["| " + " | ".join(CHAIN_HEADER) + " |", "|" + "---|" * len(CHAIN_HEADER)]
+    table = []
     for row in rows:
         k, n = row[f"{prefix}answer_match_k"], row[f"{prefix}answer_match_n"]
         match = (_pct(row[f"{prefix}answer_match"], row[f"{prefix}answer_match_low"], row[f"{prefix}answer_match_high"])
                  + f" ({k}/{n})")
         median = row[f"{prefix}median_first_divergence"]
         divergence = "never" if math.isnan(median) else f"{median:.0f} ({100 * row[f'{prefix}diverged_share']:.0f}%)"
-        lines.append("| " + " | ".join([
-            _budget(row), _label(row), str(row[f"{prefix}n"]),
-            _num(*(row[f"{prefix}kl{s}"] for s in ("", "_low", "_high"))),
-            _pct(*(row[f"{prefix}top1{s}"] for s in ("", "_low", "_high"))), match, divergence,
-            *_traffic_cells(row)]) + " |")
-    return lines
+        table.append([_budget(row), _label(row), str(row[f"{prefix}n"]),
+                      _num(*(row[f"{prefix}kl{s}"] for s in ("", "_low", "_high"))),
+                      _pct(*(row[f"{prefix}top1{s}"] for s in ("", "_low", "_high"))), match, divergence,
+                      *_traffic_cells(row)])
+    return markdown_table(CHAIN_HEADER, table)
 
 
 def human_table(rows: list[dict]) -> list[str]:
-    lines = ["| " + " | ".join(HUMAN_HEADER) + " |", "|" + "---|" * len(HUMAN_HEADER)]
-    for row in rows:
-        lines.append("| " + " | ".join([
-            _budget(row), _label(row), str(row["n"]),
-            _num(*(row[f"human_nll_gap{s}"] for s in ("", "_low", "_high"))),
-            _num(*(row[f"human_kl{s}"] for s in ("", "_low", "_high"))),
-            _pct(*(row[f"human_top1{s}"] for s in ("", "_low", "_high"))), *_traffic_cells(row)]) + " |")
-    return lines
+    return markdown_table(HUMAN_HEADER, ([
+        _budget(row), _label(row), str(row["n"]), _num(*(row[f"human_nll_gap{s}"] for s in ("", "_low", "_high"))),
+        _num(*(row[f"human_kl{s}"] for s in ("", "_low", "_high"))),
+        _pct(*(row[f"human_top1{s}"] for s in ("", "_low", "_high"))), *_traffic_cells(row)] for row in rows))
 
 
 def _label(row: dict) -> str:
@@ -430,34 +427,28 @@ def write(out: Path, runs: Path) -> None:
 # ------------------------------------------------------------------------------------------------- CLI
 
 
+OWN = (
+    Flag("--part", "table: the fidelity cells; profile: the attention profile; served: the served frontier of the "
+         "cells that have run", TEXT, choices=(*PARTS, "all"), default="all"),
+    Flag("--table-only", "rewrite the document from the runs there are", None, action="store_true", default=False),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=Path("docs"), help="folder for real_model.md and its CSV (default: docs)")
-    parser.add_argument("--runs", type=Path, default=Path("build/real_model"),
-                        help="one trace run per cell, resumed (default: build/real_model)")
-    parser.add_argument("--data-file", type=Path, default=DEFAULT_DATA_FILE,
-                        help=f"the GSM8K test JSONL (default: {DEFAULT_DATA_FILE})")
-    parser.add_argument("--n-samples", type=int, default=N_SAMPLES, help=f"problems per cell (default: {N_SAMPLES})")
-    parser.add_argument("--batch-size", type=int, default=48,
-                        help="jobs decoded per step (three per problem: free-running and two teacher-forced; "
-                             "default: 48)")
-    parser.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
-                        help=f"the reference chains' decode limit (default: {MAX_NEW_TOKENS})")
-    parser.add_argument("--shard", default="0/1", help="I/N: every N-th cell from the I-th (default: 0/1)")
-    parser.add_argument("--part", choices=[*PARTS, "all"], default="all",
-                        help="table: the fidelity cells; profile: the attention profile; served: the served "
-                             "frontier of the cells that have run (default: all)")
-    parser.add_argument("--table-only", action="store_true", help="rewrite the document from the runs there are")
+    add_flags(parser, SHARED["out"].use(help="folder for real_model.md and its CSV", default=Path("docs")),
+              SHARED["runs"].use(default=Path("build/real_model")),
+              SHARED["data_file"].use(help="the GSM8K test JSONL", default=DEFAULT_DATA_FILE),
+              SHARED["n_samples"].use(help="problems per cell", default=N_SAMPLES),
+              SHARED["batch_size"].use(help="jobs decoded per step (three per problem: free-running and two "
+                                            "teacher-forced)", default=48),
+              SHARED["max_new_tokens"].use(help="the reference chains' decode limit", default=MAX_NEW_TOKENS),
+              "shard", *OWN)
 
 
 def run(args: argparse.Namespace) -> int:
-    from tracer.micro.table_long import parse_shard
-
-    if min(args.n_samples, args.batch_size, args.max_new_tokens) < 1:
-        raise UserError(f"--n-samples, --batch-size and --max-new-tokens must be >= 1 (got {args.n_samples}, "
-                        f"{args.batch_size}, {args.max_new_tokens})")
     if not args.table_only and not args.data_file.is_file():
         raise UserError(f"--data-file {args.data_file}: no such file; pass the GSM8K test JSONL")
-    shard = parse_shard(args.shard)
+    shard = args.shard
     args.out.mkdir(parents=True, exist_ok=True)
     if args.table_only:
         write(args.out, args.runs)
@@ -489,14 +480,16 @@ def demo_section(runs: Path, report: Path, n_samples: int, max_new_tokens: int, 
              f"SmolLM2-135M-Instruct (tracer/packaged.py) at HBM {KEY_BUDGET:.0%}, up to {max_new_tokens} new tokens; "
              "graded against the full cache's own chains (teacher-forced KL and top-1 agreement, free-running answer "
              f"match), with the traffic that bought it. The full table (n = {N_SAMPLES} per cell): docs/real_model.md.",
-             "", "| method | n | KL nats/token [95% CI] | top-1 agreement % | answer match | attended % | "
-             "H2D/token @qwen2-7b |", "|---|---|---|---|---|---|---|"]
+             ""]
+    table = []
     for cell in DEMO_CELLS:
         result = cell_result(cell, runs)
         s, t = result["all"], result["traffic"]
         k, n, _, _ = s["answer_match"]
-        lines.append(f"| {cell.label} | {s['n']} | {_num(*s['kl'])} | {100 * s['top1'][0]:.1f} | {k}/{n} | "
-                     f"{100 * t['attended_frac']:.1f} | {bytes_text(t['h2d_bytes_per_token_ref'])} |")
+        table.append([cell.label, s["n"], _num(*s["kl"]), f"{100 * s['top1'][0]:.1f}", f"{k}/{n}",
+                      f"{100 * t['attended_frac']:.1f}", bytes_text(t["h2d_bytes_per_token_ref"])])
+    lines += markdown_table(("method", "n", "KL nats/token [95% CI]", "top-1 agreement %", "answer match",
+                             "attended %", "H2D/token @qwen2-7b"), table)
     text = "\n".join(lines) + "\n"
     with open(report / "report.md", "a", encoding="utf-8") as handle:
         handle.write("\n" + text)

@@ -13,6 +13,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from thoughtkv_base.markdown import markdown_table
+
 CHUNK = 16
 MODELS = {  # model -> (task, decode limit): each on its own task, with its own chain lengths
     "smollm2-135m": ("gsm8k", 256),
@@ -80,26 +82,27 @@ def write(out: Path, profiles: dict) -> None:
              "positions, the ceiling). Means over decode steps per problem, then over problems and layers. "
              "`micro_long` is the bundled micro model on its synthetic look-up chains (tracer/assets/micro_long).",
              "", f"![attention profile](figures/{FIGURE_STEM}.png)", "",
-             "| model | task | problems | layers | top 1% | top 5% | top 10% | top 20% | sink (4 tokens) | last 16 | "
-             "last 64 | last 256 | mean distance (tokens) | mean decode steps |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             ]
+    table = []
     for model, frame in profiles.items():
         t = by_layer[model]
-        cells = [f"{100 * t[k].mean():.1f}%" for k in ("top1", "top5", "top10", "top20", "sink", "recent16",
-                                                        "recent64", "recent256")]
-        lines.append(f"| {model} | {MODELS[model][0]} | {frame['sample_id'].nunique()} | {len(t)} | "
-                     + " | ".join(cells) + f" | {t['mean_distance'].mean():.0f} | {frame['decode_steps'].mean():.0f} |")
-    lines += ["", "Captured attention mass (mean over layers, steps and problems) of what each scorer keeps:", "",
-              "| model | scorer | " + " | ".join(f"{b:.0%} kept" for b in BUDGETS) + " |",
-              "|---|---|" + "---|" * len(BUDGETS)]
-    best = {}
+        shares = [f"{100 * t[k].mean():.1f}%" for k in ("top1", "top5", "top10", "top20", "sink", "recent16",
+                                                         "recent64", "recent256")]
+        table.append([model, MODELS[model][0], frame["sample_id"].nunique(), len(t), *shares,
+                      f"{t['mean_distance'].mean():.0f}", f"{frame['decode_steps'].mean():.0f}"])
+    lines += markdown_table(("model", "task", "problems", "layers", "top 1%", "top 5%", "top 10%", "top 20%",
+                             "sink (4 tokens)", "last 16", "last 64", "last 256", "mean distance (tokens)",
+                             "mean decode steps"), table)
+    lines += ["", "Captured attention mass (mean over layers, steps and problems) of what each scorer keeps:", ""]
+    best, table = {}, []
     for model, frame in profiles.items():
         for scorer in (*SCORERS, "oracle"):
             values = [frame[f"captured_{scorer}_{round(b * 100)}"].mean() for b in BUDGETS]
-            lines.append(f"| {model} | {scorer}{' (ceiling)' if scorer == 'oracle' else ''} | "
-                         + " | ".join(f"{100 * v:.1f}%" for v in values) + " |")
+            table.append([model, f"{scorer}{' (ceiling)' if scorer == 'oracle' else ''}",
+                          *(f"{100 * v:.1f}%" for v in values)])
         scores = {s: frame[f"captured_{s}_30"].mean() for s in SCORERS}
         best[model] = max(scores, key=scores.get), scores
+    lines += markdown_table(("model", "scorer", *(f"{b:.0%} kept" for b in BUDGETS)), table)
     lines.append("")
     sentences = []
     for model, (winner, scores) in best.items():

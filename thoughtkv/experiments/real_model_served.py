@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from thoughtkv_base.markdown import markdown_table
+
 PROFILES = ("h100-pcie", "gh200-96gb")
 FIGURE_STEM = "real_model_served_frontier"
 
@@ -58,14 +60,14 @@ def write(out: Path, capacity, config, fidelity: dict, labels: dict) -> Path:
              "rejected). The rate is a 7B's; the fidelity is the 135M model's under the same policy (the full "
              "cache: the reference itself). Regenerate: `thoughtkv experiment real-model --part served --out docs/`.", "",
              f"![served frontier](figures/{FIGURE_STEM}.png)", "",
-             "| profile | method | max rate (req/s) | limit beyond it | top-1 agreement % [95% CI] | KL nats/token | "
-             "H2D/token (served) | link util. at knee | HBM occupancy at knee |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for _, r in capacity.iterrows():
-        lines.append(f"| {r['profile']} | {r['method']} | {max_rate_text(r)} | {r['limit']} | "
-                     f"{100 * r['top1']:.1f} [{100 * r['top1_low']:.1f}, {100 * r['top1_high']:.1f}] | {r['kl']:.3f} | "
-                     f"{bytes_text(r['h2d_bytes_per_token_served'])} | {100 * r['knee_link_util_h2d']:.0f}% | "
-                     f"{100 * r['knee_hbm_occupancy']:.0f}% |")
+             ]
+    lines += markdown_table(
+        ("profile", "method", "max rate (req/s)", "limit beyond it", "top-1 agreement % [95% CI]", "KL nats/token",
+         "H2D/token (served)", "link util. at knee", "HBM occupancy at knee"),
+        ([r["profile"], r["method"], max_rate_text(r), r["limit"],
+          f"{100 * r['top1']:.1f} [{100 * r['top1_low']:.1f}, {100 * r['top1_high']:.1f}]", f"{r['kl']:.3f}",
+          bytes_text(r["h2d_bytes_per_token_served"]), f"{100 * r['knee_link_util_h2d']:.0f}%",
+          f"{100 * r['knee_hbm_occupancy']:.0f}%"] for _, r in capacity.iterrows()))
     path = out / "real_model_served.md"
     write_atomic(path, lambda temp: temp.write_text("\n".join(lines) + "\n", encoding="utf-8"))
     return path

@@ -44,6 +44,8 @@ from thoughtkv.experiments.recall_design_settings import (
     served_run_name,
 )
 from thoughtkv_base import UserError
+from thoughtkv_base.markdown import markdown_table
+from thoughtkv_base.options import SHARED, Flag, add_flags
 
 HBM_BUDGETS = (0.3, 0.5)
 RECALL_BUDGETS = (0.05, 0.1, 0.2)
@@ -98,25 +100,22 @@ def cells() -> list[Cell]:
                              for recall in RECALL_BUDGETS for rule in RULES]
 
 
+OWN = (
+    Flag("--served-point", "also serve the best prefetchable rule (and quest) with `thoughtkv capacity` (tens of "
+         "minutes; cached under --work)", None, action="store_true", default=False),
+    Flag("--agreement", f"also measure the speculated queries' per-layer agreement ({AGREEMENT_N} problems)", None,
+         action="store_true", default=False),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=Path("docs"), help="folder for the table, CSV and figures/ "
-                                                                       "(default: docs)")
-    parser.add_argument("--runs", type=Path, default=Path("build/recall_design"),
-                        help="one trace run per cell, adopted or resumed (default: build/recall_design)")
-    parser.add_argument("--work", type=Path, default=Path("build/recall_design_cells"),
-                        help="each cell's cached results (default: build/recall_design_cells)")
-    parser.add_argument("--n-samples", type=int, default=N_SAMPLES, help=f"problems per cell (default: {N_SAMPLES})")
-    parser.add_argument("--batch-size", type=int, default=16, help="samples decoded per step when tracing (the same "
-                                                                   "results; default: 16)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads when tracing (default: the tracer's)")
-    parser.add_argument("--figure-only", action="store_true", help="table and figure from the runs there are; "
-                                                                   "trace nothing")
-    parser.add_argument("--served-point", action="store_true",
-                        help="also serve the best prefetchable rule (and quest) with `thoughtkv capacity` (tens of "
-                             "minutes; cached under --work)")
-    parser.add_argument("--agreement", action="store_true",
-                        help=f"also measure the speculated queries' per-layer agreement ({AGREEMENT_N} problems)")
-    parser.add_argument("--workers", type=int, default=None, help="parallel serving cells (--served-point)")
+    add_flags(parser, SHARED["out"].use(help="folder for the table, CSV and figures/", default=Path("docs")),
+              SHARED["runs"].use(help="one trace run per cell, adopted or resumed", default=Path("build/recall_design")),
+              SHARED["work"].use(default=Path("build/recall_design_cells")),
+              SHARED["n_samples"].use(help="problems per cell", default=N_SAMPLES),
+              SHARED["batch_size"].use(help="samples decoded per step when tracing (the same results)", default=16),
+              SHARED["threads"].use(help="torch threads when tracing", default_text="the tracer's"),
+              "figure_only", *OWN, SHARED["workers"].use(help="parallel serving cells (--served-point)"))
 
 
 # -- runs -------------------------------------------------------------------------------------------------------
@@ -424,17 +423,19 @@ def real_model_lines(real_model_csv: Path) -> list[str]:
     lines = ["On the real LM (smollm2-135m, n per row, 256 new tokens; docs/real_model.md), graded by fidelity to "
              "its own full cache since its accuracy is at the floor, at 30% HBM and recall ≤ 10%: teacher-forced "
              "KL(full ‖ policy) per token and top-1 agreement, 95% bootstrap CIs.", "",
-             "| rule | n | KL nats/token [95% CI] | top-1 % [95% CI] | attended % | recalled % | H2D/token @qwen2-7b |",
-             "|---|---|---|---|---|---|---|"]
+             ]
+    table = []
     for r in rows:
         f = {k: float(r[k]) for k in ("kl", "kl_low", "kl_high", "top1", "top1_low", "top1_high", "attended_frac",
                                       "recalled_frac", "h2d_bytes_per_token_ref")}
         prefetch = " (prefetchable)" if recall_is_prefetchable(r["recall_rule"]) else ""
-        lines.append(f"| {r['recall_rule']}{prefetch} | {r['n']} | {f['kl']:.3f} [{f['kl_low']:.3f}, {f['kl_high']:.3f}] | "
-                     f"{100 * f['top1']:.1f} [{100 * f['top1_low']:.1f}, {100 * f['top1_high']:.1f}] | "
-                     f"{100 * f['attended_frac']:.1f} | {100 * f['recalled_frac']:.1f} | "
-                     f"{bytes_text(f['h2d_bytes_per_token_ref'])} |")
-    return [*lines, ""]
+        table.append([f"{r['recall_rule']}{prefetch}", r["n"], f"{f['kl']:.3f} [{f['kl_low']:.3f}, {f['kl_high']:.3f}]",
+                      f"{100 * f['top1']:.1f} [{100 * f['top1_low']:.1f}, {100 * f['top1_high']:.1f}]",
+                      f"{100 * f['attended_frac']:.1f}", f"{100 * f['recalled_frac']:.1f}",
+                      bytes_text(f["h2d_bytes_per_token_ref"])])
+    header = ("rule", "n", "KL nats/token [95% CI]", "top-1 % [95% CI]", "attended %", "recalled %",
+              "H2D/token @qwen2-7b")
+    return [*lines, *markdown_table(header, table), ""]
 
 
 def write_table(out: Path, runs: Path, work: Path, log=print) -> list[dict]:
@@ -492,9 +493,7 @@ def write_table(out: Path, runs: Path, work: Path, log=print) -> list[dict]:
         "",
         headline(results),
         "",
-        "| " + " | ".join(TRAFFIC_HEADER) + " |",
-        "|" + "---|" * len(TRAFFIC_HEADER),
-        *("| " + " | ".join(traffic_row(r)) + " |" for r in results),
+        *markdown_table(TRAFFIC_HEADER, (traffic_row(r) for r in results)),
         "",
         "Reading the score rows: score ranks the DDR blocks by h2o's accumulated attention, which a DDR block gains "
         "only while it is recalled and attended, so it recalls the same blocks step after step (an LRU of 16 blocks "
@@ -509,9 +508,7 @@ def write_table(out: Path, runs: Path, work: Path, log=print) -> list[dict]:
         f"hierarchy 30% HBM, recall ≤ {SERVED_RECALL:.0%} row, {batch_text}) with the buffer; each without / with `--overlap layer-prefetch` (`—` "
         "where the rule needs the layer's own query: prefetch is refused).",
         "",
-        "| " + " | ".join(latency_header(batches)) + " |",
-        "|" + "---|" * len(latency_header(batches)),
-        *("| " + " | ".join(latency_row(r)) + " |" for r in results),
+        *markdown_table(latency_header(batches), (latency_row(r) for r in results)),
         "",
         *recall_design_served.served_point_lines(served, out / SERVED_TABLE),
         *([""] if served else []),
@@ -544,8 +541,6 @@ def run(args: argparse.Namespace) -> int:
 
     from thoughtkv.experiments import recall_design_agreement, recall_design_served
 
-    if args.n_samples < 1 or args.batch_size < 1:
-        raise UserError(f"--n-samples and --batch-size must be >= 1 (got {args.n_samples}, {args.batch_size})")
     args.out.mkdir(parents=True, exist_ok=True)
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     if not args.figure_only:

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from thoughtkv.experiments.recall_design_settings import AGREEMENT_CELL, AGREEMENT_N
+from thoughtkv_base.markdown import markdown_table
 
 
 def agreement_lines(agreement: dict | None) -> list[str]:
@@ -31,9 +32,7 @@ def agreement_lines(agreement: dict | None) -> list[str]:
         "speculation starts from a hidden state that has attended; a deep model has one such layer in its first "
         "two, not two in three.",
         "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(row) + " |" for row in rows),
+        *markdown_table(header, (row for row in rows)),
     ]
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from thoughtkv_base.markdown import markdown_table
 from tracer.model_defaults import trace_defaults
 
 HBM_BUDGETS = (0.5, 0.3, 0.2, 0.1)
@@ -86,16 +87,6 @@ def cells(which: str) -> list[Cell]:
     if which == "key":
         return key
     return key + rule_cells() + [cell for budget in HBM_BUDGETS if budget != KEY_BUDGET for cell in column(budget)]
-
-
-def parse_shard(text: str) -> tuple[int, int]:
-    """`--shard I/N` -> (I, N): every N-th cell from the I-th, for N processes side by side."""
-    index, _, count = text.partition("/")
-    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
-        from thoughtkv_base import UserError
-
-        raise UserError(f"--shard {text!r}: give I/N with 0 <= I < N, e.g. 0/2")
-    return int(index), int(count)
 
 
 def trace_config(cell: Cell, runs: Path, n_samples: int, model: str = str(MODEL_DIR),
@@ -253,9 +244,7 @@ def write_markdown(path: Path, runs: Path) -> None:
         "",
         headline(runs),
         "",
-        "| " + " | ".join(HEADER) + " |",
-        "|" + "---|" * len(HEADER),
-        *("| " + " | ".join(row) + " |" for row in rows),
+        *markdown_table(HEADER, (row for row in rows)),
         "",
         f"Cells not run yet: {missing} of {len(cells('all'))}." if missing else "All cells have run.",
         f"Rows with n < {ISSUE_N} are short of the issue's n = {ISSUE_N} per cell: rerun the command with "
