@@ -11,13 +11,19 @@ forest plot correlation.png/.pdf there.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from thoughtkv_base import UserError
+from thoughtkv_base.options import PATH, SHARED, TEXT, Flag, add_flags
 
 
 class BadAnalyzeArgs(UserError):
     pass
+
+
+CORRELATION = (
+    Flag("run", "a trace run directory", PATH, metavar="RUN"),
+    Flag("--scorers", "scorers to compare (default: every one recorded, incl. `attention`)", TEXT, metavar="A,B,..."),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser):
@@ -28,11 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser):
                     "`attention`, plus the scorers of `thoughtkv trace --also-score`), mean over samples, 95% "
                     "bootstrap CI.",
     )
-    correlation.add_argument("run", metavar="RUN", help="a trace run directory")
-    correlation.add_argument("--scorers", default=None, metavar="A,B,...",
-                             help="scorers to compare (default: every one recorded, incl. `attention`)")
-    correlation.add_argument("--out", default=None, metavar="DIR", help="write correlation.csv and correlation.png/.pdf here")
-    correlation.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    add_flags(correlation, *CORRELATION,
+              SHARED["out"].use(help="write correlation.csv and correlation.png/.pdf here", metavar="DIR"),
+              SHARED["seed"].use(help="bootstrap seed"))
     correlation.set_defaults(_analysis=run_correlation)
     return sub
 
@@ -49,8 +53,7 @@ def run_correlation(args: argparse.Namespace) -> int:
     from analysis.style import save_figure
     from traces import TraceFormatError, open_run
 
-    run_path = Path(args.run)
-    out = Path(args.out) if args.out else None
+    run_path, out = args.run, args.out
     if out is not None and out.exists() and not out.is_dir():
         raise BadAnalyzeArgs(f"--out {out}: exists and is not a directory; choose another path")
     try:

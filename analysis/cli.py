@@ -9,20 +9,26 @@ from __future__ import annotations
 import argparse
 import sys
 
+from thoughtkv_base.options import PATH, SHARED, TEXT, Flag, add_flags
+
+OWN = (
+    Flag("runs", "trace run directories (or a directory of runs, or simulator results files)", PATH, nargs="+",
+         metavar="RUN_DIR"),
+    Flag("--sim", "simulator results: results.parquet/.csv files or the directory `thoughtkv simulate --out` wrote",
+         PATH, nargs="+", default=[], metavar="RESULTS"),
+    # Text, read by traces.policy.parse_budget as the policy flags are; run refuses a token count (and says why).
+    Flag("--budget", "HBM budget the latency breakdown and table single out (default: the smallest simulated)", TEXT,
+         metavar="FRACTION"),
+    Flag("--measured-profile", "profile to compare measured timings with (default: the simulated profiles measured "
+         "by `thoughtkv calibrate`)", TEXT, metavar="NAME"),
+)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
-                        help="trace run directories (or a directory of runs, or simulator results files)")
-    parser.add_argument("--sim", nargs="+", default=[], metavar="RESULTS",
-                        help="simulator results: results.parquet/.csv files or the directory `thoughtkv simulate --out` wrote")
-    parser.add_argument("--out", default="report", metavar="DIR",
-                        help="directory for report.md, figures/ and tables/ (new, empty or an earlier report; default: report)")
-    parser.add_argument("--budget", default=None, metavar="FRACTION",
-                        help="HBM budget the latency breakdown and table single out (default: the smallest simulated)")
-    parser.add_argument("--measured-profile", default=None, metavar="NAME",
-                        help="profile to compare measured timings with (default: the simulated profiles measured by "
-                             "`thoughtkv calibrate`)")
-    parser.add_argument("--quiet", action="store_true", help="print only the report path")
+    add_flags(parser, *OWN,
+              SHARED["out"].use(help="directory for report.md, figures/ and tables/ (new, empty or an earlier report; "
+                                     "default: report)", default="report", metavar="DIR"),
+              SHARED["quiet"].use(help="print only the report path"))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,19 +6,26 @@ import argparse
 import sys
 from pathlib import Path
 
+from thoughtkv_base.options import PATH, TEXT, Flag, add_flags
+
+# Each action's flags: show's NAME, list's and show's --profiles-dir, validate's FILEs.
+NAME = Flag("name", "profile name (see `list`) or path to a .yaml file", TEXT, metavar="NAME")
+PROFILES_DIR = Flag("--profiles-dir", "extra directory of <name>.yaml profiles, searched before the shipped ones", PATH,
+                    metavar="DIR")
+FILES = Flag("files", "profile .yaml files", PATH, nargs="+", metavar="FILE")
+
 
 def add_arguments(parser: argparse.ArgumentParser):
     sub = parser.add_subparsers(dest="profiles_command", metavar="ACTION")
     p_list = sub.add_parser("list", help="table of all known profiles", description="table of all known profiles")
     p_show = sub.add_parser("show", help="every field of one profile, with units and sources",
                             description="every field of one profile, with units and sources")
-    p_show.add_argument("name", metavar="NAME", help="profile name (see `list`) or path to a .yaml file")
+    add_flags(p_show, NAME)
     for p in (p_list, p_show):
-        p.add_argument("--profiles-dir", metavar="DIR", default=None,
-                       help="extra directory of <name>.yaml profiles, searched before the shipped ones")
+        add_flags(p, PROFILES_DIR)
     p_validate = sub.add_parser("validate", help="check profile YAML files (exit 2 if any is invalid)",
                                 description="check profile YAML files (exit 2 if any is invalid)")
-    p_validate.add_argument("files", metavar="FILE", nargs="+", help="profile .yaml files")
+    add_flags(p_validate, FILES)
     return sub
 
 
@@ -34,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     return 2
 
 
-def _list(profiles_dir: str | None) -> int:
+def _list(profiles_dir: Path | None) -> int:
     from rich.console import Console
     from rich.table import Table
 
@@ -52,7 +59,7 @@ def _list(profiles_dir: str | None) -> int:
     return 0
 
 
-def _show(name: str, profiles_dir: str | None) -> int:
+def _show(name: str, profiles_dir: Path | None) -> int:
     import yaml
 
     from hwprofiles.loader import load_profile
@@ -88,7 +95,7 @@ def _flatten(node, prefix: str):
         yield f"{prefix} = {node}"
 
 
-def _validate(files: list[str]) -> int:
+def _validate(files: list[Path]) -> int:
     from hwprofiles.loader import YAML_SUFFIXES, load_profile_file, search_dirs
     from hwprofiles.schema import ProfileError
 

@@ -15,26 +15,33 @@ from pathlib import Path
 
 from simulator import options as sim_options
 from simulator.errors import SimulationError
+from thoughtkv_base.options import PATH, SHARED, TEXT, Flag, add_flags
 
 
 class SimulateOptionError(SimulationError):
     pass
 
 
+# serve-sim takes the same repeatable --profile
+PROFILES = SHARED["profile"].use(help="hardware profile name or YAML path (repeatable)", action="append", default=[],
+                                 metavar="NAME")
+
+OWN = (
+    Flag("run_dir", "a trace run directory", PATH, metavar="RUN_DIR"),
+    Flag("--all-profiles", "every shipped and measured profile", None, action="store_true", default=False),
+    Flag("--what-if", "replay recorded masses under another placement, e.g. budget=0.3,block=32,recall_k=8,"
+         "scorer=h2o,policy=hierarchy,evict=0.1,recall_rule=score (results are 'projected')", TEXT, metavar="SPEC"),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a trace run directory")
-    parser.add_argument("--profile", action="append", default=[], metavar="NAME",
-                        help="hardware profile name or YAML path (repeatable)")
-    parser.add_argument("--all-profiles", action="store_true", help="every shipped and measured profile")
+    add_flags(parser, PROFILES, *OWN)
     sim_options.add_arguments(parser)  # --overlap, --async-offload, --batch, --engine, --offload-tier, --transfer
-    parser.add_argument("--what-if", metavar="SPEC", default=None,
-                        help="replay recorded masses under another placement, e.g. budget=0.3,block=32,recall_k=8,"
-                             "scorer=h2o,policy=hierarchy,evict=0.1,recall_rule=score (results are 'projected')")
     # --as-model, --as-dtype, --context-scale, --recalls: one flag per options.Projection field (serve-sim's too)
     sim_options.add_arguments(parser, sim_options.Projection)
-    parser.add_argument("--timeline", type=Path, metavar="FILE",
-                        help="Chrome-trace JSON of the first sample on each profile (open in ui.perfetto.dev)")
-    parser.add_argument("--out", type=Path, default=None, help="results directory (default RUN_DIR/sim)")
+    add_flags(parser, SHARED["timeline"].use(help="Chrome-trace JSON of the first sample on each profile (open in "
+                                                  "ui.perfetto.dev)", metavar="FILE"),
+              SHARED["out"].use(help="results directory (default RUN_DIR/sim)"))
 
 
 def run(args: argparse.Namespace) -> int:

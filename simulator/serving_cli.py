@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from simulator import options as sim_options
+from simulator.cli import PROFILES
+from thoughtkv_base.options import PATH, SHARED, Flag, add_flags
 
 # What a stop (Ctrl-C, SIGTERM) leaves: the tables are written once every case is served (thoughtkv/cli.py prints it)
 STOPPED_NOTE = "nothing was written (serve-sim writes its tables once every run x profile is served); rerun it"
@@ -41,25 +43,24 @@ BYTES_PER_REQUEST, BYTES_PER_ITERATION, BYTES_PER_TOKEN = 3_000, 400, 48
 ESTIMATE_SHOWN_S, ESTIMATE_SHOWN_BYTES = 10.0, 2**30  # a smaller serving simulation starts without its estimate
 
 
+OWN = (Flag("run_dirs", "trace run(s) to serve", PATH, nargs="+", metavar="RUN_DIR"),)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from simulator.options import ServingConfig
 
-    parser.add_argument("run_dirs", metavar="RUN_DIR", type=Path, nargs="+", help="trace run(s) to serve")
-    parser.add_argument("--profile", action="append", default=[], metavar="NAME",
-                        help="hardware profile name or YAML path (repeatable)")
+    add_flags(parser, *OWN, PROFILES)  # --profile: simulate's (repeatable)
     # --rate-per-s, --duration-s, --max-batch, --tbt-slo-s, ... : one flag per ServingConfig field
     sim_options.add_arguments(parser, ServingConfig)
     # --overlap, --async-offload, --engine, --offload-tier, --transfer (a serving batch is --max-batch requests)
     sim_options.add_arguments(parser, exclude=("batch",))
     # --as-model, --as-dtype, --context-scale, --recalls: the same fields (and checks) as simulate's
     sim_options.add_arguments(parser, sim_options.Projection)
-    parser.add_argument("--timeline", type=Path, metavar="FILE",
-                        help="Chrome-trace JSON (Perfetto) of the first run on the first profile")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="results directory (default: RUN_DIR/serving for one run, else ./serving)")
-    parser.add_argument("--allow-large", action="store_true",
-                        help="run even when the estimate says it will not fit in this machine's memory "
-                             "(default: refuse)")
+    add_flags(parser, SHARED["timeline"].use(help="Chrome-trace JSON (Perfetto) of the first run on the first profile",
+                                             metavar="FILE"),
+              SHARED["out"].use(help="results directory (default: RUN_DIR/serving for one run, else ./serving)"),
+              SHARED["allow_large"].use(help="run even when the estimate says it will not fit in this machine's "
+                                             "memory (default: refuse)"))
 
 
 def serving_config(args: argparse.Namespace):

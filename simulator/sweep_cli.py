@@ -10,20 +10,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from thoughtkv_base.options import PATH, SHARED, Flag, add_flags
+
+OWN = (Flag("--grid", "grid YAML file (see examples/sweeps/)", PATH, metavar="FILE", required=True),)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--grid", required=True, help="grid YAML file (see examples/sweeps/)")
-    parser.add_argument("--executor", choices=("local", "ray"), default="local",
-                        help="local process pool (default) or Ray (a local Ray, or a cluster with --address)")
-    parser.add_argument("--address", default=None,
-                        help="Ray cluster to join: `auto` on a cluster node, or ray://HEAD:10001 (Ray only)")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="parallel cells (default: CPU count; with Ray: CPUs of the local Ray it starts)")
-    parser.add_argument("--out", default=None, help="output directory (default: sweeps/<grid file stem>)")
-    parser.add_argument("--dry-run", action="store_true", help="list the cells and which are cached; run none")
-    parser.add_argument("--allow-large", action="store_true",
-                        help="run even when the estimate says the sweep will not fit in this machine's memory or "
-                             "disk (default: refuse)")
+    add_flags(parser, *OWN, "executor", "address",
+              SHARED["workers"].use(default_text="CPU count; with Ray: CPUs of the local Ray it starts"),
+              SHARED["out"].use(help="output directory (default: sweeps/<grid file stem>)"),
+              SHARED["dry_run"].use(help="list the cells and which are cached; run none"),
+              SHARED["allow_large"].use(help="run even when the estimate says the sweep will not fit in this "
+                                             "machine's memory or disk (default: refuse)"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,9 +47,7 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.address is not None and args.executor != "ray":
         raise SweepError("--address joins a Ray cluster; add --executor ray or drop --address")
-    if args.workers is not None and args.workers < 1:
-        raise SweepError(f"--workers must be >= 1, got {args.workers}")
-    out_dir = Path(args.out) if args.out else Path("sweeps") / Path(args.grid).stem
+    out_dir = args.out if args.out is not None else Path("sweeps") / args.grid.stem
     if out_dir.exists() and not out_dir.is_dir():
         raise SweepError(f"--out {out_dir} exists and is not a directory; pass a directory")
     grid = load_grid(args.grid, out_dir=out_dir)  # every cell validated, each distinct check once

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from thoughtkv_base import UserError, check_seed
+from thoughtkv_base.options import INT, POSITIVE_INT, SHARED, Flag, add_flags
 
 SYNTH_TASK = "synthetic"
 
@@ -21,22 +22,26 @@ class SynthError(UserError):
     pass
 
 
+OWN = (
+    Flag("--prompt-tokens", "prompt length P (the prefill, step 0)", POSITIVE_INT, required=True),
+    # A whole number checked by synth_run: its message says why a sample needs a decode step.
+    Flag("--decode-steps", "decode steps N after the prefill", INT, required=True),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from traces.policy import add_policy_arguments
 
-    parser.add_argument("--model", required=True, help="architecture name from traces.architectures (e.g. qwen2-7b)")
-    parser.add_argument("--prompt-tokens", type=int, required=True, help="prompt length P (the prefill, step 0)")
-    parser.add_argument("--decode-steps", type=int, required=True, help="decode steps N after the prefill")
+    add_flags(parser, SHARED["model"].use(help="architecture name from traces.architectures (e.g. qwen2-7b)",
+                                          required=True), *OWN)
     add_policy_arguments(parser, skip=("ddr_dtype",))
-    parser.add_argument("--samples", type=int, default=1, help="number of sequences, each its own seed (default: 1)")
-    parser.add_argument("--dtype", default="bfloat16", help="KV and weight dtype: bfloat16, float16, float32, float8 (default: bfloat16)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the access model (sample i uses 100003 x seed + i) (default: 0)")
-    parser.add_argument("--no-access", action="store_true", help="do not write access.parquet (smaller; no what-if)")
-    parser.add_argument("--out", type=Path, required=True, help="run directory to write (resumes if it exists)")
-    parser.add_argument("--allow-large", action="store_true",
-                        help="write even when the size estimate says the run will not fit in this machine's memory "
-                             "or disk (default: refuse)")
+    add_flags(parser, SHARED["samples"].use(help="number of sequences, each its own seed"),
+              SHARED["dtype"].use(help="KV and weight dtype: bfloat16, float16, float32, float8", default="bfloat16"),
+              SHARED["seed"].use(help="seed of the access model (sample i uses 100003 x seed + i)"),
+              SHARED["no_access"].use(help="do not write access.parquet (smaller; no what-if)"),
+              SHARED["out"].use(help="run directory to write (resumes if it exists)", required=True),
+              SHARED["allow_large"].use(help="write even when the size estimate says the run will not fit in this "
+                                             "machine's memory or disk (default: refuse)"))
 
 
 def run(args: argparse.Namespace) -> int:

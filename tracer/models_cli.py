@@ -10,14 +10,18 @@ from __future__ import annotations
 import argparse
 import json
 
+from thoughtkv_base.options import TEXT, Flag, add_flags
 from traces.architectures import Architecture, architecture_from_config
+
+OWN = (
+    Flag("--json", "one JSON object per model instead of the table", None, action="store_true", default=False),
+    Flag("--prepare", "convert packaged model NAME into the cache now (what its first use would do; `make setup` "
+         "runs it) and print the directory (default: list only)", TEXT, metavar="NAME"),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="one JSON object per model instead of the table")
-    parser.add_argument("--prepare", metavar="NAME", default=None,
-                        help="convert packaged model NAME into the cache now (what its first use would do; "
-                             "`make setup` runs it) and print the directory (default: list only)")
+    add_flags(parser, *OWN)
 
 
 def model_rows() -> list[dict]:

@@ -28,6 +28,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from thoughtkv_base.options import PATH, SHARED, Flag, add_flags
+
 GRADING_COLUMNS = ("predicted", "correct", "grader", "answered_after_think")
 VERDICT_COLUMNS = ("predicted", "correct", "answered_after_think")
 STAGED_MARKER = ".staged"  # inside a hidden table directory: it holds the new table, not yet swapped in
@@ -46,9 +48,11 @@ class RegradeSummary:
     reason: str = ""  # why nothing was graded (random weights, no texts)
 
 
+OWN = (Flag("run_dir", "a finished trace run directory", PATH, metavar="RUN"),)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", metavar="RUN", type=Path, help="a finished trace run directory")
-    parser.add_argument("--dry-run", action="store_true", help="grade and report, write nothing")
+    add_flags(parser, *OWN, SHARED["dry_run"].use(help="grade and report, write nothing"))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,16 +7,19 @@ import shlex
 import sys
 from pathlib import Path
 
+from thoughtkv_base.options import PATH, Flag, add_flags
 from traces.errors import TraceFormatError
 from traces.stats import completion_lines, run_traffic, traffic_line
+
+RUN = Flag("run_dir", "a trace run directory", PATH, metavar="RUN")  # of info and validate
 
 
 def add_arguments(parser: argparse.ArgumentParser):
     sub = parser.add_subparsers(dest="traces_command", metavar="ACTION")
     info = sub.add_parser("info", help="summary of a run: manifest, samples, accuracy, steps and bytes moved")
-    info.add_argument("run_dir", metavar="RUN", type=Path, help="a trace run directory")
+    add_flags(info, RUN)
     validate = sub.add_parser("validate", help="read every file of a run and check it against trace format v1")
-    validate.add_argument("run_dir", metavar="RUN", type=Path, help="a trace run directory")
+    add_flags(validate, RUN)
     parser.set_defaults(_traces_parser=parser)
     return sub
 
