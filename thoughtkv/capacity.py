@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from thoughtkv_base import UserError
+from thoughtkv_base.options import INT, PATH, SHARED, TEXT, Flag, add_flags
 
 DEFAULT_RATES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 REFINE_POINTS = 3  # rates added inside the failing bracket per refinement round (log-spaced)
@@ -36,26 +37,28 @@ class CapacityError(UserError):
     pass
 
 
+OWN = (
+    Flag("run_dirs", "trace runs (one per policy)", PATH, nargs="+", metavar="RUN_DIR"),
+    Flag("--rates", "arrival rates (requests/s) swept first", TEXT, default=",".join(f"{r:g}" for r in DEFAULT_RATES),
+         metavar="R,R"),
+    # INT, not NONNEGATIVE_INT: run() refuses a negative count saying what 0 means.
+    Flag("--refine", f"rounds of {REFINE_POINTS} more rates inside each failing bracket", INT, default=2, metavar="N"),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from simulator import options as sim_options
 
-    parser.add_argument("run_dirs", metavar="RUN_DIR", type=Path, nargs="+", help="trace runs (one per policy)")
-    parser.add_argument("--profile", action="append", default=[], metavar="NAME",
-                        help="hardware profile name or YAML path (repeatable)")
-    parser.add_argument("--rates", default=",".join(f"{r:g}" for r in DEFAULT_RATES), metavar="R,R",
-                        help="arrival rates (requests/s) swept first (default: %(default)s)")
-    parser.add_argument("--refine", type=int, default=2, metavar="N",
-                        help=f"rounds of {REFINE_POINTS} more rates inside each failing bracket (default: 2)")
+    add_flags(parser, *OWN, SHARED["profile"].use(action="append", default=[], metavar="NAME",
+                                                  help="hardware profile name or YAML path (repeatable)"))
     # --duration-s, --max-batch, --tbt-slo-s, --ttft-slo-s, --seed, --lengths, --batch-copies (ServingConfig)
     sim_options.add_arguments(parser, sim_options.ServingConfig, exclude=("rate_per_s", "arrivals_csv"))
     sim_options.add_arguments(parser, exclude=("batch", "engine"))  # --overlap, --overhead-mode, --transfer, ...
     sim_options.add_arguments(parser, sim_options.Projection)  # --as-model, --as-dtype, --context-scale, --recalls
-    parser.add_argument("--executor", choices=("local", "ray"), default="local",
-                        help="local process pool (default) or Ray (simulator/sweep.py)")
-    parser.add_argument("--address", default=None, help="Ray cluster to join (Ray only)")
-    parser.add_argument("--workers", type=int, default=None, help="parallel cells (default: CPU count)")
-    parser.add_argument("--out", type=Path, required=True, metavar="DIR",
-                        help="OUT/sweep (cached cells, results.parquet) and OUT/report (figures, tables, serving.md)")
+    add_flags(parser, SHARED["executor"].use(help="local process pool (default) or Ray (simulator/sweep.py)"),
+              "address", "workers",
+              SHARED["out"].use(required=True, metavar="DIR", help="OUT/sweep (cached cells, results.parquet) and "
+                                                                   "OUT/report (figures, tables, serving.md)"))
 
 
 def base_config(args: argparse.Namespace):
@@ -160,8 +163,6 @@ def run(args: argparse.Namespace) -> int:
     if args.refine < 0:
         raise CapacityError(f"--refine {args.refine}: give a number of refinement rounds >= 0 (0: the swept rates "
                             "and their extensions only)")
-    if args.workers is not None and args.workers < 1:
-        raise CapacityError(f"--workers {args.workers}: give at least 1 parallel cell")
     if args.address is not None and args.executor != "ray":
         raise CapacityError("--address joins a Ray cluster; add --executor ray or drop --address")
     rates = parse_rates(args.rates)

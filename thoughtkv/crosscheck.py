@@ -35,7 +35,9 @@ from analysis.crosscheck import CrosscheckError, dominant_term, scatter_figure, 
 from hwprofiles.overhead_modes import apply_mode
 from simulator import options as sim_options
 from simulator.costs import profile_for_policy
-from tracer.preflight import THREADS_HELP, check_model_spec, resolve_device, resolve_threads
+from thoughtkv_base.options import POSITIVE_INT, SHARED, TEXT, Flag, add_flags
+from tracer.preflight import check_model_spec, resolve_device, resolve_threads
+from traces.policy import PolicySpec, parse_budget, policy_flag
 
 POLICIES = ("full", "evict", "hierarchy")
 GOAL_MEDIAN, GOAL_P95 = 0.10, 0.25
@@ -111,35 +113,42 @@ def datasheet_for(device_name: str) -> str | None:
 # ---------------------------------------------------------------- CLI ----------------------------------------
 
 
+OWN = (
+    Flag("--steps", "decode steps (max new tokens) per sample", POSITIVE_INT, default=128),
+    Flag("--repeats", "identical measured decodes per configuration", POSITIVE_INT, default=3),
+    Flag("--datasheet-profile", "datasheet profile to compare too: auto (by GPU name; none on a CPU), none, or a name",
+         TEXT, default="auto"),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True,
-                        help="random:NAME / NAME from traces.architectures (e.g. tiny, qwen2-7b), `micro`, HF id/path")
-    parser.add_argument("--policy", nargs="+", default=list(POLICIES), choices=POLICIES,
-                        help=f"policies to measure and simulate (default: {' '.join(POLICIES)})")
-    parser.add_argument("--hbm-budget", nargs="+", default=["0.5", "0.25"],
-                        help="budgets for evict/hierarchy (fractions or token counts); default 0.5 0.25")
-    parser.add_argument("--evict-ratio", type=float, default=0.0, help="hierarchy: evicted fraction (default: 0)")
-    parser.add_argument("--recall-k", type=int, default=4, help="hierarchy: DDR blocks recalled per layer and step (default: 4)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    parser.add_argument("--scorer", default="h2o", help="any tracer scorer but oracle, whose teacher pass is not timed (default: h2o)")
-    parser.add_argument("--steps", type=int, default=128, help="decode steps (max new tokens) per sample (default: 128)")
-    parser.add_argument("--samples", type=int, default=1, help="samples of the task per measured run (default: 1)")
-    parser.add_argument("--task", default="chains", help="tracer task; chains needs no data file (default: chains)")
-    parser.add_argument("--data-file", default=None, help="local dataset file for the task (as `thoughtkv trace`)")
-    parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when torch sees a GPU, else cpu)")
-    parser.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
-    parser.add_argument("--repeats", type=int, default=3, help="identical measured decodes per configuration (default: 3)")
-    parser.add_argument("--profile", default=None,
-                        help="calibrated profile name or YAML (default: calibrate this machine now, `calibrate "
-                             "--quick`, into OUT/measured-here-<device>.yaml, reused when rerun)")
-    parser.add_argument("--datasheet-profile", default="auto",
-                        help="datasheet profile to compare too: auto (by GPU name; none on a CPU), none, or a name (default: auto)")
+    # The policy flags are the policy contract's (traces/policy.py), with crosscheck's grid as their defaults;
+    # they come as text, which check_args parses through the contract.
+    add_flags(parser,
+              SHARED["model"].use(required=True, help="random:NAME / NAME from traces.architectures (e.g. tiny, "
+                                                      "qwen2-7b), `micro`, HF id/path"),
+              policy_flag("policy").use(nargs="+", default=list(POLICIES), choices=POLICIES,
+                                        help="policies to measure and simulate", default_text=" ".join(POLICIES)),
+              policy_flag("hbm_budget").use(nargs="+", default=["0.5", "0.25"], default_text="0.5 0.25",
+                                            help="budgets for evict/hierarchy (fractions or token counts)"),
+              policy_flag("evict_ratio").use(help="hierarchy: evicted fraction", default=PolicySpec.evict_ratio),
+              policy_flag("recall_k").use(help="hierarchy: DDR blocks recalled per layer and step",
+                                          default=PolicySpec.recall_k),
+              policy_flag("block_size").use(help="tokens per KV block", default=PolicySpec.block_size),
+              policy_flag("scorer").use(help="any tracer scorer but oracle, whose teacher pass is not timed",
+                                        default=PolicySpec.scorer),
+              *OWN, SHARED["samples"].use(help="samples of the task per measured run"),
+              SHARED["task"].use(default="chains", help="tracer task; chains needs no data file"),
+              SHARED["data_file"].use(help="local dataset file for the task (as `thoughtkv trace`)"),
+              SHARED["device"].use(help="cpu | cuda"), "threads",
+              SHARED["profile"].use(help="calibrated profile name or YAML",
+                                    default_text="calibrate this machine now, `calibrate --quick`, into "
+                                                 "OUT/measured-here-<device>.yaml, reused when rerun"))
     # The simulator's --overlap and --async-offload, spelled as in simulate (the tiered cache recalls, then attends)
     sim_options.add_arguments(parser, only=("overlap", "async_offload"), default_note={
         "async_offload": "as the measured run: on when the tracer's DDR store's offloads overlap later compute "
                          "(tracer.transfer.PinnedBlockStore says so; its scatters run in order: off)"})
-    parser.add_argument("--out", required=True, help="output directory (rerun to resume)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_flags(parser, SHARED["out"].use(required=True, help="output directory (rerun to resume)"), "quiet")
 
 
 def normalise_model(spec: str) -> str:
@@ -153,13 +162,13 @@ def normalise_model(spec: str) -> str:
 
 def check_args(args: argparse.Namespace) -> None:
     """Everything that needs no torch, before anything is written."""
-    from traces.policy import parse_budget
-
     if "oracle" == args.scorer:
         raise CrosscheckError("--scorer oracle runs an untimed teacher pass first; pick another scorer")
-    for name in ("steps", "samples", "repeats", "block_size"):
-        if getattr(args, name) < 1:
-            raise CrosscheckError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+    # --steps, --samples and --repeats were checked as they were parsed (POSITIVE_INT). The policy flags come as
+    # text: the contract parses and checks them once, here, and the runs and crosscheck.json get its values.
+    spec = PolicySpec(policy="hierarchy", evict_ratio=args.evict_ratio, recall_k=args.recall_k,
+                      block_size=args.block_size)
+    args.evict_ratio, args.recall_k, args.block_size = spec.evict_ratio, spec.recall_k, spec.block_size
     for budget in args.hbm_budget:
         parse_budget(budget)
     out = Path(args.out)
@@ -202,7 +211,10 @@ def load_profiles(args: argparse.Namespace, device_type: str, device_name: str):
 def settings_record(args: argparse.Namespace, model: str, device_type: str, threads: int) -> dict:
     keys = ("policy", "hbm_budget", "evict_ratio", "recall_k", "block_size", "scorer", "steps", "samples", "task",
             "data_file", "repeats")
-    return {"model": model, "device": device_type, "threads": threads, **{k: getattr(args, k) for k in keys}}
+    settings = {"model": model, "device": device_type, "threads": threads, **{k: getattr(args, k) for k in keys}}
+    if settings["data_file"] is not None:  # a Path (the PATH kind): JSON records its text
+        settings["data_file"] = str(settings["data_file"])
+    return settings
 
 
 def run(args: argparse.Namespace) -> int:
@@ -257,10 +269,10 @@ def run(args: argparse.Namespace) -> int:
             continue
         loaded = loaded or load_for_crosscheck(model_spec, device_type, seed=0)
         config = TraceConfig(
-            model=model_spec, task=args.task, out=str(run_dir), n_samples=args.samples, data_file=args.data_file,
-            policy=spec.policy, hbm_budget=spec.hbm_budget, evict_ratio=args.evict_ratio,
-            block_size=args.block_size, scorer=args.scorer, recall_k=args.recall_k, max_new_tokens=args.steps,
-            device=device_type,
+            model=model_spec, task=args.task, out=str(run_dir), n_samples=args.samples,
+            data_file=settings["data_file"], policy=spec.policy, hbm_budget=spec.hbm_budget,
+            evict_ratio=args.evict_ratio, block_size=args.block_size, scorer=args.scorer, recall_k=args.recall_k,
+            max_new_tokens=args.steps, device=device_type,
         )
         _, timings = measured_run(loaded, config, clock)
         timings = timings.assign(label=spec.label, policy=spec.policy, hbm_budget=spec.hbm_budget, repeat=rep)

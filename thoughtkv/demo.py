@@ -34,11 +34,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from thoughtkv_base import UserError
+from thoughtkv_base.options import (
+    FLOAT,
+    NONNEGATIVE_INT,
+    POSITIVE_INT,
+    SHARED,
+    TEXT,
+    Flag,
+    add_flags,
+    field_flag,
+)
 from traces.layout import write_atomic
+from traces.policy import policy_flag
 
 DEFAULT_OUT = "demo-out"
 MARKER = "demo.json"  # marks a directory as a demo's, so a rerun may write into it
 WHAT_IF_PROFILE = "h100-sxm"  # mass lost does not depend on the hardware: one profile is enough
+
+# A small projected serving sweep: every run at qwen2-7b's shapes with R1-7B GSM8K-like request lengths,
+# on one PCIe and one NVLink-C2C GPU, at four arrival rates doubled up to once; 20 s of arrivals per rate keeps it
+# near 40 s here (`thoughtkv experiment capacity-served`, docs/capacity_served.md: 120 s, refined rates, n = 200).
+SERVING_PROFILES = ("h100-pcie", "gh200-96gb")
+SERVING_RATES = (8.0, 16.0, 32.0, 64.0)
+SERVING = dict(duration_s=20.0, max_batch=4096, tbt_slo_s=0.1, ttft_slo_s=10.0, lengths="r1-7b/gsm8k")
+SERVING_OPTIONS = dict(overhead_mode="cuda-graphs", transfer="dma-batched")
 
 
 class DemoError(UserError):
@@ -69,62 +88,62 @@ def grid(budgets: list[float], evict_ratios: list[float]) -> list[Cell]:
     return cells
 
 
+OWN = (
+    Flag("--budgets", "HBM budgets (fractions) for pure eviction and the hierarchy", TEXT, default="0.3,0.5",
+         metavar="B,B"),
+    Flag("--evict-ratios", "the hierarchy's eviction ratios: 0 offloads everything over budget, 0.1 also drops the "
+         "least important 10%%", TEXT, default="0", metavar="E,E"),
+    Flag("--calibrate", "calibrate this machine first (quick: <= 60 s) and cross-check against it; smoke: seconds, "
+         "for tests; none: no measured profile, no Figure 6", TEXT, default="quick",
+         choices=("quick", "smoke", "none")),
+    # A float >= 0 (0 skips the section): no kind says that, so run() checks it.
+    Flag("--serving-duration-s", "seconds of Poisson arrivals per rate in the serving sweep; 0 skips the serving "
+         "section", FLOAT, default=SERVING["duration_s"], default_text=f"{SERVING['duration_s']:g}", metavar="S"),
+    Flag("--real-model-samples", "GSM8K problems for the real-model section (smollm2-135m graded by fidelity to its "
+         "full cache); 0 skips it", NONNEGATIVE_INT, default=3),
+    Flag("--trace-workers", "runs traced at once, one single-threaded process each (default: 1, so that the measured "
+         "decode times that Figure 6 compares with the simulator are uncontended)", POSITIVE_INT, default=1),
+)
+# The decode limit, the cache geometry and the recall come with the model (its trace_defaults.json; micro_long:
+# blocks of 4 and a 16-token window, so that the budget, not the protected tokens, decides what stays in HBM).
+FROM_MODEL = "the model's trace_defaults.json; micro_long: {}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=Path(DEFAULT_OUT), metavar="DIR",
-                        help=f"where runs, results and the report go; a rerun reuses what is there (default: {DEFAULT_OUT})")
-    parser.add_argument("--n-samples", type=int, default=8, metavar="N",
-                        help="samples per run (default: 8, to stay under 5 minutes on a 2-core CPU)")
-    parser.add_argument("--model", default="micro_long",
-                        help="model to trace (default: the bundled `micro_long`; `micro` with --task chains)")
-    parser.add_argument("--task", default="chains_long", help="task (default: chains_long, which micro_long learnt)")
-    parser.add_argument("--budgets", default="0.3,0.5", metavar="B,B",
-                        help="HBM budgets (fractions) for pure eviction and the hierarchy (default: 0.3,0.5)")
-    parser.add_argument("--evict-ratios", default="0", metavar="E,E",
-                        help="the hierarchy's eviction ratios: 0 offloads everything over budget, 0.1 also drops "
-                             "the least important 10%% (default: 0)")
-    # The decode limit, the cache geometry and the recall come with the model (its trace_defaults.json; micro_long:
-    # blocks of 4 and a 16-token window, so that the budget, not the protected tokens, decides what stays in HBM).
-    parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help="decode limit per sample (default: the model's trace_defaults.json; micro_long: 600)")
-    parser.add_argument("--block-size", type=int, default=None,
-                        help="tokens per KV block (default: the model's trace_defaults.json; micro_long: 4)")
-    parser.add_argument("--window-tokens", type=int, default=None,
-                        help="recent tokens always kept in HBM (default: the model's trace_defaults.json; micro_long: 16)")
-    parser.add_argument("--recall-budget", default=None, metavar="R",
-                        help="hierarchy: recall per layer and step at most this fraction of the context (or a token "
-                             "count), in whole blocks (default: the model's trace_defaults.json; micro_long: 0.2)")
-    parser.add_argument("--calibrate", choices=("quick", "smoke", "none"), default="quick",
-                        help="calibrate this machine first (quick: <= 60 s) and cross-check against it; smoke: "
-                             "seconds, for tests; none: no measured profile, no Figure 6 (default: quick)")
-    parser.add_argument("--overhead-mode", choices=("hf-eager", "kernel-only"), default="hf-eager",
-                        help="framework overheads of the datasheet GPU projections: hf-eager (a cited estimate of "
-                             "a transformers eager loop) or kernel-only (none) (default: hf-eager)")
-    parser.add_argument("--serving-duration-s", type=float, default=SERVING["duration_s"], metavar="S",
-                        help="seconds of Poisson arrivals per rate in the serving sweep; 0 skips the serving section "
-                             f"(default: {SERVING['duration_s']:g})")
-    parser.add_argument("--real-model-samples", type=int, default=3, metavar="N",
-                        help="GSM8K problems for the real-model section (smollm2-135m graded by fidelity to its full "
-                             "cache); 0 skips it (default: 3)")
-    parser.add_argument("--device", default="cpu", help="device to trace on (default: cpu)")
-    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
-                        help="simulation processes at once (default: 2 or the CPU count)")
-    parser.add_argument("--trace-workers", type=int, default=1,
-                        help="runs traced at once, one single-threaded process each (default: 1, so that the "
-                             "measured decode times that Figure 6 compares with the simulator are uncontended)")
+    from simulator.options import SimOptions
+
+    add_flags(parser,
+              SHARED["out"].use(help="where runs, results and the report go; a rerun reuses what is there",
+                                default=Path(DEFAULT_OUT), metavar="DIR"),
+              SHARED["n_samples"].use(default=8, help="samples per run (default: 8, to stay under 5 minutes on a "
+                                                      "2-core CPU)"),
+              SHARED["model"].use(default="micro_long", help="model to trace (default: the bundled `micro_long`; "
+                                                             "`micro` with --task chains)"),
+              SHARED["task"].use(default="chains_long", help="task (default: chains_long, which micro_long learnt)"),
+              SHARED["max_new_tokens"].use(help="decode limit per sample", default_text=FROM_MODEL.format(600)),
+              policy_flag("block_size").use(help="tokens per KV block", default_text=FROM_MODEL.format(4)),
+              policy_flag("window_tokens").use(help="recent tokens always kept in HBM",
+                                               default_text=FROM_MODEL.format(16)),
+              policy_flag("recall_budget").use(help="hierarchy: recall per layer and step at most this fraction of "
+                                                    "the context (or a token count), in whole blocks",
+                                               default_text=FROM_MODEL.format(0.2), metavar="R"),
+              field_flag(SimOptions, "overhead_mode").use(
+                  choices=("hf-eager", "kernel-only"), default="hf-eager", default_text=None,
+                  help="framework overheads of the datasheet GPU projections: hf-eager (a cited estimate of a "
+                       "transformers eager loop) or kernel-only (none)"),
+              SHARED["device"].use(help="device to trace on", default="cpu", default_text=None),
+              SHARED["workers"].use(help="simulation processes at once", default=min(2, os.cpu_count() or 1),
+                                    default_text="2 or the CPU count"),
+              *OWN)
 
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     budgets = _parse_list(args.budgets, "--budgets", "hbm_budget")
     evict_ratios = _parse_list(args.evict_ratios, "--evict-ratios", "evict_ratio")
-    if args.n_samples < 1:
-        raise DemoError(f"--n-samples {args.n_samples} must be at least 1")
-    if args.real_model_samples < 0:
-        raise DemoError(f"--real-model-samples {args.real_model_samples} must be >= 0 (0 skips the section)")
+    # --n-samples, --real-model-samples, --workers and --trace-workers were checked as they were parsed.
     if not args.serving_duration_s >= 0:  # also refuses nan
         raise DemoError(f"--serving-duration-s {args.serving_duration_s} must be >= 0 (0 skips the serving section)")
-    if args.workers < 1 or args.trace_workers < 1:
-        raise DemoError(f"--workers {args.workers} / --trace-workers {args.trace_workers} must be at least 1")
     from tracer.preflight import check_model_spec, resolve_device
 
     args.device = resolve_device(args.device)  # the one --device check, before anything is written
@@ -158,15 +177,19 @@ def resolve_model_defaults(args: argparse.Namespace) -> None:
     from tracer.model_defaults import resolve
     from traces.policy import PolicyError, PolicySpec
 
+    policy_keys = ("block_size", "sink_tokens", "window_tokens", "recall_k", "recall_budget")
     given = {"block_size": args.block_size, "window_tokens": args.window_tokens,
              "max_new_tokens": args.max_new_tokens, "recall_budget": args.recall_budget}
-    args.given_settings = {k: v for k, v in given.items() if v is not None}  # what the runs' TraceConfig gets
+    given = {k: v for k, v in given.items() if v is not None}
     values, args.from_model = resolve(args.model, given)
     try:
-        PolicySpec(policy="hierarchy", **{k: values[k] for k in ("block_size", "sink_tokens", "window_tokens",
-                                                                 "recall_k", "recall_budget")})
+        spec = PolicySpec(policy="hierarchy", **{k: values[k] for k in policy_keys})
     except PolicyError as error:
         raise DemoError(str(error)) from None
+    # The policy flags come as text (traces.policy.policy_flag): the runs and the calibration get the values the
+    # contract parsed.
+    values.update({k: getattr(spec, k) for k in policy_keys})
+    args.given_settings = {k: values[k] for k in given}  # what the runs' TraceConfig gets
     if values["max_new_tokens"] < 1:
         raise DemoError(f"--max-new-tokens {values['max_new_tokens']} must be at least 1")
     for key in ("block_size", "sink_tokens", "window_tokens", "max_new_tokens", "recall_k", "recall_budget"):
@@ -458,15 +481,7 @@ def mechanisms_figure(cells: list[Cell], run_dirs: dict[str, Path], report_dir: 
     print(f"  wrote {', '.join(str(p) for p in written if p.suffix == '.png')}", file=sys.stderr)
 
 
-# -- 3b. capacity as served --------------------------------------------------------------------------------------
-
-# A small projected serving sweep: every run at qwen2-7b's shapes with R1-7B GSM8K-like request lengths,
-# on one PCIe and one NVLink-C2C GPU, at four arrival rates doubled up to once; 20 s of arrivals per rate keeps it
-# near 40 s here (`thoughtkv experiment capacity-served`, docs/capacity_served.md: 120 s, refined rates, n = 200).
-SERVING_PROFILES = ("h100-pcie", "gh200-96gb")
-SERVING_RATES = (8.0, 16.0, 32.0, 64.0)
-SERVING = dict(duration_s=20.0, max_batch=4096, tbt_slo_s=0.1, ttft_slo_s=10.0, lengths="r1-7b/gsm8k")
-SERVING_OPTIONS = dict(overhead_mode="cuda-graphs", transfer="dma-batched")
+# -- 3b. capacity as served (its settings, SERVING, are at the top) --------------------------------------------------
 
 
 def serving_section(cells: list[Cell], run_dirs: dict[str, Path], out: Path, workers: int,

@@ -10,45 +10,48 @@ import sys
 from pathlib import Path
 
 from thoughtkv_base import UserError
+from thoughtkv_base.options import SHARED, TEXT, Flag, add_flags
 from tracer.calibrate.measure import measure, resolve_architecture
 from tracer.calibrate.plan import OVERHEAD_DECODERS, CalibrationError, cache_geometry, plan_for
 from tracer.calibrate.profile import build_profile
 from tracer.calibrate.write import summary_line, write_profile
 from tracer.preflight import resolve_threads
+from traces.policy import policy_flag
 
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 
+OWN = (
+    Flag("--architecture", "model shapes for the weight-read, GEMM and attention benchmarks: a known architecture or "
+         "a bundled model (micro, micro_long); calibrate for the model you will trace", TEXT,
+         default_text="tiny on cpu, qwen2-7b on cuda"),
+    Flag("--overhead-decoder", "whose per-step/per-layer overheads the profile's `overheads` are (all are measured "
+         "and kept in provenance.overheads_by_decoder)", TEXT, default="tiered/full", choices=OVERHEAD_DECODERS),
+    Flag("--statistic", "reduce repeated timings by their median (default) or minimum (the uncontended cost on a "
+         "shared machine); recorded, and `thoughtkv crosscheck` reduces its repeats alike", TEXT, default="median",
+         choices=("median", "min")),
+    Flag("--quick", "the same benchmarks with fewer sizes and repeats (<= 60 s on a 2-core CPU; what the demo runs)",
+         None, action="store_true", default=False),
+    Flag("--smoke", "tiny sizes, seconds: for tests only (figures mean little)", None, action="store_true",
+         default=False),
+    Flag("--force", "overwrite an existing --out file", None, action="store_true", default=False),
+)
+# The tiered overhead decoders' cache geometry: the policy contract's flags (text; cache_geometry parses them).
+GEOMETRY = (("block_size", "tokens per KV block"), ("sink_tokens", "attention sinks kept in HBM"),
+            ("window_tokens", "recent window kept in HBM"))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default=None,
-                        help="device to calibrate (default: cuda when available, else cpu)")
-    parser.add_argument("--out", default=None,
-                        help="profile YAML to write; its stem is the profile name "
-                             "(default: hwprofiles/measured/measured-<device>.yaml)")
-    parser.add_argument("--architecture", default=None,
-                        help="model shapes for the weight-read, GEMM and attention benchmarks: a known architecture "
-                             "or a bundled model (micro, micro_long); calibrate for the model you will trace "
-                             "(default: tiny on cpu, qwen2-7b on cuda)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default: 1 on cpu, torch's default on cuda); recorded")
-    parser.add_argument("--overhead-decoder", default="tiered/full", choices=OVERHEAD_DECODERS,
-                        help="whose per-step/per-layer overheads the profile's `overheads` are (all are measured "
-                             "and kept in provenance.overheads_by_decoder); default: tiered/full")
-    parser.add_argument("--statistic", choices=("median", "min"), default="median",
-                        help="reduce repeated timings by their median (default) or minimum (the uncontended cost "
-                             "on a shared machine); recorded, and `thoughtkv crosscheck` reduces its repeats alike")
-    parser.add_argument("--quick", action="store_true",
-                        help="the same benchmarks with fewer sizes and repeats (<= 60 s on a 2-core CPU; what the demo runs)")
-    for flag, what in (("--block-size", "tokens per KV block"), ("--sink-tokens", "attention sinks kept in HBM"),
-                       ("--window-tokens", "recent window kept in HBM")):
-        parser.add_argument(flag, type=int, default=None,
-                            help=f"{what} of the tiered overhead decoders (default: the policy contract's); "
-                                 "calibrate with the geometry of the runs the profile will be compared with")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds: for tests only (figures mean little)")
-    parser.add_argument("--force", action="store_true", help="overwrite an existing --out file")
+    add_flags(parser, SHARED["device"].use(help="device to calibrate", default_text="cuda when available, else cpu"),
+              SHARED["out"].use(help="profile YAML to write; its stem is the profile name",
+                                default_text="hwprofiles/measured/measured-<device>.yaml"),
+              SHARED["threads"].use(default_text="1 on cpu, torch's default on cuda"), *OWN,
+              *(policy_flag(name).use(help=f"{what} of the tiered overhead decoders (default: the policy contract's); "
+                                           "calibrate with the geometry of the runs the profile will be compared with")
+                for name, what in GEOMETRY))
 
 
-def resolve_out(out: str | None, device_type: str, force: bool) -> Path:
+def resolve_out(out: Path | str | None, device_type: str, force: bool) -> Path:
     from hwprofiles import MEASURED_DIR
 
     path = Path(out) if out else MEASURED_DIR / f"measured-{device_type}.yaml"

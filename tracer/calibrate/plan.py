@@ -88,22 +88,23 @@ TOKEN_SWEEP_DECODERS = ("tiered/full", "tiered/evict")
 OVERHEAD_DECODERS = ("dynamic-cache", "tiered/full", "tiered/evict", "tiered/hierarchy", "tiered/hierarchy-k1")
 
 
-def cache_geometry(block_size: int | None = None, sink_tokens: int | None = None,
-                   window_tokens: int | None = None) -> dict[str, int]:
+def cache_geometry(block_size: int | str | None = None, sink_tokens: int | str | None = None,
+                   window_tokens: int | str | None = None) -> dict[str, int]:
     """The tiered cache's block size, sinks and window that the overhead decoders run with (None: the policy
-    contract's default), checked by the contract. A trace's per-layer cost depends on them: micro_long with
-    block 4 / window 16 (the demo's) costs ~8% more per step than with block 16 / window 32 (four times the
-    blocks to score, bound and place, and a placement every 4 steps), which a profile calibrated at block 16
-    under-estimated; so the demo and crosscheck calibrate with their runs' geometry."""
+    contract's default), checked and parsed by the contract (a flag's text becomes its whole number). A trace's
+    per-layer cost depends on them: micro_long with block 4 / window 16 (the demo's) costs ~8% more per step than
+    with block 16 / window 32 (four times the blocks to score, bound and place, and a placement every 4 steps),
+    which a profile calibrated at block 16 under-estimated; so the demo and crosscheck calibrate with their runs'
+    geometry."""
     from traces.policy import CACHE_GEOMETRY_KEYS, PolicySpec
 
     given, default = {"block_size": block_size, "sink_tokens": sink_tokens, "window_tokens": window_tokens}, PolicySpec()
     values = {k: getattr(default, k) if given[k] is None else given[k] for k in CACHE_GEOMETRY_KEYS}
     try:
-        PolicySpec(**values)
+        spec = PolicySpec(**values)
     except ValueError as exc:
         raise CalibrationError(f"cache geometry: {exc}") from None
-    return values
+    return {k: getattr(spec, k) for k in CACHE_GEOMETRY_KEYS}
 
 
 @dataclass

@@ -7,31 +7,53 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
+
+from thoughtkv_base.options import (
+    NONNEGATIVE_INT,
+    OUTPUT_PATH,
+    PATH,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    SHARED,
+    TEXT,
+    Flag,
+    add_flags,
+)
+
+TRAIN = (
+    SHARED["out"].use(required=True, help="output directory (checkpoints, log, final model)"),
+    "seed",
+    Flag("--max-steps", "training steps", POSITIVE_INT, default=3000),
+    SHARED["threads"].use(default=2, default_text=None,
+                          help="torch CPU threads; use 1 on a busy machine (spinning threads waste CPU there)"),
+    Flag("--kv-heads", "KV heads for the 6 query heads (6 = no GQA)", POSITIVE_INT, default=3),
+    Flag("--no-resume", "start over even if DIR/checkpoint exists", None, action="store_true", default=False),
+    SHARED["task"].use(default="chains", help="curriculum: chains (from scratch) or chains_long"),
+    Flag("--init-from", "model directory to fine-tune from (e.g. tracer/assets/micro)", TEXT, default="",
+         default_text="none (from scratch)"),
+    SHARED["batch_size"].use(default=32, help="training sequences per step"),
+    Flag("--lr", "peak learning rate (the final one is lr/10)", POSITIVE_FLOAT, default=3e-3),
+    Flag("--warmup-steps", "steps of linear warm-up to the peak learning rate", NONNEGATIVE_INT, default=200),
+)
+EXPORT = (
+    Flag("run_dir", "a finished training run (train's --out)", PATH, metavar="RUN_DIR"),
+    Flag("--to", "where the model, tokenizer and log go", OUTPUT_PATH, metavar="DIR",
+         default_text="the package's tracer/assets/micro"),
+)
+SAMPLES = (
+    SHARED["out"].use(help="where the sample traces go", default_text="the repository's traces/samples"),
+    SHARED["n_samples"].use(default=20, help="samples per trace"),
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tracer.micro", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="train the micro model on chains (seeded; resumes from DIR/checkpoint)")
-    p.add_argument("--out", type=Path, required=True, help="output directory (checkpoints, log, final model)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=int, default=3000)
-    p.add_argument("--threads", type=int, default=2,
-                   help="torch CPU threads; use 1 on a busy machine (spinning threads waste CPU there)")
-    p.add_argument("--kv-heads", type=int, default=3, help="KV heads for the 6 query heads (6 = no GQA)")
-    p.add_argument("--no-resume", action="store_true", help="start over even if DIR/checkpoint exists")
-    p.add_argument("--task", default="chains", help="curriculum: chains (from scratch) or chains_long")
-    p.add_argument("--init-from", default="", help="model directory to fine-tune from (e.g. tracer/assets/micro)")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (the final one is lr/10)")
-    p.add_argument("--warmup-steps", type=int, default=200)
-    p = sub.add_parser("export", help="copy a finished run's model, tokenizer and log into tracer/assets/micro")
-    p.add_argument("run_dir", type=Path)
-    p.add_argument("--to", type=Path, default=None, help="default: the package's tracer/assets/micro")
-    p = sub.add_parser("samples", help="regenerate the shipped sample traces in traces/samples/")
-    p.add_argument("--out", type=Path, default=None, help="default: the repository's traces/samples")
-    p.add_argument("--n-samples", type=int, default=20)
+    add_flags(sub.add_parser("train", help="train the micro model on chains (seeded; resumes from DIR/checkpoint)"),
+              *TRAIN)
+    add_flags(sub.add_parser("export", help="copy a finished run's model, tokenizer and log into tracer/assets/micro"),
+              *EXPORT)
+    add_flags(sub.add_parser("samples", help="regenerate the shipped sample traces in traces/samples/"), *SAMPLES)
     args = parser.parse_args(argv)
     if args.command == "train":
         from tracer.micro.train import TrainConfig, train
