@@ -207,3 +207,22 @@ def test_a_failed_collection_is_reported_and_retried_on_rerun(tmp_path):
         report = run_sweep([cell], tmp_path / "out", workers=1, progress=False)
         assert report.computed == 0 and "exited with 2" in report.failed[cell_key(cell)]
         assert not cell_result_path(tmp_path / "out", cell).exists()
+
+
+def test_a_per_sample_cell_gives_simulates_samples_table_through_the_pool(synth_run):
+    """The demo's replays run as sweep cells (per_sample=True): the pool returns simulate_run's own samples."""
+    import io
+
+    from simulator import SimOptions, simulate_run
+    from simulator.sweep.cells import SimulateCell
+    from simulator.sweep.executors import execute_local
+
+    what_if = (("budget", 0.5),)
+    cells = [SimulateCell(str(synth_run), "h100-pcie", SimOptions(), per_sample=True),
+             SimulateCell(str(synth_run), "h100-pcie", SimOptions(), what_if=what_if, per_sample=True)]
+    got = {cell: pd.read_parquet(io.BytesIO(table)).drop(columns="cell_key") for cell, table in execute_local(cells, 2)}
+    for cell in cells:
+        expected = simulate_run(synth_run, "h100-pcie", SimOptions(), what_if=dict(cell.what_if) or None).samples
+        assert len(got[cell]) == 2
+        pd.testing.assert_frame_equal(got[cell].reset_index(drop=True), expected.reset_index(drop=True))
+    assert cell_key(cells[0]) != cell_key(SimulateCell(str(synth_run), "h100-pcie", SimOptions()))

@@ -375,13 +375,16 @@ def simulate_all(cells: list[Cell], run_dirs: dict[str, Path], sim_dir: Path, wo
     Profiles: every shipped datasheet profile, charging `overhead_mode` (hf-eager: the cited estimate of a
     transformers eager loop's launches; kernel-only: none), plus this machine's in-run calibration (`measured`,
     its measured overheads). The shipped example of a measured profile is not used. Each (run, profile) replay
-    is one task for `workers` processes; a run's file is written once all of its tasks are back, so an
-    interrupted simulation leaves either a complete file or none.
+    is one sweep cell, run by the sweep's local executor on `workers` processes; a run's file is written once all
+    of its cells are back, so an interrupted simulation leaves either a complete file or none.
     """
+    import io
+
     import pandas as pd
     from tqdm.auto import tqdm
 
     from hwprofiles import list_profiles
+    from simulator.sweep.executors import execute_local
 
     profiles = [(p.name, overhead_mode) for p in list_profiles() if p.provenance.get("kind") != "measured"]
     if measured is not None:
@@ -395,18 +398,24 @@ def simulate_all(cells: list[Cell], run_dirs: dict[str, Path], sim_dir: Path, wo
            f"(datasheet GPUs {overhead_mode}{', this machine measured' if measured is not None else ''})")
     names = [name for name, _ in profiles]
     what_if_profile = (WHAT_IF_PROFILE, overhead_mode) if WHAT_IF_PROFILE in names else profiles[0]
-    tasks = []  # (label, run_dir, profile, overhead mode, what_if)
+    label_of = {}  # sweep cell (one simulate_run, one row per sample) -> the run whose results file it joins
     for cell in stale:
-        tasks += [(cell.label, str(run_dirs[cell.label]), profile, mode, None) for profile, mode in profiles]
+        run_dir = str(run_dirs[cell.label])
+        for profile, mode in profiles:
+            label_of[replay_cell(run_dir, profile, mode)] = cell.label
         if cell.policy == "full":
-            tasks += [(cell.label, str(run_dirs[cell.label]), *what_if_profile, what_if_of(run_dirs[t.label]))
-                      for t in cells if t.policy != "full"]
+            for other in (t for t in cells if t.policy != "full"):
+                label_of[replay_cell(run_dir, *what_if_profile, what_if_of(run_dirs[other.label]))] = cell.label
     results: dict[str, list] = {cell.label: [] for cell in stale}
-    remaining = {cell.label: sum(1 for t in tasks if t[0] == cell.label) for cell in stale}
-    finished = _map_tasks(simulate_one, tasks, workers, key=lambda task: task[1:])
-    with closing(finished), tqdm(total=len(tasks), desc="simulate", unit="sim") as bar:  # closing: stops the pool
-        for (label, *_), frame in finished:
-            results[label].append(frame)
+    remaining = {cell.label: sum(1 for label in label_of.values() if label == cell.label) for cell in stale}
+    # The sweep's executor (simulator/sweep/executors.py): a spawn pool of `workers`, stopped with this process.
+    finished = execute_local(list(label_of), workers)
+    with closing(finished), tqdm(total=len(label_of), desc="simulate", unit="sim") as bar:  # closing: stops the pool
+        for sweep_cell, table in finished:
+            if isinstance(table, BaseException):
+                raise table
+            label = label_of[sweep_cell]
+            results[label].append(pd.read_parquet(io.BytesIO(table)).drop(columns="cell_key"))
             remaining[label] -= 1
             if remaining[label] == 0:
                 frame = pd.concat(results.pop(label), ignore_index=True)
@@ -415,26 +424,13 @@ def simulate_all(cells: list[Cell], run_dirs: dict[str, Path], sim_dir: Path, wo
     return list(files.values())
 
 
-def simulate_one(run_dir: str, profile: str, overhead_mode: str | None, what_if: dict | None):
-    from simulator import SimOptions, simulate_run
+def replay_cell(run_dir: str, profile: str, overhead_mode: str | None, what_if: dict | None = None):
+    """One replay of a run on a profile as a sweep cell whose table is simulate's per-sample rows."""
+    from simulator import SimOptions
+    from simulator.sweep.cells import SimulateCell
 
-    return simulate_run(run_dir, profile, SimOptions(overhead_mode=overhead_mode), what_if=what_if).samples
-
-
-def _map_tasks(function, tasks: list[tuple], workers: int, key=lambda task: task):
-    """(task, function(*key(task))) as tasks finish: in this process, or in a spawn pool of `workers` processes."""
-    if workers == 1 or len(tasks) < 2:
-        for task in tasks:
-            yield task, function(*key(task))
-        return
-    from concurrent.futures import as_completed
-
-    from thoughtkv_base.pool import process_pool
-
-    with process_pool(workers) as pool:  # its workers end with this process (Ctrl-C, SIGTERM)
-        futures = {pool.submit(function, *key(task)): task for task in tasks}
-        for future in as_completed(futures):
-            yield futures[future], future.result()
+    return SimulateCell(run_dir, profile, SimOptions(overhead_mode=overhead_mode),
+                        what_if=tuple(sorted((what_if or {}).items())), per_sample=True)
 
 
 def what_if_of(run_dir: Path) -> dict:

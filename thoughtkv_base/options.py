@@ -166,6 +166,8 @@ class Flag:
         unknown = set(changes) - USE_FIELDS
         if unknown:
             raise TypeError(f"Flag.use cannot change {', '.join(sorted(unknown))} of {self.name}: define another flag")
+        if "default" in changes:  # the row's words for its own default no longer describe this one
+            changes.setdefault("default_text", None)
         return replace(self, **changes, origin=self.definition)
 
 

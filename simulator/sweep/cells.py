@@ -36,12 +36,15 @@ class SimulateCell:
     what_if: tuple[tuple[str, Any], ...] = ()  # sorted (key, value) pairs; () = replay as traced
     num_gpus: float = 0.0
     projection: Projection = field(default_factory=Projection)  # as_model, ... (grid keys of the same names)
+    per_sample: bool = False  # one row per sample (simulate's samples table) instead of one for the run
 
     def run(self) -> pd.DataFrame:
         from simulator import simulate_run
 
         result = simulate_run(self.run_dir, self.profile, self.options, what_if=dict(self.what_if) or None,
                               projection=self.projection)
+        if self.per_sample:
+            return result.samples.copy()
         summary = result.summary
         return summary.copy() if isinstance(summary, pd.DataFrame) else pd.DataFrame([summary])
 
