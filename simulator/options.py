@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass, field, fields
+from typing import ClassVar
 
 from simulator.errors import OptionError
 from thoughtkv_base import UserError, check_seed
@@ -56,6 +57,7 @@ BATCHED_TOKENS_LARGE, BATCHED_TOKENS_SMALL, BATCHED_TOKENS_MEMORY_BYTES = 8192, 
 
 @dataclass(frozen=True)
 class SimOptions:
+    flag_group: ClassVar[str] = "projection"  # the --help section of its flags (thoughtkv_base.options.GROUPS)
     overlap: str = field(default="none", metadata={
         "help": "none: recall, then compute; layer-prefetch: the recall for layer l+1 runs during layer l "
                 "(needs a recall rule known before the layer runs: traces.policy.PREFETCHABLE_RECALL_RULES, "
@@ -126,6 +128,7 @@ class Projection:
     replayed on another architecture's shapes (simulator/project.py does the arithmetic). One home for simulate,
     serve-sim and sweep grids: their flags and grid keys are generated from these fields, checked here once.
     `Projection()` (no --as-model) is no projection: the run's own shapes."""
+    flag_group: ClassVar[str] = "projection"  # the --help section of its flags (thoughtkv_base.options.GROUPS)
 
     as_model: str | None = field(default=None, metadata={
         "help": "replay the run's access pattern on another architecture of traces.architectures, e.g. qwen2-7b "
@@ -189,6 +192,7 @@ class Projection:
 class ServingConfig:
     """Everything a serving simulation is asked, validated once; `thoughtkv serve-sim`'s flags and the serve
     grid keys are generated from these fields (options.add_arguments), the simulator options embedded whole."""
+    flag_group: ClassVar[str] = "serving"  # the --help section of its flags (thoughtkv_base.options.GROUPS)
 
     rate_per_s: float = field(default=1.0, metadata={"help": "Poisson arrivals per second (unused with --arrivals-csv)",
                                                      "metavar": "R"})

@@ -174,9 +174,10 @@ class Flag:
 # The help sections of shared settings, in the order the help prints them.
 GROUPS = {
     "output": "output",
-    "sampling": "what is traced (model, task, samples, decoding)",
+    "sampling": "what is run (model, task, samples, decoding, seed)",
     "policy": "KV policy (traces/policy.py)",
     "projection": "simulation and projection (simulator/options.py)",
+    "serving": "serving (simulator/options.py ServingConfig)",
     "execution": "execution (devices, threads, workers, shards)",
 }
 
@@ -249,7 +250,7 @@ def flag_name(field_name: str) -> str:
 def field_flag(cls: type, name: str) -> Flag:
     """The flag of one field of an options dataclass, made once (so every command that takes it shares one
     definition): `metadata["help"]` its help, `["choices"]`, `["type"]` (the parser when the default does not
-    say), `["metavar"]`, `["default_text"]`. It defaults to None, "not given": the dataclass's own default
+    say), `["metavar"]`, `["default_text"]`; the class's `flag_group` is its help section. It defaults to None, "not given": the dataclass's own default
     applies (`from_args`), which the help shows. A field named like a shared setting is that setting."""
     f = next(f for f in fields(cls) if f.name == name)
     meta = f.metadata
@@ -257,13 +258,14 @@ def field_flag(cls: type, name: str) -> Flag:
     text = meta.get("default_text", _shown(default))
     if f.name in SHARED:
         return SHARED[f.name].use(help=meta["help"], default=None, default_text=text)
+    group = getattr(cls, "flag_group", None)
     if isinstance(default, bool):
         return Flag(flag_name(f.name), meta["help"], None, action=argparse.BooleanOptionalAction, dest=f.name,
-                    default_text=text)
+                    default_text=text, group=group)
     parse = meta.get("type") or type(default)
     kind = meta.get("kind") or Kind(parse, metavar=meta.get("metavar", f.name.upper()))
     return Flag(flag_name(f.name), meta["help"], kind, choices=meta.get("choices"), dest=f.name, default_text=text,
-                metavar=meta.get("metavar"))
+                metavar=meta.get("metavar"), group=group)
 
 
 def dataclass_flags(cls: type, only: tuple[str, ...] | None = None, exclude: tuple[str, ...] = ()) -> list[Flag]:
