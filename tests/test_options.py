@@ -137,3 +137,13 @@ def test_a_bad_value_is_one_line_before_anything_is_written(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err == "thoughtkv trace: error: --threads 0: give at least 1 (--threads must be >= 1)"
     assert not out.exists()
+
+
+def test_an_output_under_a_file_is_refused_before_anything_runs(tmp_path, capsys):
+    junk = tmp_path / "notes.txt"
+    junk.write_text("keep me\n")
+    assert main(["simulate", str(REPO / "traces" / "samples" / "micro-hierarchy-b30-e0"), "--profile", "h100-pcie",
+                 "--out", str(junk / "sim")]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
+    assert junk.read_text() == "keep me\n"
+    assert parse(SHARED["out"], "--out", str(tmp_path / "new" / "deeper")) == tmp_path / "new" / "deeper"

@@ -111,6 +111,19 @@ def _path(text: str, flag: str) -> Path:
     return Path(text)
 
 
+def _output_path(text: str, flag: str) -> Path:
+    """A path to write: also refused when something on the way to it is a file (`notes.txt/run`), which no
+    command could create; whether the path itself may exist is the command's to say (resume, --force)."""
+    path = _path(text, flag)
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise OptionValueError(f"{flag} {text}: {parent} is a file, not a directory; give a path under "
+                                       "a directory")
+            break
+    return path
+
+
 POSITIVE_INT = Kind(int, _at_least_one, "N")
 NONNEGATIVE_INT = Kind(int, _at_least_zero, "N")
 POSITIVE_FLOAT = Kind(float, _positive_number, "X")
@@ -118,7 +131,7 @@ FRACTION = Kind(float, _fraction, "F")
 SEED = Kind(int, _seed, "SEED")
 SHARD = Kind(str, _shard, "I/N")
 PATH = Kind(str, _path, "PATH")  # read or written: checked for what no filesystem call should be handed
-OUTPUT_PATH = Kind(str, _path, "OUT")
+OUTPUT_PATH = Kind(str, _output_path, "OUT")
 TEXT = Kind(str)
 INT = Kind(int)  # a whole number the command checks itself (its range depends on other flags)
 FLOAT = Kind(float)
