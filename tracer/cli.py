@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from thoughtkv_base.options import INT, POSITIVE_INT, SHARED, TEXT, Flag, add_flags
+from thoughtkv_base.options import INT, SHARED, TEXT, Flag, add_flags
 from traces.policy import PolicySpec, add_policy_arguments
 
 # Defaults that come from the model's trace_defaults.json when the flag is not given (tracer/model_defaults.py).
@@ -18,8 +18,8 @@ OWN = (
     Flag("--allow-past-context", "trace a prompt longer than the model's context anyway: positions past it were "
          "never trained (timings only; default: refuse)", None, action="store_true", default=False),
     Flag("--prefill-chunk-tokens", "prefill a longer prompt in chunks of this many tokens: bounds the prefill's "
-         "attention scores; the prompt is placed after the last chunk, as one unchunked prefill", POSITIVE_INT,
-         default=2048),
+         "attention scores; the prompt is placed after the last chunk, as one unchunked prefill", INT,
+         default=2048),  # at least 1: TraceConfig checks it, for the CLI and the API alike
     Flag("--also-score", "scorers computed alongside (not placing); recorded for `thoughtkv analyze correlation`",
          TEXT, metavar="A,B"),
     Flag("--grad-window", "gradient scorer: next-token losses of the last N positions", INT, default=1),
