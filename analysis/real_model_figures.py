@@ -140,13 +140,15 @@ def served_frontier(capacity: pd.DataFrame) -> Figure:
                         label=row["method"])
             k = methods.index(row["method"])  # labels of points that coincide are stacked, not overprinted
             ax.annotate(f"{100 * row['attended_frac']:.0f}% att., {bytes_text(row['h2d_bytes_per_token_served'])}",
-                        (rate, top1), textcoords="offset points", xytext=(6, 6 - 6 * (k % 4)), fontsize=5,
+                        (rate, top1), textcoords="offset points", xytext=(6, 6 - 8 * (k % 4)), fontsize=5,
                         color=style["color"])
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(_plain())
-        ax.xaxis.set_minor_formatter(_plain(minor=True))
+        low, high = ax.get_xlim()  # a span under 4x shows at most one 2-or-5 tick: label every minor one there
+        ax.xaxis.set_minor_formatter(_plain(minor=high / low >= 4))
         ax.set_title(profile, loc="left")
         ax.set_xlabel("max sustainable rate (req/s)")
     axes[0].set_ylabel("top-1 agreement with the full cache (%)")
-    axes[0].legend(fontsize=5, loc="upper center", bbox_to_anchor=(0.5 * len(profiles), -0.2), ncols=3)
+    handles, labels = axes[0].get_legend_handles_labels()  # one legend for both panels, below them
+    figure.legend(handles, labels, loc="outside lower center", ncols=2, fontsize=5)
     return figure

@@ -183,3 +183,29 @@ def test_the_served_table_puts_peak_reservation_beside_paged_and_the_limits_figu
     sentence = one_sentence(merged, "p99 TBT ≤ 100 ms")
     assert "sustains 60 req/s on gh200-96gb (GPU compute on gh200-96gb; 50 reserving each request's peak KV)" in sentence
     assert "(30 with peak reservation)" in sentence
+
+
+def test_the_real_models_served_rows_name_their_hbm_budget_and_carry_their_cells_fidelity(tmp_path):
+    """One rule at two HBM budgets is two rows (and two figure series): each names its budget and carries the
+    fidelity of its own cell, profiles in the document's order."""
+    from simulator.options import ServingConfig
+    from thoughtkv.experiments import real_model_served
+
+    cells = {"hier-quest-r10-b30": (0.3, 0.9), "hier-quest-r10-b50": (0.5, 0.95), "full": (1.0, 1.0)}
+    capacity = pd.DataFrame([{
+        "run_dir": f"/r/{cell}", "profile": profile, "hbm_budget": budget, "max_rate_per_s": 10.0 * budget,
+        "first_failing_rate_per_s": 11.0 * budget, "limit": "GPU compute", "attended_frac": budget,
+        "h2d_bytes_per_token_served": 0.0, "knee_link_util_h2d": 0.1, "knee_hbm_occupancy": 0.4}
+        for profile in reversed(real_model_served.PROFILES) for cell, (budget, _) in cells.items()])
+    fidelity = {cell: {"hbm_budget": budget, "kl": 1 - top1, "kl_low": 0.0, "kl_high": 1.0, "top1": top1,
+                       "top1_low": top1 - 0.01, "top1_high": top1, "n": 100}
+                for cell, (budget, top1) in cells.items() if cell != "full"}
+    labels = {cell: "hierarchy quest, recall ≤ 10%" for cell in cells}
+    path = real_model_served.write(tmp_path, capacity, ServingConfig(), fidelity, labels)
+    rows = [line for line in path.read_text(encoding="utf-8").splitlines() if line.startswith("| h")
+            or line.startswith("| g")]
+    assert [row.split(" | ")[0].strip("| ") for row in rows] == [p for p in real_model_served.PROFILES for _ in cells]
+    assert f"| {real_model_served.PROFILES[0]} | hierarchy quest, recall ≤ 10% at 30% HBM | 3 |" in rows[0]
+    assert "| hierarchy quest, recall ≤ 10% at 50% HBM | 5 |" in rows[1] and "| 95.0 [94.0, 95.0] |" in rows[1]
+    assert "| full cache | 10 |" in rows[2] and "| 100.0 [100.0, 100.0] | 0.000 |" in rows[2]
+    assert (tmp_path / "figures" / f"{real_model_served.FIGURE_STEM}.png").stat().st_size > 0
