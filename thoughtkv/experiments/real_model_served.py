@@ -49,10 +49,11 @@ def write(out: Path, capacity, config, fidelity: dict, labels: dict) -> Path:
                                                                           (1.0 if column.startswith("top1") else None))
                             for c in capacity["cell"]]
     # The HBM budget is part of the name: the same rule at two budgets is two points, in the table and the figure.
-    capacity["method"] = [("full cache" if c == "full" else f"{labels[c]} at {fidelity[c]['hbm_budget']:.0%} HBM"
-                           if c in fidelity else labels[c]) for c in capacity["cell"]]
-    capacity = capacity.sort_values(["profile", "hbm_budget", "method"], key=lambda c: c.map(
-        {p: i for i, p in enumerate(PROFILES)}) if c.name == "profile" else c, kind="stable")
+    capacity["method"] = ["full cache" if cell == "full" else f"{labels[cell]} at {budget:.0%} HBM"
+                          for cell, budget in zip(capacity["cell"], capacity["hbm_budget"], strict=True)]
+    order = {profile: i for i, profile in enumerate(PROFILES)}
+    capacity = capacity.sort_values(["profile", "hbm_budget", "method"], kind="stable",
+                                    key=lambda column: column.map(order) if column.name == "profile" else column)
     capacity.to_csv(out / "real_model_served.csv", index=False)
     save_figure(served_frontier(capacity), out / "figures", FIGURE_STEM)
     slo = slo_text(config.tbt_slo_s, config.ttft_slo_s)
