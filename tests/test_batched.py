@@ -387,31 +387,65 @@ def test_layers_sharing_a_forwards_host_plans_decode_as_layers_making_their_own(
     def counting(self, name, n_new, make, reads_recall=False):
         return shared_plan(self, name, n_new, lambda: made.append(name) or make(), reads_recall)
 
-    def decoded() -> dict:
-        jobs = [DecodeJob(i, ids, settings(policy), Recorder()) for i, ids in enumerate(prompts())]
-        cache = TieredCache(model.config.num_hidden_layers, jobs[0].settings)
-        out = {}
-        for job, result in decode_batch(model, jobs, cache, 5, MAX_NEW, set(), keep_logits=True):
-            table = {name: column for name, column in job.recorder.steps_table().items()
-                     if not name.startswith("measured_")}  # (timings: not the same twice)
-            scores = [[getattr(layer, name)[: layer.logical_len + 1].tolist() for name in ("token_scores", "importance",
-                       "importance_max")] for layer in result.cache.layers]  # (read before the row is refilled)
-            out[job.key] = (result.generated_ids, result.stop_reason, torch.stack(result.logits), table,
-                            [m.tolist() for m in job.recorder.block_mass], scores,
-                            result.cache.layers[1].final_tiers().tolist())
-        return out
-
     monkeypatch.setattr(cache_module.PagedLayer, "plan", counting)
     monkeypatch.setattr(step_module, "after_attention_of_layers", lambda entries: together.append(1) or of_layers(entries))
-    shared = decoded()
+    shared = decoded_in_full(model, policy)
     layers = model.config.num_hidden_layers
     decode_steps = sum(len(out[0]) - 1 for out in shared.values()) / 5  # about: rows share steps
     assert made.count("recall") < 0.75 * layers * decode_steps, "the layers did not share the recall plan"
     if policy != "per-head-exact":  # (its recall counts differ by layer: each layer places after its attention)
         assert len(together) > 0.5 * decode_steps, "the layers were not scored and placed together"
+    assert_decoded_as_layers_alone(model, policy, shared, monkeypatch)
+
+
+@pytest.mark.parametrize("policy", ["hierarchy", "promote", "per-head-promote"])
+def test_layers_share_plans_on_the_steps_their_data_dependent_counts_leave_alike(policy, monkeypatch):
+    """Eviction into a DDR tier (a victim may be an HBM or a DDR block) and promotion leave each layer's tier
+    counts data-dependent: the layers share a decode step's host plans, and are scored and placed together,
+    only on a step that begins with every layer's counts alike (tracer.cache.layer.counts_alike), and each
+    layer's placement reads back its own. Under eviction both kinds of step occur here; either way the decode
+    must equal each layer making its own plans after its own attention: logits, tokens, recorded rows, masses,
+    scores and tiers."""
+    import tracer.cache.hf as hf_module
+
+    specs = {"hierarchy": POLICIES["hierarchy"], "per-head-promote": POLICIES["per-head-promote"],
+             "promote": dict(policy="hierarchy", hbm_budget=0.3, recall_k=2, promote=True)}
+    monkeypatch.setitem(POLICIES, policy, specs[policy])
+    model = tiny_model("qwen2")
+    checked, check = [], hf_module.counts_alike
+    monkeypatch.setattr(hf_module, "counts_alike", lambda layers, rows: checked.append(check(layers, rows)) or checked[-1])
+    shared = decoded_in_full(model, policy)
+    assert checked.count(True) > checked.count(False), "the layers' counts were unlike at most steps"
+    if policy == "hierarchy":  # (promotion keeps HBM at its room, and so the counts alike, while it has candidates)
+        assert checked.count(False) > 0, "the layers' counts were never unlike: the test checks one kind of step"
+    assert_decoded_as_layers_alone(model, policy, shared, monkeypatch)
+
+
+def decoded_in_full(model, policy: str) -> dict:
+    """sample key -> (tokens, stop reason, stacked logits, recorded rows, block masses, every layer's token scores /
+    importance / max importance, final tiers of layer 1), at B = 5 with refill."""
+    jobs = [DecodeJob(i, ids, settings(policy), Recorder()) for i, ids in enumerate(prompts())]
+    cache = TieredCache(model.config.num_hidden_layers, jobs[0].settings)
+    out = {}
+    for job, result in decode_batch(model, jobs, cache, 5, MAX_NEW, set(), keep_logits=True):
+        table = {name: column for name, column in job.recorder.steps_table().items()
+                 if not name.startswith("measured_")}  # (timings: not the same twice)
+        scores = [[getattr(layer, name)[: layer.logical_len + 1].tolist() for name in ("token_scores", "importance",
+                   "importance_max")] for layer in result.cache.layers]  # (read before the row is refilled)
+        out[job.key] = (result.generated_ids, result.stop_reason, torch.stack(result.logits), table,
+                        [m.tolist() for m in job.recorder.block_mass], scores,
+                        result.cache.layers[1].final_tiers().tolist())
+    return out
+
+
+def assert_decoded_as_layers_alone(model, policy: str, shared: dict, monkeypatch) -> None:
+    """`shared` (`decoded_in_full`) equals the decode in which each layer makes its own plans and scores and places
+    after its own attention."""
+    import tracer.cache.layer as cache_module
+
     monkeypatch.setattr(cache_module.PagedLayer, "plan", lambda self, name, n_new, make, reads_recall=False: make())
     monkeypatch.setattr(cache_module.PagedLayer, "layers_alike", lambda self, rows, states: False)
-    alone = decoded()
+    alone = decoded_in_full(model, policy)
     assert shared.keys() == alone.keys()
     for key, (tokens, stop, logits, *recorded) in shared.items():
         assert [tokens, stop, *recorded] == [*alone[key][:2], *alone[key][3:]]  # rows, block masses, scores, tiers

@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from thoughtkv_base import UserError
 from tracer.attention import set_pending
-from tracer.cache.layer import PagedLayer
+from tracer.cache.layer import PagedLayer, counts_alike
 from tracer.cache.pool import LengthHint
 from tracer.cache.recall_rules import RECALL_RULES
 from tracer.cache.rows import RowState, TierSettings, UnsupportedBatch
@@ -225,6 +225,8 @@ class TieredCache(Cache):
             # is placed on its own, as not every layer attended)
             self.shared.tables.run_pending()
             self.shared.plans.clear()
+            if self.paged[0].sharing.checked:  # (data-dependent counts: the layers share plans while they are alike)
+                self.shared.counts_alike = counts_alike(self.paged, self.active)
         self.last_layer = layer_idx
         layer = self.paged[layer_idx]
         layer.update(self.active, key_states, value_states, self.new_tokens)

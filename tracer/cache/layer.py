@@ -34,8 +34,19 @@ from traces.policy import n_blocks
 class PlanSharing(NamedTuple):
     """Whether a decode step's layers share their host plans (`PagedLayer.plan`): asked ~6 times per layer and step."""
 
-    counts: bool  # the rows' counts follow from their lengths (`counts_are_exact`)
-    recall: bool  # and so does this step's recall (a rule whose counts are known): plans that read it
+    counts: bool  # plans that read the rows' counts (alike in every layer: from the lengths, or where checked)
+    recall: bool  # plans that read this step's recall too (a rule whose counts are known)
+    checked: bool  # data-dependent counts (`counts_are_exact` false): alike only where `StepShared.counts_alike`
+
+
+def counts_alike(layers: list[PagedLayer], rows: list[int]) -> bool:
+    """Whether every layer holds the same tier counts for `rows`: the host counts that a placement whose counts
+    are data-dependent (eviction into a DDR tier, promotion) can leave different in each layer. Every other count
+    a plan reads (lengths, steps, the targets met, a known rule's recall count) is the same in every layer."""
+    first = layers[0].rows
+    reference = [(first[r].n_ddr_blocks, first[r].n_evicted_blocks) for r in rows]
+    return all([(layer.rows[r].n_ddr_blocks, layer.rows[r].n_evicted_blocks) for r in rows] == reference
+               for layer in layers[1:])
 
 
 class RecordingRows(NamedTuple):
@@ -96,10 +107,9 @@ class PagedLayer(PagePool):
             self.targets.clear()
             self.targets.spec = settings.spec
         self.spec = settings.spec
-        exact = counts_are_exact(self.spec)
         # (a recall buffer makes each layer's copied bytes its own: hits differ by layer)
-        self.sharing = PlanSharing(exact, exact and RECALL_RULES[self.spec.recall_rule].counts_known
-                                   and not self.spec.recall_buffer_blocks)
+        self.sharing = PlanSharing(True, RECALL_RULES[self.spec.recall_rule].counts_known
+                                   and not self.spec.recall_buffer_blocks, not counts_are_exact(self.spec))
         self.keeps_query = self.spec.uses_ddr and RECALL_RULES[self.spec.recall_rule].keeps_query
         if self.initialized:
             self.grow_rows(len(self.rows))
@@ -114,10 +124,12 @@ class PagedLayer(PagePool):
         """What the host derives from its rows' counts for `name` this forward: made by the forward's first layer
         and reused by the others (`step_plans`, which the cache clears as each forward begins), where every
         layer's rows hold the same counts: a decode step (one token per row) under a policy whose counts follow
-        from the lengths (`counts_are_exact`: each layer then places alike), and, for a plan that `reads_recall`
-        (this step's recalled blocks), a rule whose recall counts are known (the per-head rule's union differs by
-        layer). Otherwise each layer makes its own. At B = 16 on a 28-layer model the per-row lists these are
-        took ~60 us per layer and step."""
+        from the lengths (`counts_are_exact`: each layer then places alike) or, where a placement's counts are
+        data-dependent, a step that begins with every layer's counts alike (`StepShared.counts_alike`: each
+        layer's placement reads back its own counts, which may leave the layers unlike for the next step); and,
+        for a plan that `reads_recall` (this step's recalled blocks), a rule whose recall counts are known (the
+        per-head rule's union differs by layer). Otherwise each layer makes its own. At B = 16 on a 28-layer
+        model the per-row lists these are took ~60 us per layer and step."""
         if not self.layers_share_plans(n_new, reads_recall):
             return make()
         plan = self.step_plans.get(name)
@@ -126,7 +138,7 @@ class PagedLayer(PagePool):
         return plan
 
     def layers_share_plans(self, n_new: int, reads_recall: bool = False) -> bool:
-        return n_new == 1 and self.sharing[reads_recall]
+        return n_new == 1 and self.sharing[reads_recall] and (not self.sharing.checked or self.shared.counts_alike)
 
     # -- a forward's two calls -----------------------------------------------------------------------------------
     def update(self, rows: list[int], key_states: torch.Tensor, value_states: torch.Tensor,

@@ -141,7 +141,9 @@ def place(layer, rows: list[int], states: list[RowState], placing: list[int], qu
     """Apply each row's targets (rows whose targets moved, or that may promote); returns per row id its moves
     (`MovedBlocks`: codes fetched at step end, bytes copied D2H)."""
     spec, bs = layer.spec, layer.block_size
-    plan = layer.plan("place", query_tokens, lambda: placement_plan(layer, rows, states, placing))
+    # (with promotion the plan reads this step's recall: which rows recalled a block, each a candidate)
+    plan = layer.plan("place", query_tokens, lambda: placement_plan(layer, rows, states, placing),
+                      reads_recall=spec.promote)
     if not plan.rows:
         return {}
     for p, key in zip(plan.rows, plan.targets, strict=True):

@@ -1,7 +1,8 @@
 """What a step shares between a cache's layers: its host plans, its score tables, its masses, its deferred work.
 
 Where every layer's rows hold the same counts (a decode step under a policy whose counts follow from the
-lengths: `tracer.cache.placements.Placement.counts_known`), what the host derives from them (which rows open a
+lengths, `tracer.cache.placements.Placement.counts_known`, or one that begins with them alike where they are
+data-dependent, `tracer.cache.layer.counts_alike`), what the host derives from them (which rows open a
 block, recall, place or record, each placement's targets and counts, the recording's host counts) is made
 once per forward by its first layer and reused by the others (`StepShared.plans`, `PagedLayer.plan`). Under a
 rule whose recall counts are known (quest) with a scorer that only adds the attention weights (H2O, or none),
@@ -119,6 +120,8 @@ class StepShared:
     masses: StepMasses | None = None  # the step's block masses, every layer's
     tables: LayerTables | None = None  # every layer's score tables, and the attention waiting for the last layer
     plans: dict = field(default_factory=dict)  # this forward's host plans by name (cleared as a forward begins)
+    # under data-dependent counts: whether this forward began with every layer's counts alike (set as it begins)
+    counts_alike: bool = False
     positions: DecodePositions = field(default_factory=DecodePositions)  # a decode append's new positions
     targets: TargetsByLength = field(default_factory=TargetsByLength)  # the policy's targets by length
     rows: BatchRows = field(default_factory=BatchRows)  # the active rows as an index
