@@ -10,7 +10,8 @@ round's ratio, its traced and untraced runs back to back, and in brackets the ra
 decode steps alone (the time of a run of `--steps` tokens less that of a 1-token run, prefill included in both:
 the traced loop prefills each sample alone, as continuous refill does, and `generate` the whole batch at once,
 while a reasoning trace is thousands of decode steps per prompt), and at B = 1 the batched
-loop against the batch-1 loop `greedy_decode` on the same cache; then B = 32 vs B = 1 traced tok/s; then the kernels
+loop against the batch-1 loop `greedy_decode` on the same cache; then B = 32 vs B = 1 traced tok/s (the whole run and
+its decode steps); then the kernels
 a decode step launches per decoder layer, traced and untraced, counted as `tracer/calibrate/launches.py`
 counts them (the launch-bound regime of an eager GPU step, where time follows launches, not arithmetic).
 
@@ -175,8 +176,11 @@ def main() -> None:
         print(f"B=1 decode_batch / greedy_decode (the batched loop vs the batch-1 loop, one cache): "
               f"{r['traced', 1] / r['v1', 1]:.3f}")
         widest = max(r["batches"])
+        decode = r["decode"]
         print(f"B={widest} vs B=1 traced tok/s: {r['traced', widest] / r['traced', 1]:.2f}x  "
-              f"(untraced: {r['untraced', widest] / r['untraced', 1]:.2f}x)")
+              f"(untraced: {r['untraced', widest] / r['untraced', 1]:.2f}x); decode steps only: "
+              f"{decode['traced', widest] / decode['traced', 1]:.2f}x (untraced: "
+              f"{decode['untraced', widest] / decode['untraced', 1]:.2f}x)")
         for batch, (tiered, plain) in r["launches"].items():
             print(f"B={batch}: kernels launched per decoder layer and decode step: traced {tiered:.0f}, untraced "
                   f"{plain:.0f} ({tiered / plain:.1f}x)")
