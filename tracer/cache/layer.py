@@ -34,8 +34,7 @@ from traces.policy import n_blocks
 class PlanSharing(NamedTuple):
     """Whether a decode step's layers share their host plans (`PagedLayer.plan`): asked ~6 times per layer and step."""
 
-    counts: bool  # plans that read the rows' counts (alike in every layer: from the lengths, or where checked)
-    recall: bool  # plans that read this step's recall too (a rule whose counts are known)
+    recall: bool  # plans that read this step's recall too (a rule whose recall counts are known)
     checked: bool  # data-dependent counts (`counts_are_exact` false): alike only where `StepShared.counts_alike`
 
 
@@ -108,8 +107,8 @@ class PagedLayer(PagePool):
             self.targets.spec = settings.spec
         self.spec = settings.spec
         # (a recall buffer makes each layer's copied bytes its own: hits differ by layer)
-        self.sharing = PlanSharing(True, RECALL_RULES[self.spec.recall_rule].counts_known
-                                   and not self.spec.recall_buffer_blocks, not counts_are_exact(self.spec))
+        self.sharing = PlanSharing(RECALL_RULES[self.spec.recall_rule].counts_known and not self.spec.recall_buffer_blocks,
+                                   not counts_are_exact(self.spec))
         self.keeps_query = self.spec.uses_ddr and RECALL_RULES[self.spec.recall_rule].keeps_query
         if self.initialized:
             self.grow_rows(len(self.rows))
@@ -138,7 +137,8 @@ class PagedLayer(PagePool):
         return plan
 
     def layers_share_plans(self, n_new: int, reads_recall: bool = False) -> bool:
-        return n_new == 1 and self.sharing[reads_recall] and (not self.sharing.checked or self.shared.counts_alike)
+        return (n_new == 1 and (self.sharing.recall or not reads_recall)
+                and (self.shared.counts_alike or not self.sharing.checked))
 
     # -- a forward's two calls -----------------------------------------------------------------------------------
     def update(self, rows: list[int], key_states: torch.Tensor, value_states: torch.Tensor,
